@@ -1,0 +1,88 @@
+"""Values derived from the config and the device count, computed in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from nnxtron.config.schema import Config
+from nnxtron.errors import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclass(frozen=True)
+class Derived:
+    num_devices: int
+    mesh_shape: dict[str, int]  # axis name -> size, in MESH_AXES order
+    head_dim: int
+    num_kv_groups: int  # query heads per kv head
+    global_batch_size: int
+    schedule_steps: int
+    warmup_steps: int
+    tokens_per_step: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
+    """Resolve ici_*_parallelism (one -1 fills the remaining devices)."""
+    requested = {
+        "data": cfg.ici_data_parallelism,
+        "fsdp": cfg.ici_fsdp_parallelism,
+        "tensor": cfg.ici_tensor_parallelism,
+    }
+    keys = {axis: f"ici_{axis}_parallelism" for axis in MESH_AXES}
+    fill = [axis for axis, size in requested.items() if size == -1]
+    if any(size == 0 for size in requested.values()):
+        zero = next(axis for axis, size in requested.items() if size == 0)
+        raise ConfigError(f"{keys[zero]}=0 is invalid; use a positive size or -1 to fill the remaining devices")
+    if len(fill) > 1:
+        raise ConfigError(f"only one of {', '.join(keys[a] for a in fill)} may be -1; set the others explicitly")
+    fixed = math.prod(size for size in requested.values() if size != -1)
+    if fill:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"the mesh ({_describe(requested)}) cannot fill {num_devices} devices: {num_devices} is not a "
+                f"multiple of {fixed}; change the ici_*_parallelism sizes"
+            )
+        requested[fill[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ConfigError(
+            f"the mesh ({_describe(requested)}) has {fixed} devices but {num_devices} are available; "
+            "make the product of ici_*_parallelism equal the device count, or set one of them to -1"
+        )
+    return requested
+
+
+def _describe(shape: dict[str, int]) -> str:
+    return " x ".join(f"{axis}={size}" for axis, size in shape.items())
+
+
+def derive(cfg: Config, num_devices: int) -> Derived:
+    shape = mesh_shape(cfg, num_devices)
+    global_batch = cfg.per_device_batch_size * num_devices
+    if global_batch != int(global_batch) or global_batch < 1:
+        raise ConfigError(
+            f"per_device_batch_size={cfg.per_device_batch_size} x {num_devices} devices is not a whole batch "
+            f"({global_batch}); choose per_device_batch_size so the global batch is a positive integer"
+        )
+    global_batch = int(global_batch)
+    batch_shards = shape["data"] * shape["fsdp"]
+    if global_batch % batch_shards:
+        raise ConfigError(
+            f"global batch {global_batch} (per_device_batch_size x devices) does not divide over the "
+            f"data x fsdp mesh axes ({batch_shards}); change per_device_batch_size or the ici_* sizes"
+        )
+    schedule = cfg.steps if cfg.learning_rate_schedule_steps == -1 else cfg.learning_rate_schedule_steps
+    return Derived(
+        num_devices=num_devices,
+        mesh_shape=shape,
+        head_dim=cfg.resolved_head_dim,
+        num_kv_groups=cfg.base_num_query_heads // cfg.base_num_kv_heads,
+        global_batch_size=global_batch,
+        schedule_steps=schedule,
+        warmup_steps=int(round(cfg.warmup_steps_fraction * schedule)),
+        tokens_per_step=global_batch * cfg.max_target_length,
+    )

@@ -1,0 +1,113 @@
+"""Load a Config: base.yml < preset(model_name) < YAML file < key=value overrides."""
+
+from __future__ import annotations
+
+import difflib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+import pydantic
+import yaml
+
+from nnxtron.config.schema import Config
+from nnxtron.errors import ConfigError
+
+PRESET_DIR = resources.files("nnxtron.config") / "presets"
+
+
+def preset_names() -> list[str]:
+    """Model presets selectable with model_name= (base is not a model preset)."""
+    names = [p.name[:-4] for p in PRESET_DIR.iterdir() if p.name.endswith(".yml")]
+    return sorted(n for n in names if n != "base")
+
+
+def _read_yaml(text: str, origin: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{origin} is not valid YAML{where}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin} must be a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def _check_keys(values: dict[str, Any], origin: str) -> None:
+    valid = list(Config.model_fields)
+    for key in values:
+        if key not in Config.model_fields:
+            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else "; `nnxtron config show` lists every key"
+            raise ConfigError(f"unknown config key '{key}' in {origin}{hint}")
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """Parse ``key=value`` strings; values are YAML scalars or flow lists (``[a, b]``)."""
+    values: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        try:
+            values[key] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            values[key] = raw
+        if values[key] is None:
+            values[key] = raw
+    _check_keys(values, "command-line overrides")
+    return values
+
+
+def _load_preset(name: str) -> dict[str, Any]:
+    path = PRESET_DIR / f"{name}.yml"
+    if not path.is_file():
+        close = difflib.get_close_matches(name, preset_names(), n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; choose one of {', '.join(preset_names())}"
+        raise ConfigError(f"unknown model_name '{name}'{hint}")
+    values = _read_yaml(path.read_text(), f"preset {name}.yml")
+    _check_keys(values, f"preset {name}.yml")
+    return values
+
+
+def _format_validation_error(err: pydantic.ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if not loc:  # model-level (cross-key) check
+        return f"inconsistent config: {msg}"
+    got = first.get("input")
+    shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+    return f"config key '{loc.split('.')[0]}': {msg}{shown}"
+
+
+def load_config(file: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Resolve the configuration from defaults, preset, optional file and overrides."""
+    values = _read_yaml((PRESET_DIR / "base.yml").read_text(), "base.yml")
+    file_values: dict[str, Any] = {}
+    if file is not None:
+        path = Path(file)
+        if not path.is_file():
+            raise ConfigError(f"config file '{file}' does not exist; pass a YAML file or only key=value overrides")
+        file_values = _read_yaml(path.read_text(encoding="utf-8", errors="replace"), f"config file '{file}'")
+        _check_keys(file_values, f"config file '{file}'")
+    cli_values = parse_overrides(overrides)
+    model_name = cli_values.get("model_name", file_values.get("model_name", values["model_name"]))
+    if model_name != "default":
+        values.update(_load_preset(str(model_name)))
+    values.update(file_values)
+    values.update(cli_values)
+    try:
+        return Config(**values)
+    except pydantic.ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (lists rather than tuples), in schema order."""
+    data = cfg.model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)

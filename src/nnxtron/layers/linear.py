@@ -1,0 +1,43 @@
+"""A dense layer over several input and output axes (kernel ``[*in, *out]``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel`` contracting the last ``len(in_shape)`` axes of ``x``.
+
+    ``axes`` are the logical sharding names of the kernel (one per kernel dimension).
+    Weights are stored in ``weight_dtype``; the matmul runs in ``dtype``.
+    """
+
+    def __init__(
+        self,
+        in_shape: Sequence[int],
+        out_shape: Sequence[int],
+        axes: Sequence[str],
+        *,
+        dtype: jnp.dtype,
+        weight_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.in_shape = tuple(in_shape)
+        self.out_shape = tuple(out_shape)
+        shape = self.in_shape + self.out_shape
+        if len(axes) != len(shape):
+            raise ValueError(f"Linear: {len(axes)} axis names for a kernel of rank {len(shape)}")
+        fan_in = math.prod(self.in_shape)
+        init = jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in), dtype=weight_dtype)
+        self.kernel = nnx.Param(init(rngs.params(), shape), out_sharding=tuple(axes))
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n_in = len(self.in_shape)
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        return jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ())))

@@ -1,0 +1,28 @@
+"""Gated feed-forward block (SwiGLU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnxtron.layers.linear import Linear
+from nnxtron.parallel.sharding import constrain
+
+ACTIVATIONS = {"silu": jax.nn.silu, "linear": lambda x: x}
+
+
+class GatedMLP(nnx.Module):
+    """``wo(act(wi_0 x) * wi_1 x)`` — HF gate_proj, up_proj, down_proj."""
+
+    def __init__(self, emb_dim: int, mlp_dim: int, activation: str, *, dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
+        self.wi_0 = Linear([emb_dim], [mlp_dim], ("embed", "mlp"), **kw)
+        self.wi_1 = Linear([emb_dim], [mlp_dim], ("embed", "mlp"), **kw)
+        self.wo = Linear([mlp_dim], [emb_dim], ("mlp", "embed"), **kw)
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = ACTIVATIONS[self.activation](self.wi_0(x)) * self.wi_1(x)
+        hidden = constrain(hidden, ("activation_batch", "activation_length", "activation_mlp"))
+        return self.wo(hidden)

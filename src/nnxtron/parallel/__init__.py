@@ -1,0 +1,1 @@
+"""Meshes, logical sharding rules and the layer-stacking (scan) primitive."""

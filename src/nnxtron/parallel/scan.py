@@ -1,0 +1,151 @@
+"""The single layer-stacking primitive: stack layers, scan them, remat them.
+
+``LayerStack`` holds ``num_layers`` blocks built by one factory. With ``scan=True`` their
+parameters are stacked along a leading axis (named ``layers`` in each variable's
+sharding annotation) and applied by one compiled body under ``jax.lax.scan``; with
+``scan=False`` they are a plain list applied in a Python loop. Both paths build layer
+``i`` from the same key and apply the same remat policy, so they compute the same
+function. Non-parameter state (e.g. router statistics in later families) is carried
+out of the scan and written back, never dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnxtron.parallel.sharding import SHARDING_KEY
+
+STACK_AXIS = "layers"
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _rename(tree: Any, edit: Callable[[str, nnx.Variable], tuple[str, ...] | None]) -> Any:
+    def one(path, variable):
+        names = variable.get_metadata().get(SHARDING_KEY)
+        where = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        new = edit(where, variable) if names is not None else None
+        if new is None:
+            return variable
+        out = variable.replace(variable.get_raw_value())
+        out.set_metadata(**{SHARDING_KEY: new})
+        return out
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_variable)
+
+
+def add_stack_axis(tree: Any, axis_name: str = STACK_AXIS, axis: int = 0) -> Any:
+    """Insert ``axis_name`` into each variable's sharding names at ``axis``.
+
+    The values must already carry the stacked axis (rank = len(names) + 1); anything else
+    raises, so metadata and values can never silently disagree.
+    """
+
+    def edit(where: str, variable: nnx.Variable) -> tuple[str, ...]:
+        names = tuple(variable.get_metadata()[SHARDING_KEY])
+        ndim = len(variable.shape)
+        if ndim != len(names) + 1:
+            raise ValueError(
+                f"add_stack_axis: {where} has rank {ndim} but sharding names {names}; "
+                f"expected rank {len(names) + 1} after stacking"
+            )
+        return names[:axis] + (axis_name,) + names[axis:]
+
+    return _rename(tree, edit)
+
+
+def remove_stack_axis(tree: Any, axis_name: str = STACK_AXIS, axis: int = 0) -> Any:
+    """Remove ``axis_name`` (at ``axis``) from each variable's sharding names.
+
+    The values must already be unstacked (rank = len(names) - 1) and the name at ``axis``
+    must be ``axis_name``; anything else raises.
+    """
+
+    def edit(where: str, variable: nnx.Variable) -> tuple[str, ...]:
+        names = tuple(variable.get_metadata()[SHARDING_KEY])
+        ndim = len(variable.shape)
+        if len(names) <= axis or names[axis] != axis_name:
+            raise ValueError(f"remove_stack_axis: {where} sharding names {names} have no '{axis_name}' at axis {axis}")
+        if ndim != len(names) - 1:
+            raise ValueError(
+                f"remove_stack_axis: {where} has rank {ndim} but sharding names {names}; "
+                f"expected rank {len(names) - 1} after unstacking"
+            )
+        return names[:axis] + names[axis + 1 :]
+
+    return _rename(tree, edit)
+
+
+def remat_policy(name: str):
+    """The jax.checkpoint policy for a remat_policy name (None means no remat)."""
+    policies = {
+        "none": None,
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }
+    if name not in policies:
+        raise ValueError(f"unknown remat_policy '{name}'; choose one of {', '.join(policies)}")
+    return policies[name]
+
+
+def _apply_layer(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: tuple) -> tuple[jax.Array, nnx.State]:
+    """Pure application of one layer: returns the output and its non-parameter state."""
+    layer = nnx.merge(graphdef, state)
+    y = layer(x, *args)
+    return y, nnx.state(layer, nnx.Not(nnx.Param))
+
+
+def _with_remat(fn: Callable, policy_name: str) -> Callable:
+    if policy_name == "none":
+        return fn
+    return jax.checkpoint(fn, policy=remat_policy(policy_name), prevent_cse=False, static_argnums=(0,))
+
+
+class LayerStack(nnx.Module):
+    """``num_layers`` blocks from ``make_block(rngs)``, scanned or unrolled."""
+
+    def __init__(
+        self,
+        make_block: Callable[[nnx.Rngs], nnx.Module],
+        num_layers: int,
+        *,
+        key: jax.Array,
+        scan: bool,
+        remat: str,
+    ):
+        remat_policy(remat)  # validate the name early
+        self.num_layers = num_layers
+        self.scan = scan
+        self.remat = remat
+        keys = jnp.stack([jax.random.fold_in(key, i) for i in range(num_layers)])
+        if scan:
+            graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_block(nnx.Rngs(0))))
+            stacked = jax.vmap(lambda k: nnx.split(make_block(nnx.Rngs(k)))[1])(keys)
+            self.layers = nnx.merge(graphdef, add_stack_axis(stacked))
+        else:
+            self.layers = nnx.List([make_block(nnx.Rngs(keys[i])) for i in range(num_layers)])
+
+    def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
+        """Apply every layer in order; ``args`` are passed unchanged to each layer."""
+        apply = _with_remat(_apply_layer, self.remat)
+        if not self.scan:
+            for layer in self.layers:
+                graphdef, state = nnx.split(layer)
+                x, rest = apply(graphdef, state, x, args)
+                nnx.update(layer, rest)
+            return x
+        graphdef, state = nnx.split(self.layers)
+
+        def body(carry, layer_state):
+            y, rest = apply(graphdef, remove_stack_axis(layer_state), carry, args)
+            return y, rest
+
+        x, stacked_rest = jax.lax.scan(body, x, state)
+        nnx.update(self.layers, add_stack_axis(stacked_rest))
+        return x

@@ -1,0 +1,101 @@
+"""Logical axis names -> mesh axes.
+
+Every parameter carries its logical axis names in the flax ``out_sharding`` metadata
+(e.g. ``("embed", "mlp")``); activations are constrained at block boundaries with
+``constrain(x, names)``. ``logical_axis_rules`` in the config maps names to mesh axes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Iterator, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnxtron.errors import ConfigError
+
+Rules = Sequence[tuple[str, Sequence[str]]]
+SHARDING_KEY = "out_sharding"
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("nnxtron_sharding", default=None)
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> PartitionSpec:
+    """Map logical axis names to a PartitionSpec; a mesh axis is used at most once."""
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for name in names:
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ConfigError(f"logical axis '{name}' has no entry in logical_axis_rules; add [{name}, [...]]")
+        axes = tuple(a for a in table[name] if a in mesh.shape and a not in used and mesh.shape[a] > 1)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def variable_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical axis names recorded on a variable, or None if it has none."""
+    names = variable.get_metadata().get(SHARDING_KEY)
+    return None if names is None else tuple(names)
+
+
+def _check_divisible(path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:
+    for dim, (size, axes) in enumerate(zip(shape, spec)):
+        if axes is None:
+            continue
+        axes = (axes,) if isinstance(axes, str) else axes
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if size % ways:
+            raise ConfigError(
+                f"parameter {path} dimension {dim} (size {size}) does not divide over mesh axes "
+                f"{'x'.join(axes)} ({ways} ways); change the ici_*_parallelism sizes or logical_axis_rules"
+            )
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for an (abstract) nnx.State, from each variable's logical names."""
+
+    def one(path, variable):
+        names = variable_names(variable)
+        shape = tuple(variable.shape)
+        if names is None:
+            spec = PartitionSpec()
+        else:
+            if len(names) != len(shape):
+                raise ValueError(f"{_path(path)}: sharding names {names} do not match rank {len(shape)}")
+            spec = logical_to_spec(names, rules, mesh)
+            _check_divisible(_path(path), shape, spec, mesh)
+        return variable.replace(NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path if getattr(k, "name", None) != "value")
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Make ``constrain`` shard activations over ``mesh`` (use around tracing)."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrain an activation to the sharding its logical names map to (no-op without a mesh)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh)))
