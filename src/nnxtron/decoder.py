@@ -51,11 +51,18 @@ class Decoder(nnx.Module):
         self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
     ) -> DecoderOutput:
         """tokens [B, S] int; positions default to 0..S-1; segment_ids default to one segment."""
+        return self.from_embeddings(self.embed(tokens), positions, segment_ids)
+
+    def from_embeddings(
+        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> DecoderOutput:
+        """Everything after the embedding lookup (x [B, S, D]); lets tests take the input cotangent."""
+        shape = x.shape[:2]
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+            positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
         if segment_ids is None:
-            segment_ids = jnp.ones(tokens.shape, jnp.int32)
-        x = constrain(self.embed(tokens), ("activation_batch", "activation_length", "activation_embed"))
+            segment_ids = jnp.ones(shape, jnp.int32)
+        x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
         x = self.layers(x, positions, segment_ids)
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.tied else self.logits(x)

@@ -79,6 +79,8 @@ def test_resolve_paths_file_dir_glob(tmp_path):
     both = resolve_paths([str(tmp_path / "sub"), str(a), str(tmp_path / "**" / "*.txt")])
     assert both == [a.resolve(), b.resolve(), c.resolve()]
     assert both == sorted(both, key=str)
+    odd = _write(tmp_path / "data[1]" / "x.txt", "x")  # a real name with glob characters
+    assert resolve_paths([str(tmp_path / "data[1]")]) == [odd.resolve()]
 
 
 def test_resolve_paths_python_stdlib():
@@ -243,7 +245,7 @@ def corpus(tmp_path):
 
 
 def _text(corpus, **kw):
-    args = dict(tokenizer=TOK, seq_len=16, global_batch_size=4, seed=0)
+    args = {"tokenizer": TOK, "seq_len": 16, "global_batch_size": 4, "seed": 0}
     args.update(kw)
     return TextBatches([corpus], **args)
 
@@ -403,8 +405,11 @@ def test_synthetic_batches():
     np.testing.assert_array_equal(b["segment_ids"], 1)
     np.testing.assert_array_equal(b["loss_mask"], 1.0)
     assert {k: v.dtype for k, v in b.items()} == {
-        "inputs": np.int32, "targets": np.int32, "positions": np.int32,
-        "segment_ids": np.int32, "loss_mask": np.float32,
+        "inputs": np.int32,
+        "targets": np.int32,
+        "positions": np.int32,
+        "segment_ids": np.int32,
+        "loss_mask": np.float32,
     }
     assert b["inputs"].min() >= 3 and b["inputs"].max() < 50
     again = SyntheticBatches(50, 8, 4, seed=7)

@@ -85,9 +85,15 @@ def _format_validation_error(err: pydantic.ValidationError) -> str:
     return f"config key '{loc.split('.')[0]}': {msg}{shown}"
 
 
-def load_config(file: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Resolve the configuration from defaults, preset, optional file and overrides."""
-    values = _read_yaml((PRESET_DIR / "base.yml").read_text(), "base.yml")
+def load_config(
+    file: str | Path | None = None, overrides: Iterable[str] = (), values: dict[str, Any] | None = None
+) -> Config:
+    """Resolve the configuration: base.yml < preset(model_name) < file < values < overrides.
+
+    ``values`` are typed key/values from code (e.g. a converted HF config.json);
+    ``overrides`` are ``key=value`` strings from the command line.
+    """
+    defaults = _read_yaml((PRESET_DIR / "base.yml").read_text(), "base.yml")
     file_values: dict[str, Any] = {}
     if file is not None:
         path = Path(file)
@@ -95,14 +101,16 @@ def load_config(file: str | Path | None = None, overrides: Iterable[str] = ()) -
             raise ConfigError(f"config file '{file}' does not exist; pass a YAML file or only key=value overrides")
         file_values = _read_yaml(path.read_text(encoding="utf-8", errors="replace"), f"config file '{file}'")
         _check_keys(file_values, f"config file '{file}'")
+    code_values = dict(values or {})
+    _check_keys(code_values, "the values passed from code")
     cli_values = parse_overrides(overrides)
-    model_name = cli_values.get("model_name", file_values.get("model_name", values["model_name"]))
+    merged = {**file_values, **code_values, **cli_values}
+    model_name = merged.get("model_name", defaults["model_name"])
     if model_name != "default":
-        values.update(_load_preset(str(model_name)))
-    values.update(file_values)
-    values.update(cli_values)
+        defaults.update(_load_preset(str(model_name)))
+    defaults.update(merged)
     try:
-        return Config(**values)
+        return Config(**defaults)
     except pydantic.ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
 

@@ -16,7 +16,7 @@ from nnxtron.data.text import load_documents, resolve_paths
 from nnxtron.data.tokenizer import Tokenizer, make_tokenizer
 from nnxtron.errors import DataError
 
-__all__ = ["BatchSource", "TextBatches", "SyntheticBatches", "eval_bucket"]
+__all__ = ["BatchSource", "SyntheticBatches", "TextBatches", "eval_bucket"]
 
 Batch = dict[str, np.ndarray]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from nnxtron.errors import DataError
 
-__all__ = ["PYTHON_STDLIB", "expand_pattern", "resolve_paths", "load_documents"]
+__all__ = ["PYTHON_STDLIB", "expand_pattern", "load_documents", "resolve_paths"]
 
 PYTHON_STDLIB = "{python_stdlib}"
 _GLOB_CHARS = ("*", "?", "[")
@@ -42,7 +42,9 @@ def _match(pattern: str) -> list[str]:
                 out.append(hit)
             elif os.path.isdir(hit):
                 out.extend(_files_under(hit))
-        return out
+        if out or not os.path.exists(pattern):
+            return out
+        # an existing path whose name merely contains glob characters, e.g. "data[1]"
     if os.path.isfile(pattern):
         return [pattern]
     if os.path.isdir(pattern):

@@ -8,7 +8,7 @@ import numpy as np
 
 from nnxtron.errors import DataError
 
-__all__ = ["Tokenizer", "ByteTokenizer", "make_tokenizer", "TOKENIZERS"]
+__all__ = ["TOKENIZERS", "ByteTokenizer", "Tokenizer", "make_tokenizer"]
 
 
 @runtime_checkable

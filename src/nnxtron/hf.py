@@ -1,0 +1,222 @@
+"""HuggingFace checkpoints (``config.json`` + safetensors) <-> nnxtron ``Decoder``.
+
+``from_hf`` builds the model abstractly (no random init) and fills every parameter from
+the safetensors file(s) using the family's ``WeightMap``s; ``to_hf`` writes the inverse.
+Both directions are exact: transposes and reshapes only, plus a cast to ``weight_dtype``.
+An HF ``nn.Linear.weight`` is ``[out, in]``; the nnxtron kernel is ``[*in, *out]``, so
+``kernel = weight.T.reshape(kernel_shape)`` and ``weight = kernel.reshape(in, out).T``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from nnxtron.config.loader import load_config
+from nnxtron.config.schema import Config
+from nnxtron.decoder import Decoder
+from nnxtron.errors import CheckpointError, ConfigError
+from nnxtron.models.registry import WeightMap, family_for, family_for_hf
+
+__all__ = ["from_hf", "to_hf", "read_hf_config", "hf_config_to_nnxtron"]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some HF versions save; recomputed from the config
+
+ParamPath = tuple[Any, ...]
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` of an HF model directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(
+            f"HF checkpoint directory '{root}' does not exist; pass a directory holding config.json and model.safetensors"
+        )
+    file = root / CONFIG_FILE
+    if not file.is_file():
+        raise CheckpointError(f"'{root}' has no config.json; pass an HF model directory as written by save_pretrained")
+    try:
+        hf = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"'{file}' is not valid JSON ({err}); fix the file or re-save the model") from None
+    if not isinstance(hf, dict) or "model_type" not in hf:
+        raise CheckpointError(f"'{file}' has no model_type; it is not an HF transformers model config")
+    return hf
+
+
+def _map_config(hf: dict[str, Any], origin: Path) -> dict[str, Any]:
+    _, family = family_for_hf(str(hf["model_type"]))  # ConfigError naming unsupported types
+    try:
+        return family.config_from_hf(hf)
+    except KeyError as err:
+        raise CheckpointError(f"'{origin}' lacks key {err}; re-save the config with transformers") from None
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"'{origin}' has an invalid value ({err}); fix config.json") from None
+
+
+def hf_config_to_nnxtron(path: str | os.PathLike) -> dict[str, Any]:
+    """nnxtron config values (a subset of ``Config`` keys) for an HF model directory."""
+    return _map_config(read_hf_config(path), Path(path) / CONFIG_FILE)
+
+
+def _weight_maps(cfg: Config) -> Iterator[tuple[ParamPath, list[str], WeightMap, bool]]:
+    """(model param path, HF keys, map, stacked) for every parameter of the model."""
+    family = family_for(cfg.decoder_block)
+    for wm in family.top_weights(cfg):
+        yield tuple(wm.path.split("/")), [wm.hf_key], wm, False
+    layers = range(cfg.base_num_decoder_layers)
+    for wm in family.layer_weights:
+        sub = tuple(wm.path.split("/"))
+        keys = [f"model.layers.{i}.{wm.hf_key}" for i in layers]
+        if cfg.scan_layers:
+            yield ("layers", "layers", *sub), keys, wm, True
+        else:
+            for i in layers:
+                yield ("layers", "layers", i, *sub), [keys[i]], wm, False
+
+
+def _check_covered(params: dict[ParamPath, Any], mapped: set[ParamPath], family: str) -> None:
+    unmapped = sorted("/".join(map(str, p)) for p in set(params) - mapped)
+    if unmapped:  # a family bug, not a user error
+        raise RuntimeError(f"decoder_block {family}: parameters without an HF weight map: {unmapped}")
+
+
+def _hf_shape(kernel_shape: tuple[int, ...], in_dims: int) -> tuple[int, ...]:
+    if not in_dims:
+        return tuple(kernel_shape)
+    return (math.prod(kernel_shape[in_dims:]), math.prod(kernel_shape[:in_dims]))
+
+
+def _from_hf_tensor(tensor: np.ndarray, kernel_shape: tuple[int, ...], in_dims: int) -> np.ndarray:
+    return tensor.T.reshape(kernel_shape) if in_dims else tensor
+
+
+def _to_hf_tensor(kernel: np.ndarray, in_dims: int) -> np.ndarray:
+    if not in_dims:
+        return np.ascontiguousarray(kernel)
+    return np.ascontiguousarray(kernel.reshape(math.prod(kernel.shape[:in_dims]), -1).T)
+
+
+def _weight_files(root: Path) -> list[Path]:
+    """The safetensors files of an HF directory: model.safetensors, else the sharded index."""
+    if (root / WEIGHTS_FILE).is_file():
+        return [root / WEIGHTS_FILE]
+    index = root / INDEX_FILE
+    if not index.is_file():
+        raise CheckpointError(
+            f"'{root}' has no {WEIGHTS_FILE} or {INDEX_FILE}; save the model with safe_serialization=True"
+        )
+    try:
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError) as err:
+        raise CheckpointError(f"'{index}' is not a valid safetensors index ({err!r}); re-save the model") from None
+    missing = [s for s in shards if not (root / s).is_file()]
+    if missing:
+        raise CheckpointError(f"'{root}' lacks shard file(s) {missing} listed in {INDEX_FILE}; download them again")
+    return [root / s for s in shards]
+
+
+def _open_all(stack: contextlib.ExitStack, files: list[Path]) -> dict[str, Any]:
+    """HF key -> open safetensors handle holding it."""
+    handles: dict[str, Any] = {}
+    for file in files:
+        try:
+            handle = stack.enter_context(safe_open(str(file), "numpy"))
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise CheckpointError(f"'{file}' is not a readable safetensors file ({err}); download it again") from None
+        for key in handle.keys():
+            if key in handles:
+                raise CheckpointError(f"tensor '{key}' appears in more than one file of '{file.parent}'; re-save the model")
+            handles[key] = handle
+    return handles
+
+
+def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any) -> Decoder:
+    """Load an HF Llama/Mistral directory as a ``Decoder``.
+
+    ``dtype`` sets both ``dtype`` and ``weight_dtype`` (default float32); ``overrides``
+    are further config values (e.g. ``scan_layers=False``), applied last.
+    """
+    root = Path(path)
+    hf = read_hf_config(root)
+    dtype = dtype or "float32"
+    values = {**_map_config(hf, root / CONFIG_FILE), "dtype": dtype, "weight_dtype": dtype, **overrides}
+    cfg = load_config(values=values)
+    weight_dtype = jnp.dtype(cfg.weight_dtype)
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    params = dict(nnx.to_flat_state(state))
+    filled: dict[ParamPath, Any] = {}
+    used: set[str] = set()
+    with contextlib.ExitStack() as stack:
+        handles = _open_all(stack, _weight_files(root))
+        for param_path, keys, wm, stacked in _weight_maps(cfg):
+            variable = params.get(param_path)
+            if variable is None:  # a family bug, not a user error
+                raise RuntimeError(f"decoder_block {cfg.decoder_block}: weight map path {wm.path} is not in the model")
+            kernel_shape = tuple(variable.shape[1:] if stacked else variable.shape)
+            want = _hf_shape(kernel_shape, wm.linear_in_dims)
+            parts = []
+            for key in keys:
+                if key not in handles:
+                    raise CheckpointError(
+                        f"tensor '{key}' is missing from '{root}'; the weights do not match its config.json"
+                    )
+                tensor = handles[key].get_tensor(key)
+                if tuple(tensor.shape) != want:
+                    raise CheckpointError(
+                        f"tensor '{key}' in '{root}' has shape {list(tensor.shape)}, expected {list(want)} from "
+                        "config.json; fix config.json or the weights"
+                    )
+                parts.append(_from_hf_tensor(tensor, kernel_shape, wm.linear_in_dims).astype(weight_dtype, copy=False))
+                used.add(key)
+            filled[param_path] = variable.replace(jnp.asarray(np.stack(parts) if stacked else parts[0]))
+        ignored = {"lm_head.weight"} if cfg.logits_via_embedding else set()  # HF ties it to the embedding
+        extra = sorted(k for k in handles if k not in used and k not in ignored and not k.endswith(IGNORED_SUFFIXES))
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
+        raise CheckpointError(
+            f"'{root}' holds tensors this config does not use: {shown}; check config.json matches the weights"
+        )
+    _check_covered(params, set(filled), cfg.decoder_block)
+    return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (HF names, ``weight_dtype``) to ``path``."""
+    root = Path(path)
+    if not overwrite and ((root / WEIGHTS_FILE).exists() or (root / INDEX_FILE).exists()):
+        raise CheckpointError(
+            f"'{root}' already holds an HF checkpoint; choose another directory or pass overwrite=True"
+        )
+    cfg: Config = model.config
+    hf_config = family_for(cfg.decoder_block).config_to_hf(cfg)
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors: dict[str, np.ndarray] = {}
+    mapped: set[ParamPath] = set()
+    for param_path, keys, wm, stacked in _weight_maps(cfg):
+        value = np.asarray(params[param_path][...])
+        mapped.add(param_path)
+        for i, key in enumerate(keys):
+            tensors[key] = _to_hf_tensor(value[i] if stacked else value, wm.linear_in_dims)
+    _check_covered(params, mapped, cfg.decoder_block)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{WEIGHTS_FILE}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, root / WEIGHTS_FILE)
+    (root / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    return root

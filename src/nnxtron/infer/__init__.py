@@ -1,0 +1,1 @@
+"""Inference: sampling (KV caches come in a later issue)."""

@@ -1,0 +1,66 @@
+"""Uncached autoregressive sampling: greedy, temperature, top-k and nucleus (top-p).
+
+Each new token reruns the full forward pass over a fixed-length buffer (one compile per
+prompt-length bucket), so this is simple and exact but O(n^2); KV-cached decoding is a
+later feature.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnxtron.config.schema import Config
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, strategy: str, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """One token id per row of ``logits`` [B, V]."""
+    if strategy == "greedy":
+        return jnp.argmax(logits, axis=-1)
+    logits = logits.astype(jnp.float32) / temperature
+    if strategy == "topk":
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    elif strategy == "nucleus":
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        cumulative = jnp.cumsum(probs, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        cutoff_index = jnp.sum(cumulative - probs < top_p, axis=-1, keepdims=True) - 1
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    elif strategy != "weighted":
+        raise ValueError(f"unknown sampling strategy '{strategy}'")
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+def generate_tokens(model: nnx.Module, prompt_ids: list[int], cfg: Config, max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> Iterator[int]:
+    """Yield sampled token ids one by one (seeded by decode_sampling_seed)."""
+    if not prompt_ids:
+        raise ValueError("the prompt must contain at least one token")
+    total = len(prompt_ids) + max_new_tokens
+    length = 1 << (total - 1).bit_length()  # bucket: a power of two >= total
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def next_token(state, tokens, position, key):
+        logits = nnx.merge(graphdef, state)(tokens).logits  # causal: padding after `position` is ignored
+        return sample_logits(
+            logits[:, position], key, cfg.decode_sampling_strategy, cfg.decode_sampling_temperature,
+            cfg.decode_sampling_top_k, cfg.decode_sampling_nucleus_p,
+        )  # fmt: skip
+
+    tokens = np.zeros((1, length), np.int32)
+    tokens[0, : len(prompt_ids)] = prompt_ids
+    key = jax.random.key(cfg.decode_sampling_seed)
+    for position in range(len(prompt_ids) - 1, total - 1):
+        key, sub = jax.random.split(key)
+        token = int(next_token(state, jnp.asarray(tokens), position, sub)[0])
+        tokens[0, position + 1] = token
+        yield token
+        if token in stop_ids:
+            return

@@ -1,0 +1,92 @@
+"""Parity helpers used by the test suite (and usable for your own strategy checks).
+
+Gradient parity (DESIGN.md): compare the loss, the input cotangent and every parameter
+gradient with two bounds — an aggregate relative L2 bound over all leaves, and per leaf
+``||g_a - g_b|| <= rel * ||g_b_leaf|| + abs_frac * ||g_b_total||`` (a relative-only bound
+false-alarms on tiny leaves; an aggregate-only bound hides a wrong small leaf).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnxtron.params import layer_list_layout
+from nnxtron.train.loss import cross_entropy
+
+
+@dataclass
+class GradResult:
+    loss: float
+    input_grad: np.ndarray  # d loss / d embedding output [B, S, D]
+    param_grads: dict[str, np.ndarray]  # layer-list layout, independent of scan_layers
+
+
+def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array]) -> GradResult:
+    """Token-mean cross-entropy, its input cotangent and parameter gradients (jitted)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    num_layers = model.config.base_num_decoder_layers
+
+    @jax.jit
+    def run(params, rest, batch):
+        def loss_fn(params, x):
+            m = nnx.merge(graphdef, params, rest)
+            out = m.from_embeddings(x, batch.get("positions"), batch.get("segment_ids"))
+            loss, _ = cross_entropy(out.logits, batch["targets"], batch.get("loss_mask"))
+            return loss
+
+        x = nnx.merge(graphdef, params, rest).embed(batch["inputs"])
+        loss, (g_params, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, x)
+        return loss, g_x, g_params
+
+    loss, g_x, g_params = run(params, rest, batch)
+    grads = {k: np.asarray(v) for k, v in layer_list_layout(g_params, num_layers).items()}
+    return GradResult(float(loss), np.asarray(g_x), grads)
+
+
+def _norm(x: np.ndarray) -> float:
+    return float(np.linalg.norm(np.asarray(x, np.float64).ravel()))
+
+
+def assert_grad_parity(
+    a: GradResult,
+    b: GradResult,
+    *,
+    loss_rtol: float,
+    rel: float,
+    abs_frac: float,
+    aggregate_rel: float,
+) -> dict[str, float]:
+    """Assert a ~= b (b is the reference); returns the measured worst ratios."""
+    assert set(a.param_grads) == set(b.param_grads), (
+        f"gradient trees differ: only in a {sorted(set(a.param_grads) - set(b.param_grads))}, "
+        f"only in b {sorted(set(b.param_grads) - set(a.param_grads))}"
+    )
+    loss_err = abs(a.loss - b.loss) / max(abs(b.loss), 1e-12)
+    assert loss_err <= loss_rtol, f"loss {a.loss} vs {b.loss}: rel err {loss_err:.3e} > {loss_rtol}"
+
+    in_err = _norm(a.input_grad - b.input_grad) / max(_norm(b.input_grad), 1e-30)
+    assert in_err <= aggregate_rel, f"input cotangent rel err {in_err:.3e} > {aggregate_rel}"
+
+    total = np.sqrt(sum(_norm(g) ** 2 for g in b.param_grads.values()))
+    diff_total = np.sqrt(sum(_norm(a.param_grads[k] - g) ** 2 for k, g in b.param_grads.items()))
+    agg_err = diff_total / max(total, 1e-30)
+    assert agg_err <= aggregate_rel, f"aggregate gradient rel err {agg_err:.3e} > {aggregate_rel}"
+
+    worst = 0.0
+    for key, gb in b.param_grads.items():
+        ga = a.param_grads[key]
+        assert ga.shape == gb.shape, f"{key}: shape {ga.shape} vs {gb.shape}"
+        bound = rel * _norm(gb) + abs_frac * total
+        err = _norm(ga - gb)
+        assert err <= bound, f"{key}: ||ga-gb||={err:.3e} > bound {bound:.3e} (||gb||={_norm(gb):.3e})"
+        worst = max(worst, err / max(bound, 1e-30))
+    return {"loss": loss_err, "input": in_err, "aggregate": agg_err, "worst_leaf_fraction_of_bound": worst}
+
+
+def max_abs_diff(a, b) -> float:
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))

@@ -1,0 +1,1 @@
+"""Training: loss, optimizer, sharded state, step, checkpoints, metrics, loop."""

@@ -1,0 +1,199 @@
+"""`nnxtron train`: the training loop with eval, checkpoints, metrics and resume."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+
+from nnxtron.config.derived import Derived, derive
+from nnxtron.config.loader import config_to_yaml
+from nnxtron.config.schema import Config
+from nnxtron.data.sources import make_sources
+from nnxtron.errors import CheckpointError, ConfigError
+from nnxtron.parallel.mesh import make_mesh
+from nnxtron.perf import peak_flops_per_device, training_flops_per_token
+from nnxtron.train.checkpoint import Checkpointer
+from nnxtron.train.metrics import MetricsWriter, ProgressBar
+from nnxtron.train.optimizer import make_optimizer
+from nnxtron.train.state import ModelSetup, TrainState, init_state, setup
+from nnxtron.train.step import batch_sharding, device_batch, make_eval_step, make_train_step
+
+# Keys that define the model's parameters: a run cannot resume with different values.
+MODEL_KEYS = (
+    "decoder_block", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
+    "base_num_decoder_layers", "vocab_size", "logits_via_embedding", "scan_layers", "weight_dtype",
+)  # fmt: skip
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    start_step: int
+    end_step: int
+    losses: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    state: TrainState | None = None
+
+
+def resolve_run_dir(cfg: Config) -> Path:
+    name = cfg.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    return Path(cfg.base_output_directory) / name
+
+
+def _check_same_model(run_dir: Path, cfg: Config) -> None:
+    """An existing run may change training keys (steps, lr...) but not the model."""
+    stored_file = run_dir / "config.yml"
+    if not stored_file.is_file():
+        return
+    try:
+        stored = yaml.safe_load(stored_file.read_text()) or {}
+    except yaml.YAMLError:
+        raise CheckpointError(f"{stored_file} is not valid YAML; repair it or use a new run_name") from None
+    current = cfg.model_dump(mode="json")
+    for key in MODEL_KEYS:
+        if key in stored and stored[key] != current[key]:
+            raise ConfigError(
+                f"run '{run_dir}' was created with {key}={stored[key]!r} but this config has {current[key]!r}; "
+                "use the same value to resume, or a new run_name"
+            )
+
+
+def load_parameters(path: str, model_setup: ModelSetup) -> Any:
+    """Weights from an nnxtron checkpoint: a run directory, its checkpoints/ or one step."""
+    directory = Path(path)
+    if (directory / "checkpoints").is_dir():
+        directory = directory / "checkpoints"
+    step = None
+    if directory.name.isdigit() and (directory / "params").exists():
+        step, directory = int(directory.name), directory.parent
+    ckpt = Checkpointer(directory, max_to_keep=1_000_000, create=False)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"no checkpoint found under '{path}'; point load_parameters_path at a run or checkpoint directory")
+    abstract = {"params": model_setup.abstract_state["params"]}
+    restored, _ = ckpt.restore(step, abstract, {"params": model_setup.state_shardings["params"]})
+    return restored["params"]
+
+
+class Trainer:
+    """Owns the mesh, compiled steps, data and checkpoints of one run."""
+
+    def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
+        self.cfg = cfg
+        self.derived: Derived = derive(cfg, jax.device_count())
+        self.run_dir = run_dir or resolve_run_dir(cfg)
+        self.mesh = make_mesh(cfg)
+        self.tx, self.schedule = make_optimizer(cfg, self.derived)
+        self.setup = setup(cfg, self.mesh, self.tx)
+        self.train_source, self.eval_source = make_sources(cfg, self.derived.global_batch_size)
+        self.batch_shardings = batch_sharding(cfg, self.setup)
+        self.progress_enabled = progress
+        self.train_step = make_train_step(cfg, self.setup, self.tx, self.schedule)
+        self.eval_step = make_eval_step(cfg, self.setup)
+
+    def _host_batch(self, source, index: int) -> dict:
+        return source.batch(index, jax.process_index(), jax.process_count())
+
+    def initial_state(self, ckpt: Checkpointer | None) -> tuple[TrainState, int]:
+        latest = ckpt.latest_step() if ckpt is not None else None
+        if latest is not None:
+            state, meta = ckpt.restore(latest, self.setup.abstract_state, self.setup.state_shardings)
+            if int(state["step"]) != latest or meta.get("data_position") != latest:
+                raise CheckpointError(f"checkpoint {latest} in {ckpt.directory} is inconsistent (step/data position); use a new run_name")
+            return state, latest
+        params = load_parameters(self.cfg.load_parameters_path, self.setup) if self.cfg.load_parameters_path else None
+        return init_state(self.cfg, self.setup, self.tx, params), 0
+
+    def evaluate(self, state: TrainState) -> float:
+        total, tokens = 0.0, 0.0
+        for i in range(self.cfg.eval_steps):
+            out = self.eval_step(state, device_batch(self._host_batch(self.eval_source, i), self.batch_shardings))
+            total += float(out["loss_sum"])
+            tokens += float(out["tokens"])
+        return total / max(tokens, 1.0)
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        _check_same_model(self.run_dir, cfg)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not (self.run_dir / "config.yml").exists():
+            (self.run_dir / "config.yml").write_text(config_to_yaml(cfg))
+        ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
+        state, start = self.initial_state(ckpt)
+        result = TrainResult(self.run_dir, start, start)
+        flops_per_step = training_flops_per_token(cfg) * self.derived.tokens_per_step
+        peak, peak_source = peak_flops_per_device(cfg)
+        if jax.devices()[0].platform != "cpu":  # fake CPU devices share one CPU: its peak is the total
+            peak *= jax.device_count()
+        writer = MetricsWriter(self.run_dir, cfg.enable_tensorboard) if jax.process_index() == 0 else None
+        with ProgressBar(cfg.steps, start, self.progress_enabled) as bar:
+            bar.log(f"run {self.run_dir} | {'resumed at step ' + str(start) if start else 'new run'} | "
+                    f"mesh {self.derived.mesh_shape} | global batch {self.derived.global_batch_size} x {cfg.max_target_length}")
+            bar.log(f"data: {self.train_source.describe()}")
+            bar.log(f"peak {peak / 1e12:.3f} TFLOP/s from {peak_source}")
+            pending: tuple[int, dict, float] | None = None
+            last_time = time.perf_counter()
+            for step in range(start, cfg.steps):
+                batch = device_batch(self._host_batch(self.train_source, step), self.batch_shardings)
+                state, metrics = self.train_step(state, batch)
+                if pending is not None:  # read the previous step while this one runs
+                    last_time = self._record(pending, last_time, flops_per_step, peak, writer, bar, result)
+                pending = (step + 1, metrics, last_time)
+                done = step + 1
+                if cfg.eval_interval > 0 and self.eval_source is not None and (done % cfg.eval_interval == 0 or done == cfg.steps):
+                    last_time = self._record(pending, last_time, flops_per_step, peak, writer, bar, result)
+                    pending = None
+                    eval_loss = self.evaluate(state)
+                    result.eval_losses[done] = eval_loss
+                    bar.log(f"step {done}: eval loss {eval_loss:.4f}")
+                    if writer:
+                        writer.write({"step": done, "eval_loss": eval_loss})
+                    last_time = time.perf_counter()
+                if ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps):
+                    ckpt.save(done, state, {"data_position": done, "config": cfg.model_dump(mode="json")})
+            if pending is not None:
+                self._record(pending, last_time, flops_per_step, peak, writer, bar, result)
+        if ckpt is not None:
+            ckpt.wait()
+        if writer:
+            writer.close()
+        result.end_step = max(start, cfg.steps)
+        result.state = state
+        return result
+
+    def _record(self, pending, last_time, flops_per_step, peak, writer, bar, result) -> float:
+        step, metrics, _ = pending
+        values = {k: float(v) for k, v in metrics.items()}  # blocks until that step finished
+        now = time.perf_counter()
+        seconds = max(now - last_time, 1e-9)
+        tflops = flops_per_step / seconds / 1e12
+        record = {
+            "step": step,
+            **values,
+            "step_seconds": seconds,
+            "tokens_per_s": self.derived.tokens_per_step / seconds,
+            "tflops": tflops,
+            "mfu": tflops * 1e12 / peak,
+        }
+        result.losses.append(values["loss"])
+        if writer:
+            writer.write(record)
+            if step % self.cfg.log_period == 0:
+                writer.flush()
+        bar.update(step, record)
+        if not bar.enabled and (step % self.cfg.log_period == 0 or step == self.cfg.steps):
+            bar.log(
+                f"step {step}: loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
+                f"{tflops:.4f} TFLOP/s | MFU {100 * record['mfu']:.1f}%"
+            )
+        return now
+
+
+def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
+    return Trainer(cfg, progress=progress).run()
