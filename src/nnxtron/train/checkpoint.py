@@ -33,6 +33,11 @@ class Checkpointer:
             self.manager = ocp.CheckpointManager(
                 self.directory,
                 options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create),
+                item_handlers={
+                    "params": ocp.StandardCheckpointHandler(),
+                    "train": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler(),
+                },
             )
         except Exception as err:  # orbax raises many types for unreadable directories
             raise CheckpointError(f"cannot open checkpoint directory '{self.directory}': {_one_line(err)}") from None

@@ -21,7 +21,7 @@ from nnxtron.perf import peak_flops_per_device, training_flops_per_token
 from nnxtron.train.checkpoint import Checkpointer
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
-from nnxtron.train.state import ModelSetup, TrainState, init_state, setup
+from nnxtron.train.state import TrainState, init_state, setup
 from nnxtron.train.step import batch_sharding, device_batch, make_eval_step, make_train_step
 
 # Keys that define the model's parameters: a run cannot resume with different values.
@@ -64,7 +64,7 @@ def _check_same_model(run_dir: Path, cfg: Config) -> None:
             )
 
 
-def load_parameters(path: str, model_setup: ModelSetup) -> Any:
+def load_parameters(path: str | Path, abstract_params: Any, param_shardings: Any) -> Any:
     """Weights from an nnxtron checkpoint: a run directory, its checkpoints/ or one step."""
     directory = Path(path)
     if (directory / "checkpoints").is_dir():
@@ -76,8 +76,7 @@ def load_parameters(path: str, model_setup: ModelSetup) -> Any:
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"no checkpoint found under '{path}'; point load_parameters_path at a run or checkpoint directory")
-    abstract = {"params": model_setup.abstract_state["params"]}
-    restored, _ = ckpt.restore(step, abstract, {"params": model_setup.state_shardings["params"]})
+    restored, _ = ckpt.restore(step, {"params": abstract_params}, {"params": param_shardings})
     return restored["params"]
 
 
@@ -107,7 +106,11 @@ class Trainer:
             if int(state["step"]) != latest or meta.get("data_position") != latest:
                 raise CheckpointError(f"checkpoint {latest} in {ckpt.directory} is inconsistent (step/data position); use a new run_name")
             return state, latest
-        params = load_parameters(self.cfg.load_parameters_path, self.setup) if self.cfg.load_parameters_path else None
+        params = None
+        if self.cfg.load_parameters_path:
+            params = load_parameters(
+                self.cfg.load_parameters_path, self.setup.abstract_state["params"], self.setup.state_shardings["params"]
+            )
         return init_state(self.cfg, self.setup, self.tx, params), 0
 
     def evaluate(self, state: TrainState) -> float:

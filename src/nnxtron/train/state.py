@@ -44,12 +44,26 @@ def _opt_shardings(opt_abstract: Any, param_shardings: nnx.State, replicated: Na
     return jax.tree.map(one, opt_abstract, is_leaf=lambda x: isinstance(x, nnx.State))
 
 
+def model_shardings(cfg: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State, nnx.State]:
+    """(graphdef, abstract params, abstract other state, their shardings) of the model."""
+    graphdef, params, rest = nnx.split(_abstract_model(cfg), nnx.Param, ...)
+    rules = cfg.logical_axis_rules
+    return graphdef, params, rest, state_shardings(params, mesh, rules), state_shardings(rest, mesh, rules)
+
+
+def init_non_params(cfg: Config, rest_shardings: nnx.State) -> nnx.State:
+    """Fresh values of the model's non-parameter state (parameters are not materialised)."""
+
+    def init():
+        with nnx.use_eager_sharding(False):
+            return nnx.split(Decoder(cfg, nnx.Rngs(cfg.init_weights_seed)), nnx.Param, ...)[2]
+
+    return jax.jit(init, out_shardings=rest_shardings)()
+
+
 def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSetup:
     """Trace the model abstractly and compute the shardings of the whole train state."""
-    abstract = _abstract_model(cfg)
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    param_sh = state_shardings(params, mesh, cfg.logical_axis_rules)
-    rest_sh = state_shardings(rest, mesh, cfg.logical_axis_rules)
+    graphdef, params, rest, param_sh, rest_sh = model_shardings(cfg, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_abstract = jax.eval_shape(tx.init, params)
     shardings = {

@@ -1,0 +1,5 @@
+import sys
+
+from nnxtron.cli import main
+
+sys.exit(main())
