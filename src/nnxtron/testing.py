@@ -8,12 +8,16 @@ false-alarms on tiny leaves; an aggregate-only bound hides a wrong small leaf).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
 
 from nnxtron.params import layer_list_layout
 from nnxtron.train.loss import cross_entropy
@@ -26,21 +30,30 @@ class GradResult:
     param_grads: dict[str, np.ndarray]  # layer-list layout, independent of scan_layers
 
 
-def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array]) -> GradResult:
-    """Token-mean cross-entropy, its input cotangent and parameter gradients (jitted)."""
+def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], mesh: Mesh | None = None) -> GradResult:
+    """Token-mean cross-entropy, its input cotangent and parameter gradients (jitted).
+
+    With ``mesh``, parameters are placed by the config's logical rules and activations
+    are constrained as in training, so the result checks the sharded computation.
+    """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    num_layers = model.config.base_num_decoder_layers
+    cfg = model.config
+    num_layers = cfg.base_num_decoder_layers
+    if mesh is not None:
+        params = jax.device_put(params, state_shardings(params, mesh, cfg.logical_axis_rules))
+        rest = jax.device_put(rest, state_shardings(rest, mesh, cfg.logical_axis_rules))
+        batch_spec = NamedSharding(mesh, logical_to_spec(("activation_batch", "activation_length"), cfg.logical_axis_rules, mesh))
+        batch = {k: jax.device_put(v, batch_spec) for k, v in batch.items()}
+    def loss_fn(params, x, batch):
+        m = nnx.merge(graphdef, params, rest)
+        out = m.from_embeddings(x, batch.get("positions"), batch.get("segment_ids"))
+        return cross_entropy(out.logits, batch["targets"], batch.get("loss_mask"))[0]
 
     @jax.jit
     def run(params, rest, batch):
-        def loss_fn(params, x):
-            m = nnx.merge(graphdef, params, rest)
-            out = m.from_embeddings(x, batch.get("positions"), batch.get("segment_ids"))
-            loss, _ = cross_entropy(out.logits, batch["targets"], batch.get("loss_mask"))
-            return loss
-
-        x = nnx.merge(graphdef, params, rest).embed(batch["inputs"])
-        loss, (g_params, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, x)
+        with activate(mesh, cfg.logical_axis_rules) if mesh is not None else contextlib.nullcontext():
+            x = nnx.merge(graphdef, params, rest).embed(batch["inputs"])
+            loss, (g_params, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, x, batch)
         return loss, g_x, g_params
 
     loss, g_x, g_params = run(params, rest, batch)

@@ -53,11 +53,15 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value")
+        field = Config.model_fields.get(key)
+        if field is not None and field.annotation is str:
+            values[key] = raw  # strings stay verbatim (run_name=007 is "007", not 7)
+            continue
         try:
             values[key] = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             values[key] = raw
-        if values[key] is None:
+        if values[key] is None or (field is not None and "tuple[str" in str(field.annotation) and not isinstance(values[key], list)):
             values[key] = raw
     _check_keys(values, "command-line overrides")
     return values

@@ -48,7 +48,7 @@ def make_train_step(
         metrics = {
             "loss": loss,
             "tokens": tokens,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": jnp.asarray(schedule(state["step"]), jnp.float32),
         }
         new_state = {"params": params, "rest": rest, "opt_state": opt_state, "step": state["step"] + 1}

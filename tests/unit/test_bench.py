@@ -1,0 +1,95 @@
+"""`nnxtron bench` (run_bench) and the host-overhead benchmark's plain-JAX twin."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from flax import nnx
+
+from nnxtron.bench import run_bench
+from nnxtron.config import load_config
+from nnxtron.decoder import Decoder
+from nnxtron.errors import UserError
+from nnxtron.perf import training_flops_per_token
+
+OVERRIDES = ["model_name=llama2-tiny", "dataset_type=synthetic", "vocab_size=256", "per_device_batch_size=2", "max_target_length=32"]
+KEYS = {
+    "compile_seconds", "trace_lower_seconds", "xla_compile_seconds", "step_seconds", "step_seconds_min", "tokens_per_s",
+    "model_tflops_per_s", "mfu", "peak_tflops", "model_name", "decoder_block", "params", "global_batch", "seq_len",
+    "dtype", "scan_layers", "remat_policy", "devices", "backend", "loss",
+}  # fmt: skip
+HOST_OVERHEAD = Path(__file__).resolve().parents[2] / "benchmarks" / "host_overhead.py"
+
+
+def llama_param_count(cfg) -> int:
+    """Closed form: embedding + layers (attention, SwiGLU, two norms) + final norm + head."""
+    d, h, k, hd, f = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.resolved_head_dim, cfg.base_mlp_dim
+    per_layer = d * (h + 2 * k) * hd + h * hd * d + 3 * d * f + 2 * d
+    head = 0 if cfg.logits_via_embedding else d * cfg.vocab_size
+    return cfg.vocab_size * d + cfg.base_num_decoder_layers * per_layer + d + head
+
+
+@pytest.fixture(scope="module")
+def bench() -> dict:
+    return run_bench(None, OVERRIDES, steps=2)
+
+
+def test_bench_reports_every_field(bench):
+    assert KEYS <= set(bench)
+    json.dumps(bench)  # one JSON line on the CLI
+    cfg = load_config(None, OVERRIDES)
+    assert bench["model_name"] == "llama2-tiny" and bench["decoder_block"] == "llama2"
+    assert (bench["dtype"], bench["scan_layers"], bench["remat_policy"]) == (cfg.dtype, cfg.scan_layers, cfg.remat_policy)
+    assert bench["devices"] == jax.device_count() and bench["backend"] == jax.default_backend()
+    assert bench["global_batch"] == 2 * jax.device_count() and bench["seq_len"] == 32
+    assert bench["timed_steps"] == 2
+    assert math.isfinite(bench["loss"])
+
+
+def test_bench_numbers_are_consistent(bench):
+    cfg = load_config(None, OVERRIDES)
+    step = bench["step_seconds"]
+    assert step > 0 and 0 < bench["step_seconds_min"] <= step
+    assert 0 < bench["trace_lower_seconds"] <= bench["compile_seconds"]
+    assert bench["compile_seconds"] == pytest.approx(bench["trace_lower_seconds"] + bench["xla_compile_seconds"], rel=1e-9)
+    tokens = bench["global_batch"] * bench["seq_len"]
+    assert bench["tokens_per_s"] == pytest.approx(tokens / step, rel=1e-6)
+    assert bench["model_tflops_per_s"] == pytest.approx(training_flops_per_token(cfg) * tokens / step / 1e12, rel=1e-6)
+    assert bench["peak_tflops"] > 0
+    assert bench["mfu"] == pytest.approx(bench["model_tflops_per_s"] / bench["peak_tflops"], rel=1e-6)
+
+
+def test_bench_param_count_is_the_model_size(bench):
+    cfg = load_config(None, OVERRIDES)
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
+    assert bench["params"] == llama_param_count(cfg) == sum(x.size for x in jax.tree.leaves(abstract))
+
+
+def test_bench_rejects_zero_steps():
+    with pytest.raises(UserError, match="--steps"):
+        run_bench(None, OVERRIDES, steps=0)
+
+
+def _host_overhead_module():
+    spec = importlib.util.spec_from_file_location("host_overhead", HOST_OVERHEAD)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("host_overhead", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_host_overhead_plain_step_matches_nnxtron():
+    ho = _host_overhead_module()
+    args = ho.build_parser().parse_args(
+        ["--emb", "32", "--heads", "4", "--kv-heads", "2", "--mlp", "64", "--layers", "1", "--seq", "16", "--remat", "none"]
+    )
+    parity = ho.check_parity(ho.Pair(ho.bench_config(args)), steps=2)  # asserts losses, metrics, params, moments
+    assert parity["loss_first"] == pytest.approx(parity["loss_first_plain"], rel=1e-5)
+    assert parity["max_param_rel_diff"] <= 1e-5
