@@ -209,7 +209,8 @@ class Pair:
         self.plain_tx = plain_optimizer(cfg, plain_schedule)
         self.plain_step = make_plain_step(cfg, self.plain_tx, plain_schedule)
         params = jax.device_put(to_plain(self.nnx_state["params"], cfg), device)
-        self.plain_state = (params, self.plain_tx.init(params), jnp.zeros((), jnp.int32))
+        # committed to the device like the step's outputs, so the second call does not recompile
+        self.plain_state = jax.device_put((params, self.plain_tx.init(params), jnp.zeros((), jnp.int32)), device)
         self.cfg = cfg
 
     def run_nnx(self, n: int) -> dict[str, jax.Array]:

@@ -69,10 +69,10 @@ def _print_sample_from_state(cfg, result) -> None:
     from flax import nnx
 
     from nnxtron.data.sources import tokenizer_for
-    from nnxtron.decoder import Decoder
     from nnxtron.infer.sample import generate_tokens
+    from nnxtron.train.state import abstract_model
 
-    graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))[0]
+    graphdef = nnx.split(abstract_model(cfg))[0]
     model = nnx.merge(graphdef, result.state["params"], result.state["rest"])
     tokenizer = tokenizer_for(cfg)
     prompt = [tokenizer.bos_id, *tokenizer.encode(cfg.prompt).tolist()]
@@ -88,7 +88,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
     overrides = list(ns.overrides)
     if ns.prompt is not None:
-        overrides.append(f"prompt={json.dumps(ns.prompt)}")
+        overrides.append(f"prompt={ns.prompt}")
     model = load_model(ns.path, overrides)
     cfg = model.config
     tokenizer = tokenizer_for(cfg)

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from nnxtron.config.loader import load_config
+from nnxtron.train.state import abstract_model
 from nnxtron.config.schema import Config
 from nnxtron.decoder import Decoder
 from nnxtron.errors import CheckpointError, ConfigError
@@ -156,9 +157,7 @@ def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any)
     values = {**_map_config(hf, root / CONFIG_FILE), "dtype": dtype, "weight_dtype": dtype, **overrides}
     cfg = load_config(values=values)
     weight_dtype = jnp.dtype(cfg.weight_dtype)
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(abstract_model(cfg))
     params = dict(nnx.to_flat_state(state))
     filled: dict[ParamPath, Any] = {}
     used: set[str] = set()

@@ -33,7 +33,7 @@ def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, Batc
         seq_len=seq,
         global_batch_size=global_batch_size,
         seed=cfg.data_shuffle_seed,
-        eval_fraction=cfg.eval_split_fraction,
+        eval_fraction=cfg.eval_split_fraction if cfg.eval_interval > 0 else 0.0,  # no eval: every file trains
         add_bos=cfg.add_bos,
         add_eos=cfg.add_eos,
     )

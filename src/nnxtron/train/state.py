@@ -28,7 +28,7 @@ class ModelSetup:
     abstract_state: TrainState
 
 
-def _abstract_model(cfg: Config) -> Decoder:
+def abstract_model(cfg: Config) -> Decoder:
     with nnx.use_eager_sharding(False):
         return nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(cfg.init_weights_seed)))
 
@@ -46,7 +46,7 @@ def _opt_shardings(opt_abstract: Any, param_shardings: nnx.State, replicated: Na
 
 def model_shardings(cfg: Config, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State, nnx.State]:
     """(graphdef, abstract params, abstract other state, their shardings) of the model."""
-    graphdef, params, rest = nnx.split(_abstract_model(cfg), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
     rules = cfg.logical_axis_rules
     return graphdef, params, rest, state_shardings(params, mesh, rules), state_shardings(rest, mesh, rules)
 

@@ -1,0 +1,131 @@
+"""The command line: happy paths and bad input (one line, exit 2, nothing deleted)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nnxtron.cli import main
+from tests.integration.conftest import train_overrides
+
+
+def _run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_user_error(code, err, fragment):
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("WARNING:absl")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained_run(corpus, tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("cli_runs"))
+    assert main(["train", *train_overrides(corpus, base, "r1"), "sample_after_training=8", "--no-progress"]) == 0
+    return Path(base) / "r1", base
+
+
+def test_config_show(capsys):
+    code, out, _ = _run(capsys, "config", "show", "model_name=llama3.1-8b", "steps=5")
+    assert code == 0 and "rope_type: llama3" in out and "steps: 5" in out and "global_batch_size" in out
+
+
+def test_train_prints_summary_and_sample(trained_run):
+    run, _ = trained_run
+    assert (run / "checkpoints" / "6").is_dir()
+
+
+def test_generate_from_a_run_is_deterministic(trained_run, capsys):
+    run, _ = trained_run
+    outs = []
+    for _ in range(2):
+        code, out, _ = _run(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=12", "--json")
+        assert code == 0
+        outs.append(json.loads(out))
+    assert outs[0] == outs[1] and outs[0]["prompt"] == "The quick" and 1 <= len(outs[0]["tokens"]) <= 12
+
+
+def test_convert_round_trip_through_the_cli(tmp_path, capsys):
+    golden = Path(__file__).parents[1] / "assets" / "golden" / "mistral"
+    assert _run(capsys, "convert", "from-hf", str(golden), str(tmp_path / "run"))[0] == 0
+    assert _run(capsys, "convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))[0] == 0
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (golden / "model.safetensors").read_bytes()
+    code, _, err = _run(capsys, "convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))
+    _assert_user_error(code, err, "overwrite")
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["train", "stpes=3"], "did you mean 'steps'"),
+        (["train", "steps=ten"], "config key 'steps'"),
+        (["train", "base_num_kv_heads=3"], "base_num_kv_heads"),
+        (["train", "dataset_path=/nonexistent/*.txt"], "/nonexistent/*.txt"),
+        (["train", "ici_fsdp_parallelism=3"], "the mesh"),
+        (["train", "per_device_batch_size=0.25", "ici_fsdp_parallelism=8"], "does not divide"),
+        (["train", "model_name=llama2-tiny", "ici_tensor_parallelism=8"], "does not divide over mesh axes"),
+        (["train", "a.yml", "b.yml"], "at most one YAML file"),
+        (["train", "--bogus"], "unrecognized arguments"),
+        (["frobnicate"], "invalid choice"),
+        (["generate", "/nonexistent-run"], "not an nnxtron run directory"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
+    code, _, err = _run(capsys, *args)
+    _assert_user_error(code, err, fragment)
+
+
+def test_bad_corpus_files(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    code, _, err = _run(capsys, "train", f"dataset_path={tmp_path}/empty.txt", "eval_interval=-1")
+    _assert_user_error(code, err, "empty.txt")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    code, _, err = _run(capsys, "train", f"dataset_path={tmp_path}/latin1.txt", "eval_interval=-1")
+    _assert_user_error(code, err, "latin1.txt")
+
+
+def test_unsupported_hf_family(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    code, _, err = _run(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
+    _assert_user_error(code, err, "bert")
+
+
+def _snapshot(path: Path) -> dict:
+    return {str(p): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_foreign_checkpoint_is_refused_and_kept(trained_run, corpus, capsys):
+    run, base = trained_run
+    before = _snapshot(run)
+    code, _, err = _run(capsys, "train", *train_overrides(corpus, base, "r1", steps=9, base_emb_dim=32))
+    _assert_user_error(code, err, "base_emb_dim")
+    assert _snapshot(run) == before
+
+
+def test_corrupted_checkpoint_is_reported_and_not_deleted(corpus, tmp_path, capsys):
+    base = str(tmp_path)
+    assert main(["train", *train_overrides(corpus, base, "c1", steps=3, eval_interval=-1), "--no-progress"]) == 0
+    capsys.readouterr()
+    step_dir = Path(base) / "c1" / "checkpoints" / "3"
+    for f in (step_dir / "params").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\x00garbage")
+    before = _snapshot(Path(base) / "c1")
+    code, _, err = _run(capsys, "train", *train_overrides(corpus, base, "c1", steps=6, eval_interval=-1))
+    _assert_user_error(code, err, "checkpoint")
+    assert _snapshot(Path(base) / "c1") == before
+
+
+def test_console_script_exit_status_without_traceback():
+    env = {**os.environ, "XLA_FLAGS": ""}
+    proc = subprocess.run([sys.executable, "-m", "nnxtron", "train", "stpes=3"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: unknown config key 'stpes' in command-line overrides; did you mean 'steps'?"
