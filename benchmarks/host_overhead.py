@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -32,7 +33,6 @@ from flax import nnx
 from nnxtron.config import Config, derive, load_config
 from nnxtron.data.pipeline import SyntheticBatches
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.parallel.scan import remat_policy
 from nnxtron.params import flatten
 from nnxtron.train.optimizer import learning_rate_schedule, make_optimizer
 from nnxtron.train.state import init_state, setup
@@ -40,16 +40,11 @@ from nnxtron.train.step import batch_sharding, device_batch, make_train_step
 
 Params = dict[str, Any]
 LAYER_NAMES = {  # plain name -> nnxtron path inside a layer
-    "attn_norm": "pre_attention_norm/scale",
-    "wq": "attention/query/kernel",
-    "wk": "attention/key/kernel",
-    "wv": "attention/value/kernel",
-    "wo": "attention/out/kernel",
-    "mlp_norm": "post_attention_norm/scale",
-    "w_gate": "mlp/wi_0/kernel",
-    "w_up": "mlp/wi_1/kernel",
-    "w_down": "mlp/wo/kernel",
-}
+    "attn_norm": "pre_attention_norm/scale", "wq": "attention/query/kernel", "wk": "attention/key/kernel",
+    "wv": "attention/value/kernel", "wo": "attention/out/kernel", "mlp_norm": "post_attention_norm/scale",
+    "w_gate": "mlp/wi_0/kernel", "w_up": "mlp/wi_1/kernel", "w_down": "mlp/wo/kernel",
+}  # fmt: skip
+REMAT = {"full": jax.checkpoint_policies.nothing_saveable, "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 DEFAULT_OUT = Path(__file__).parent / "results" / "host_overhead-cpu.json"
 
 
@@ -107,7 +102,7 @@ def forward(params: Params, batch: dict[str, jax.Array], cfg: Config) -> jax.Arr
     pos, seg = batch["positions"], batch["segment_ids"]
     layer = lambda x, p: block(x, p, pos, seg, cfg)  # noqa: E731
     if cfg.remat_policy != "none":
-        layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat_policy), prevent_cse=False)
+        layer = jax.checkpoint(layer, policy=REMAT[cfg.remat_policy], prevent_cse=False)
     if cfg.scan_layers:
         x, _ = jax.lax.scan(lambda c, p: (layer(c, p), None), x, params["layers"])
     else:
@@ -208,8 +203,7 @@ class Pair:
         plain_schedule = learning_rate_schedule(cfg, derived)
         self.plain_tx = plain_optimizer(cfg, plain_schedule)
         self.plain_step = make_plain_step(cfg, self.plain_tx, plain_schedule)
-        params = jax.device_put(to_plain(self.nnx_state["params"], cfg), device)
-        # committed to the device like the step's outputs, so the second call does not recompile
+        params = to_plain(self.nnx_state["params"], cfg)  # committed to the device like the step's outputs (no recompile)
         self.plain_state = jax.device_put((params, self.plain_tx.init(params), jnp.zeros((), jnp.int32)), device)
         self.cfg = cfg
 
@@ -296,10 +290,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def xla_cost(pair: Pair) -> dict[str, dict[str, float]]:
+    """XLA's cost analysis of both compiled steps: equal flops = the same computation."""
+    compiled = {"nnxtron": pair.nnx_step.lower(pair.nnx_state, pair.nnx_batch).compile(),
+                "plain": pair.plain_step.lower(*pair.plain_state, pair.batch).compile()}  # fmt: skip
+    out = {}
+    for side, c in compiled.items():
+        cost = c.cost_analysis()
+        cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+        out[side] = {k: float(cost.get(k, float("nan"))) for k in ("flops", "transcendentals", "bytes accessed")}
+    return out
+
+
+def pytree_us(tree: Any, number: int = 2000) -> float:
+    """Microseconds to flatten and unflatten ``tree`` (host work of every jit call)."""
+    treedef = jax.tree.structure(tree)
+    t0 = time.perf_counter()
+    for _ in range(number):
+        jax.tree.unflatten(treedef, jax.tree.flatten(tree)[0])
+    return 1e6 * (time.perf_counter() - t0) / number
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Check parity, time both steps, print and write the JSON result."""
     args = build_parser().parse_args(argv)
-
     cfg = bench_config(args)
     pair = Pair(cfg)
     t0 = time.perf_counter()
@@ -318,9 +332,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "parity": parity,
         "compile_and_parity_seconds": first_seconds,
         **{f"{k}_step_ms": 1e3 * v for k, v in medians.items()},
+        "quartiles_ms": {k: [1e3 * q for q in statistics.quantiles(v, n=4)[::2]] for k, v in times.items() if len(v) > 1},
         "ratio_sync": medians["nnxtron_sync"] / medians["plain_sync"],
         "ratio_async": medians["nnxtron_async"] / medians["plain_async"],
-        "machine": {"backend": jax.default_backend(), "devices": jax.device_count(), "cpus": _cpus(),
+        "xla_cost": xla_cost(pair),
+        "state_leaves": len(jax.tree.leaves(pair.nnx_state)),
+        "nnxtron_state_flatten_unflatten_us": pytree_us(pair.nnx_state),
+        "plain_state_flatten_unflatten_us": pytree_us(pair.plain_state),
+        "machine": {"backend": jax.default_backend(), "devices": jax.device_count(), "cpus": os.cpu_count(),
                     "platform": platform.platform(), "python": platform.python_version()},  # fmt: skip
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
     }
@@ -329,12 +348,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
-
-
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 
 if __name__ == "__main__":
