@@ -20,8 +20,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import flax
 import jax
@@ -45,6 +46,10 @@ LAYER_NAMES = {  # plain name -> nnxtron path inside a layer
     "w_gate": "mlp/wi_0/kernel", "w_up": "mlp/wi_1/kernel", "w_down": "mlp/wo/kernel",
 }  # fmt: skip
 REMAT = {"full": jax.checkpoint_policies.nothing_saveable, "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+MODEL_KEYS = (
+    "base_emb_dim base_num_query_heads base_num_kv_heads head_dim base_mlp_dim base_num_decoder_layers vocab_size "
+    "max_target_length dtype scan_layers remat_policy"
+).split()
 DEFAULT_OUT = Path(__file__).parent / "results" / "host_overhead-cpu.json"
 
 
@@ -102,7 +107,7 @@ def forward(params: Params, batch: dict[str, jax.Array], cfg: Config) -> jax.Arr
     pos, seg = batch["positions"], batch["segment_ids"]
     layer = lambda x, p: block(x, p, pos, seg, cfg)  # noqa: E731
     if cfg.remat_policy != "none":
-        layer = jax.checkpoint(layer, policy=REMAT[cfg.remat_policy], prevent_cse=False)
+        layer = jax.checkpoint(layer, policy=REMAT[cfg.remat_policy], prevent_cse=not cfg.scan_layers)  # as nnxtron
     if cfg.scan_layers:
         x, _ = jax.lax.scan(lambda c, p: (layer(c, p), None), x, params["layers"])
     else:
@@ -168,7 +173,8 @@ def to_plain(params: nnx.State, cfg: Config) -> Params:
         layers: Any = layer("layers/layers/")
     else:
         layers = [layer(f"layers/layers/{i}/") for i in range(cfg.base_num_decoder_layers)]
-    return {"embed": flat["embed/embedding"], "layers": layers, "final_norm": flat["final_norm/scale"], "head": flat["logits/kernel"]}
+    top = {"embed": "embed/embedding", "final_norm": "final_norm/scale", "head": "logits/kernel"}
+    return {"layers": layers, **{name: flat[path] for name, path in top.items()}}
 
 
 def packed_batch(cfg: Config, batch_size: int) -> dict[str, np.ndarray]:
@@ -224,8 +230,8 @@ class Pair:
 
 def rel_diff(a: Params, b: Params) -> float:
     """Largest per-leaf relative L2 difference ||a - b|| / ||b||."""
-    leaves = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    return max(float(np.linalg.norm(np.asarray(x) - np.asarray(y)) / max(np.linalg.norm(np.asarray(y)), 1e-30)) for x, y in leaves)
+    leaves = zip(map(np.asarray, jax.tree.leaves(a)), map(np.asarray, jax.tree.leaves(b)), strict=True)
+    return max(float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30)) for x, y in leaves)
 
 
 def check_parity(pair: Pair, steps: int = 3, rtol: float = 1e-5) -> dict[str, float]:
@@ -323,9 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     medians = {k: statistics.median(v) for k, v in times.items()}
     result = {
         "benchmark": "host_overhead",
-        "model": {k: getattr(cfg, k) for k in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim",
-                                             "base_mlp_dim", "base_num_decoder_layers", "vocab_size", "max_target_length",
-                                             "dtype", "scan_layers", "remat_policy")},  # fmt: skip
+        "model": {k: getattr(cfg, k) for k in MODEL_KEYS},
         "batch": args.batch,
         "repeats": args.repeats,
         "steps_per_repeat": args.steps,
@@ -339,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "state_leaves": len(jax.tree.leaves(pair.nnx_state)),
         "nnxtron_state_flatten_unflatten_us": pytree_us(pair.nnx_state),
         "plain_state_flatten_unflatten_us": pytree_us(pair.plain_state),
-        "machine": {"backend": jax.default_backend(), "devices": jax.device_count(), "cpus": os.cpu_count(),
-                    "platform": platform.platform(), "python": platform.python_version()},  # fmt: skip
+        "machine": {"backend": jax.default_backend(), "devices": jax.device_count(), "cpus": os.cpu_count()},
+        "platform": platform.platform(),
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
     }
     print(json.dumps(result, indent=1))

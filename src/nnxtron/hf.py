@@ -13,8 +13,9 @@ import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,11 +24,11 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from nnxtron.config.loader import load_config
-from nnxtron.train.state import abstract_model
 from nnxtron.config.schema import Config
 from nnxtron.decoder import Decoder
-from nnxtron.errors import CheckpointError, ConfigError
+from nnxtron.errors import CheckpointError
 from nnxtron.models.registry import WeightMap, family_for, family_for_hf
+from nnxtron.train.state import abstract_model
 
 __all__ = ["from_hf", "to_hf", "read_hf_config", "hf_config_to_nnxtron"]
 

@@ -18,7 +18,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
-
 from nnxtron.params import layer_list_layout
 from nnxtron.train.loss import cross_entropy
 

@@ -59,3 +59,13 @@ def test_data_parallel_and_fsdp_train_the_same(corpus, tmp_path):
                    ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2)  # fmt: skip
     np.testing.assert_allclose(fsdp.losses, mixed.losses, rtol=2e-5)
     assert jax.device_count() == 8
+
+
+def test_default_job_halves_the_loss_on_the_stdlib_corpus(tmp_path):
+    """The README's main job, shortened: base.yml's model and corpus ({python_stdlib}/*.py).
+    The 8 fake test devices get 2 rows each = the default global batch of 16 on one device.
+    Full run measured on 2 CPU cores: loss 6.10 -> 1.39 (eval 2.25) in 400 steps."""
+    cfg = load_config(overrides=[f"base_output_directory={tmp_path}", "run_name=default", "per_device_batch_size=2",
+                                 "steps=40", "eval_interval=-1", "enable_checkpointing=false"])  # fmt: skip
+    result = Trainer(cfg, progress=False).run()
+    assert result.losses[-1] == result.losses[-1] and float(np.mean(result.losses[-5:])) < 0.5 * result.losses[0]

@@ -18,7 +18,13 @@ from nnxtron.decoder import Decoder
 from nnxtron.errors import UserError
 from nnxtron.perf import training_flops_per_token
 
-OVERRIDES = ["model_name=llama2-tiny", "dataset_type=synthetic", "vocab_size=256", "per_device_batch_size=2", "max_target_length=32"]
+OVERRIDES = [
+    "model_name=llama2-tiny",
+    "dataset_type=synthetic",
+    "vocab_size=256",
+    "per_device_batch_size=2",
+    "max_target_length=32",
+]
 KEYS = {
     "compile_seconds", "trace_lower_seconds", "xla_compile_seconds", "step_seconds", "step_seconds_min", "tokens_per_s",
     "model_tflops_per_s", "mfu", "peak_tflops", "model_name", "decoder_block", "params", "global_batch", "seq_len",

@@ -7,7 +7,7 @@ later feature.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp

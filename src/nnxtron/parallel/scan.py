@@ -11,7 +11,8 @@ out of the scan and written back, never dropped.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -101,10 +102,12 @@ def _apply_layer(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: t
     return y, nnx.state(layer, nnx.Not(nnx.Param))
 
 
-def _with_remat(fn: Callable, policy_name: str) -> Callable:
+def _with_remat(fn: Callable, policy_name: str, *, in_scan: bool) -> Callable:
+    """Wrap one layer application in jax.checkpoint. CSE prevention is only needed outside
+    a scan (inside, the loop already stops XLA from merging the recomputation away)."""
     if policy_name == "none":
         return fn
-    return jax.checkpoint(fn, policy=remat_policy(policy_name), prevent_cse=False, static_argnums=(0,))
+    return jax.checkpoint(fn, policy=remat_policy(policy_name), prevent_cse=not in_scan, static_argnums=(0,))
 
 
 class LayerStack(nnx.Module):
@@ -133,7 +136,7 @@ class LayerStack(nnx.Module):
 
     def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
         """Apply every layer in order; ``args`` are passed unchanged to each layer."""
-        apply = _with_remat(_apply_layer, self.remat)
+        apply = _with_remat(_apply_layer, self.remat, in_scan=self.scan)
         if not self.scan:
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)

@@ -1,0 +1,84 @@
+"""Break critical code on purpose and check that a test turns red (mutation check).
+
+Each mutation replaces one snippet in one source file, runs the tests that must catch it,
+and restores the file. A mutation that leaves the tests green is reported as SURVIVED
+and the script exits 1. Run: ``.venv/bin/python scripts/mutate.py [NAME ...]``
+(several minutes on 2 CPU cores; not part of CI).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "nnxtron"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation("drop-attention-residual", "models/llama.py", "h = x + self.attention(", "h = 0 * x + self.attention(",
+             ("tests/parity/test_hf_golden.py",)),
+    Mutation("drop-mlp-residual", "models/llama.py", "return h + self.mlp(", "return self.mlp(",
+             ("tests/parity/test_hf_golden.py",)),
+    Mutation("skip-remat", "parallel/scan.py", 'if policy_name == "none":', "if True:",
+             ("tests/unit/test_scan.py",)),
+    Mutation("ignore-segments", "layers/attention.py", "return visible[None] & same_segment", "return visible[None] | (same_segment & False)",
+             ("tests/unit/test_masking.py",)),
+    Mutation("ignore-sliding-window", "layers/attention.py", "if sliding_window > 0:", "if False:",
+             ("tests/parity/test_hf_golden.py", "tests/unit/test_masking.py")),
+    Mutation("skip-llama3-rope-scaling", "layers/rope.py", 'if spec.scaling == "llama3":', 'if spec.scaling == "none":',
+             ("tests/parity/test_hf_golden.py",)),
+    Mutation("zero-the-loss", "train/loss.py", "return jnp.sum(per_token * weights)", "return 0.0 * jnp.sum(per_token * weights)",
+             ("tests/integration/test_train.py::test_training_on_a_tiny_corpus_reduces_the_loss",)),
+    Mutation("resume-restarts-data", "train/loop.py", "self._host_batch(self.train_source, step)", "self._host_batch(self.train_source, step - start)",
+             ("tests/integration/test_train.py::test_resume_equals_an_uninterrupted_run",)),
+    Mutation("unrolled-layers-share-a-key", "parallel/scan.py", "make_block(nnx.Rngs(keys[i]))", "make_block(nnx.Rngs(keys[0]))",
+             ("tests/parity/test_strategies.py::test_scan_and_unroll_build_identical_weights",)),
+    Mutation("unsharded-batch-constraint", "parallel/sharding.py", "used.update(axes)", "used.update(axes); axes = ()",
+             ("tests/parity/test_strategies.py::test_parameter_shardings_follow_the_rules",)),
+    Mutation("no-weight-decay-mask", "train/optimizer.py", "return len([n for n in names if n != \"layers\"]) >= 2", "return True",
+             ("tests/unit/test_optimizer.py",)),
+]  # fmt: skip
+
+
+def run(mutation: Mutation) -> bool:
+    """True if the tests caught the mutation."""
+    path = SRC / mutation.file
+    original = path.read_text()
+    if original.count(mutation.old) != 1:
+        raise SystemExit(f"{mutation.name}: snippet not found exactly once in {mutation.file}")
+    path.write_text(original.replace(mutation.old, mutation.new))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests],
+            cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+    finally:
+        path.write_text(original)
+    return proc.returncode != 0
+
+
+def main(names: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not names or m.name in names]
+    survived = []
+    for mutation in chosen:
+        caught = run(mutation)
+        print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name}", flush=True)
+        if not caught:
+            survived.append(mutation.name)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
