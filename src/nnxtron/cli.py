@@ -69,8 +69,8 @@ def _print_sample_from_state(cfg, result) -> None:
     from flax import nnx
 
     from nnxtron.data.sources import tokenizer_for
+    from nnxtron.decoder import abstract_model
     from nnxtron.infer.sample import generate_tokens
-    from nnxtron.train.state import abstract_model
 
     graphdef = nnx.split(abstract_model(cfg))[0]
     model = nnx.merge(graphdef, result.state["params"], result.state["rest"])
@@ -132,7 +132,7 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.yml").write_text(config_to_yaml(model.config))
     ckpt = Checkpointer(dest / "checkpoints", max_to_keep=1)
-    ckpt.save(0, {"params": nnx.state(model, nnx.Param)}, {"source": str(Path(ns.source).absolute())})
+    ckpt.save(0, {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}, {"source": str(Path(ns.source).absolute())})
     ckpt.wait()
     print(f"wrote nnxtron checkpoint to {dest} (use: nnxtron generate {dest} | nnxtron train load_parameters_path={dest})")
     return 0

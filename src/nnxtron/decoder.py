@@ -77,3 +77,9 @@ def build_model(cfg: Config, seed: int | None = None) -> Decoder:
     """Construct a Decoder eagerly (unsharded); see train.state for sharded creation."""
     with nnx.use_eager_sharding(False):
         return Decoder(cfg, nnx.Rngs(cfg.init_weights_seed if seed is None else seed))
+
+
+def abstract_model(cfg: Config) -> Decoder:
+    """The Decoder with ShapeDtypeStruct leaves: shapes, dtypes and metadata, no arrays."""
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(cfg.init_weights_seed)))

@@ -25,10 +25,9 @@ from safetensors.numpy import save_file
 
 from nnxtron.config.loader import load_config
 from nnxtron.config.schema import Config
-from nnxtron.decoder import Decoder
+from nnxtron.decoder import Decoder, abstract_model
 from nnxtron.errors import CheckpointError
 from nnxtron.models.registry import WeightMap, family_for, family_for_hf
-from nnxtron.train.state import abstract_model
 
 __all__ = ["from_hf", "to_hf", "read_hf_config", "hf_config_to_nnxtron"]
 

@@ -54,5 +54,5 @@ def test_bfloat16_activations_and_weights_track_float32():
     assert bf16.layers.layers.mlp.wo.kernel.dtype == jnp.bfloat16
     a, b = f32(tokens).logits, bf16(tokens).logits
     assert b.dtype == jnp.float32  # logits are always float32
-    # bf16 has ~3 significant digits; measured relative L2 error ~1e-2
-    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 5e-2
+    # bf16 has ~3 significant digits; measured relative L2 error 7.8e-3 (same seed -> same weights)
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 3e-2

@@ -20,8 +20,7 @@ def test_schedule_warmup_then_cosine_to_final_fraction():
 
 
 def test_weight_decay_only_on_matrices():
-    model = build_model(tiny_config("llama2-tiny"))
-    mask = flatten(decay_mask(nnx.state(model, nnx.Param)))
+    mask = flatten(decay_mask(tiny_config("llama2-tiny")))
     assert mask["layers/layers/attention/query/kernel"] is True  # stacked 4-d kernel
     assert mask["layers/layers/mlp/wo/kernel"] is True
     assert mask["embed/embedding"] is True and mask["logits/kernel"] is True
@@ -32,7 +31,7 @@ def test_weight_decay_only_on_matrices():
 def test_decay_changes_matrices_not_norms_when_gradients_are_zero():
     cfg = tiny_config("llama2-tiny", learning_rate=0.1, warmup_steps_fraction=0.0, adam_weight_decay=0.5)
     tx, _ = make_optimizer(cfg, derive(cfg, 8))
-    params = nnx.state(build_model(cfg), nnx.Param)
+    params = nnx.to_pure_dict(nnx.state(build_model(cfg), nnx.Param))
     zeros = jax_zeros_like(params)
     updates, _ = tx.update(zeros, tx.init(params), params)
     flat = flatten(updates)
@@ -49,7 +48,7 @@ def test_gradient_clipping_rescales_to_the_threshold():
     common = dict(adam_weight_decay=0.0, adam_eps=10.0, warmup_steps_fraction=0.0)
     clipped_cfg = tiny_config("llama2-tiny", gradient_clipping_threshold=1.0, **common)
     plain_cfg = tiny_config("llama2-tiny", gradient_clipping_threshold=0.0, **common)
-    params = nnx.state(build_model(clipped_cfg), nnx.Param)
+    params = nnx.to_pure_dict(nnx.state(build_model(clipped_cfg), nnx.Param))
     grads = jax.tree.map(lambda p: 100.0 * p, params)
     unit = jax.tree.map(lambda g: g / optax.tree.norm(grads), grads)
 

@@ -9,8 +9,9 @@ from flax import nnx
 
 class Embed(nnx.Module):
     def __init__(self, vocab_size: int, emb_dim: int, *, dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
-        init = jax.nn.initializers.normal(stddev=1.0, dtype=weight_dtype)
-        self.embedding = nnx.Param(init(rngs.params(), (vocab_size, emb_dim)), out_sharding=("vocab", "embed"))
+        init = jax.nn.initializers.normal(stddev=1.0)
+        table = init(rngs.params(), (vocab_size, emb_dim), jnp.float32).astype(weight_dtype)  # same draw for any dtype
+        self.embedding = nnx.Param(table, out_sharding=("vocab", "embed"))
         self.dtype = dtype
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

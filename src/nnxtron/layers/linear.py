@@ -33,8 +33,9 @@ class Linear(nnx.Module):
         if len(axes) != len(shape):
             raise ValueError(f"Linear: {len(axes)} axis names for a kernel of rank {len(shape)}")
         fan_in = math.prod(self.in_shape)
-        init = jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in), dtype=weight_dtype)
-        self.kernel = nnx.Param(init(rngs.params(), shape), out_sharding=tuple(axes))
+        init = jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
+        # drawn in float32 then cast: the same seed gives the same model for any weight_dtype
+        self.kernel = nnx.Param(init(rngs.params(), shape, jnp.float32).astype(weight_dtype), out_sharding=tuple(axes))
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import optax
 from flax import nnx
 
 from nnxtron.config.derived import Derived
 from nnxtron.config.schema import Config
+from nnxtron.decoder import abstract_model
+from nnxtron.parallel.scan import STACK_AXIS
 from nnxtron.parallel.sharding import variable_names
 
 
@@ -22,15 +26,18 @@ def learning_rate_schedule(cfg: Config, derived: Derived) -> optax.Schedule:
     return optax.join_schedules([ramp, cosine], [warmup])
 
 
-def decay_mask(params: nnx.State) -> nnx.State:
-    """Weight decay on matrices only: a parameter whose logical axes (without the layer
-    stacking axis) have rank >= 2; norm scales and other vectors are not decayed."""
+@functools.lru_cache(maxsize=16)
+def decay_mask(cfg: Config) -> dict:
+    """Weight decay on matrices only, as a pure dict matching the parameters: a parameter
+    is decayed when its logical axes (without the layer stacking axis) have rank >= 2;
+    norm scales and other vectors are not. Read from the abstract model's annotations."""
 
     def one(variable: nnx.Variable) -> bool:
         names = variable_names(variable) or ()
-        return len([n for n in names if n != "layers"]) >= 2
+        return len([n for n in names if n != STACK_AXIS]) >= 2
 
-    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    params = nnx.state(abstract_model(cfg), nnx.Param)
+    return nnx.to_pure_dict(jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def make_optimizer(cfg: Config, derived: Derived) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -45,7 +52,7 @@ def make_optimizer(cfg: Config, derived: Derived) -> tuple[optax.GradientTransfo
             b2=cfg.adam_b2,
             eps=cfg.adam_eps,
             weight_decay=cfg.adam_weight_decay,
-            mask=decay_mask,
+            mask=lambda params: decay_mask(cfg),
         )
     )
     return optax.chain(*parts), schedule

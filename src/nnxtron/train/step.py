@@ -30,7 +30,7 @@ def _forward_loss(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, ba
     model = nnx.merge(graphdef, params, rest)
     out = model(batch["inputs"], batch["positions"], batch["segment_ids"])
     loss, tokens = cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
-    return loss, (tokens, nnx.state(model, nnx.Not(nnx.Param)))
+    return loss, (tokens, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
 
 
 def make_train_step(
