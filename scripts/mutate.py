@@ -41,13 +41,15 @@ MUTATIONS = [
              ("tests/parity/test_hf_golden.py",)),
     Mutation("zero-the-loss", "train/loss.py", "return jnp.sum(per_token * weights)", "return 0.0 * jnp.sum(per_token * weights)",
              ("tests/integration/test_train.py::test_training_on_a_tiny_corpus_reduces_the_loss",)),
+    Mutation("ignore-loss-mask", "train/loss.py", "jnp.ones_like(per_token) if mask is None else mask.astype(jnp.float32)",
+             "jnp.ones_like(per_token)", ("tests/unit/test_loss.py",)),
     Mutation("resume-restarts-data", "train/loop.py", "self._host_batch(self.train_source, step)", "self._host_batch(self.train_source, step - start)",
              ("tests/integration/test_train.py::test_resume_equals_an_uninterrupted_run",)),
     Mutation("unrolled-layers-share-a-key", "parallel/scan.py", "make_block(nnx.Rngs(keys[i]))", "make_block(nnx.Rngs(keys[0]))",
              ("tests/parity/test_strategies.py::test_scan_and_unroll_build_identical_weights",)),
-    Mutation("unsharded-batch-constraint", "parallel/sharding.py", "used.update(axes)", "used.update(axes); axes = ()",
+    Mutation("rules-shard-nothing", "parallel/sharding.py", "used.update(axes)", "used.update(axes); axes = ()",
              ("tests/parity/test_strategies.py::test_parameter_shardings_follow_the_rules",)),
-    Mutation("no-weight-decay-mask", "train/optimizer.py", "return len([n for n in names if n != \"layers\"]) >= 2", "return True",
+    Mutation("no-weight-decay-mask", "train/optimizer.py", "return len([n for n in names if n != STACK_AXIS]) >= 2", "return True",
              ("tests/unit/test_optimizer.py",)),
 ]  # fmt: skip
 
