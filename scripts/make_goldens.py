@@ -155,8 +155,10 @@ def _sliding_check(model, config_cls, model_cls, kwargs, input_ids, logits) -> N
     w = kwargs["sliding_window"]
     diff = (logits - ref).abs().amax(dim=(0, 2))  # per position
     inside, beyond = float(diff[:w].max()), float(diff[w:].max())
-    print(f"  sliding_window={w}: max|logits - logits(no window)| positions <{w}: {inside:.3e}, "
-          f">={w}: {beyond:.3e}  (first differing position: {int((diff > 1e-6).nonzero()[0])})")
+    print(
+        f"  sliding_window={w}: max|logits - logits(no window)| positions <{w}: {inside:.3e}, "
+        f">={w}: {beyond:.3e}  (first differing position: {int((diff > 1e-6).nonzero()[0])})"
+    )
     assert inside <= 1e-6, "sliding window changed positions inside the window"
     assert beyond > 1e-4, "sliding window not applied by HF"
 
@@ -219,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
 
         for f in sorted(d.iterdir()):
             print(f"  {f.name:20s} {f.stat().st_size:>9d} bytes")
-        print(f"  max|logit| = {float(logits.abs().max()):.4f}, "
-              f"tensors in model.safetensors: {len(weights)}, "
-              f"lm_head.weight stored: {'lm_head.weight' in weights}")
+        print(
+            f"  max|logit| = {float(logits.abs().max()):.4f}, "
+            f"tensors in model.safetensors: {len(weights)}, "
+            f"lm_head.weight stored: {'lm_head.weight' in weights}"
+        )
         print("  reload check: logits bit-identical")
     return 0
 

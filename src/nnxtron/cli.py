@@ -57,8 +57,10 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     result = train(cfg, progress=None if not ns.no_progress else False)
     first, last = (result.losses[0], result.losses[-1]) if result.losses else (None, None)
     if first is not None:
-        print(f"trained steps {result.start_step}..{result.end_step}: loss {first:.4f} -> {last:.4f}"
-              + (f" (eval {list(result.eval_losses.values())[-1]:.4f})" if result.eval_losses else ""))
+        print(
+            f"trained steps {result.start_step}..{result.end_step}: loss {first:.4f} -> {last:.4f}"
+            + (f" (eval {list(result.eval_losses.values())[-1]:.4f})" if result.eval_losses else "")
+        )
     print(f"run directory: {result.run_dir}")
     if cfg.sample_after_training and result.state is not None:
         _print_sample_from_state(cfg, result)

@@ -41,7 +41,12 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(cfg.base_emb_dim, eps=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype)
         if not cfg.logits_via_embedding:
             self.logits = Linear(
-                [cfg.base_emb_dim], [cfg.vocab_size], ("embed", "vocab"), dtype=dtype, weight_dtype=weight_dtype, rngs=nnx.Rngs(k_head)
+                [cfg.base_emb_dim],
+                [cfg.vocab_size],
+                ("embed", "vocab"),
+                dtype=dtype,
+                weight_dtype=weight_dtype,
+                rngs=nnx.Rngs(k_head),
             )
         self.config = cfg  # static (hashable) metadata: HF export and checkpoints read it
         self.tied = cfg.logits_via_embedding

@@ -117,9 +117,7 @@ def _weight_files(root: Path) -> list[Path]:
         return [root / WEIGHTS_FILE]
     index = root / INDEX_FILE
     if not index.is_file():
-        raise CheckpointError(
-            f"'{root}' has no {WEIGHTS_FILE} or {INDEX_FILE}; save the model with safe_serialization=True"
-        )
+        raise CheckpointError(f"'{root}' has no {WEIGHTS_FILE} or {INDEX_FILE}; save the model with safe_serialization=True")
     try:
         shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError) as err:
@@ -172,9 +170,7 @@ def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any)
             parts = []
             for key in keys:
                 if key not in handles:
-                    raise CheckpointError(
-                        f"tensor '{key}' is missing from '{root}'; the weights do not match its config.json"
-                    )
+                    raise CheckpointError(f"tensor '{key}' is missing from '{root}'; the weights do not match its config.json")
                 tensor = handles[key].get_tensor(key)
                 if tuple(tensor.shape) != want:
                     raise CheckpointError(
@@ -188,9 +184,7 @@ def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any)
         extra = sorted(k for k in handles if k not in used and k not in ignored and not k.endswith(IGNORED_SUFFIXES))
     if extra:
         shown = ", ".join(extra[:5]) + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
-        raise CheckpointError(
-            f"'{root}' holds tensors this config does not use: {shown}; check config.json matches the weights"
-        )
+        raise CheckpointError(f"'{root}' holds tensors this config does not use: {shown}; check config.json matches the weights")
     _check_covered(params, set(filled), cfg.decoder_block)
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
@@ -199,9 +193,7 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
     """Write ``config.json`` and ``model.safetensors`` (HF names, ``weight_dtype``) to ``path``."""
     root = Path(path)
     if not overwrite and ((root / WEIGHTS_FILE).exists() or (root / INDEX_FILE).exists()):
-        raise CheckpointError(
-            f"'{root}' already holds an HF checkpoint; choose another directory or pass overwrite=True"
-        )
+        raise CheckpointError(f"'{root}' already holds an HF checkpoint; choose another directory or pass overwrite=True")
     cfg: Config = model.config
     hf_config = family_for(cfg.decoder_block).config_to_hf(cfg)
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))

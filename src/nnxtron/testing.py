@@ -43,6 +43,7 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], mesh: Mesh | 
         rest = jax.device_put(rest, state_shardings(rest, mesh, cfg.logical_axis_rules))
         batch_spec = NamedSharding(mesh, logical_to_spec(("activation_batch", "activation_length"), cfg.logical_axis_rules, mesh))
         batch = {k: jax.device_put(v, batch_spec) for k, v in batch.items()}
+
     def loss_fn(params, x, batch):
         m = nnx.merge(graphdef, params, rest)
         out = m.from_embeddings(x, batch.get("positions"), batch.get("segment_ids"))

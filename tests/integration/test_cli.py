@@ -126,6 +126,8 @@ def test_corrupted_checkpoint_is_reported_and_not_deleted(corpus, tmp_path, caps
 
 def test_console_script_exit_status_without_traceback():
     env = {**os.environ, "XLA_FLAGS": ""}
-    proc = subprocess.run([sys.executable, "-m", "nnxtron", "train", "stpes=3"], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nnxtron", "train", "stpes=3"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: unknown config key 'stpes' in command-line overrides; did you mean 'steps'?"

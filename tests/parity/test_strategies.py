@@ -68,7 +68,9 @@ def test_remat_policies_compute_the_same_function(reference, policy):
     assert_grad_parity(result, ref, **BOUNDS)
 
 
-@pytest.mark.parametrize("mesh", [dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2), dict(ici_data_parallelism=2, ici_fsdp_parallelism=4)])
+@pytest.mark.parametrize(
+    "mesh", [dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2), dict(ici_data_parallelism=2, ici_fsdp_parallelism=4)]
+)
 def test_sharded_vs_single_device(reference, mesh):
     name, batch, ref, _ = reference
     result, _ = _result(name, batch, mesh=True, **mesh)
@@ -79,10 +81,14 @@ def test_parameter_shardings_follow_the_rules():
     cfg = tiny_config("llama3.1-tiny", ici_fsdp_parallelism=4, ici_tensor_parallelism=2)
     mesh = make_mesh(cfg)
     model = build_model(cfg)
-    shardings = flatten(jax.tree.map(lambda s: s.spec, state_shardings(nnx.state(model, nnx.Param), mesh, cfg.logical_axis_rules)))
+    shardings = flatten(
+        jax.tree.map(lambda s: s.spec, state_shardings(nnx.state(model, nnx.Param), mesh, cfg.logical_axis_rules))
+    )
     P = jax.sharding.PartitionSpec
     assert shardings["embed/embedding"] == P("tensor", "fsdp")  # (vocab, embed)
-    assert shardings["layers/layers/attention/query/kernel"] == P(None, "fsdp", "tensor", None)  # (layers, embed, q_heads, head_dim)
+    assert shardings["layers/layers/attention/query/kernel"] == P(
+        None, "fsdp", "tensor", None
+    )  # (layers, embed, q_heads, head_dim)
     assert shardings["layers/layers/attention/key/kernel"] == P(None, "fsdp", "tensor", None)
     assert shardings["layers/layers/attention/out/kernel"] == P(None, "tensor", None, "fsdp")
     assert shardings["layers/layers/mlp/wi_0/kernel"] == P(None, "fsdp", "tensor")

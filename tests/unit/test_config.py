@@ -52,7 +52,15 @@ def test_override_value_types():
 
 
 def test_derived_values():
-    cfg = load_config(overrides=["model_name=llama3-8b", "per_device_batch_size=2", "ici_tensor_parallelism=2", "steps=100", "warmup_steps_fraction=0.1"])
+    cfg = load_config(
+        overrides=[
+            "model_name=llama3-8b",
+            "per_device_batch_size=2",
+            "ici_tensor_parallelism=2",
+            "steps=100",
+            "warmup_steps_fraction=0.1",
+        ]
+    )
     d = derive(cfg, 8)
     assert d.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 2}
     assert (d.head_dim, d.num_kv_groups, d.global_batch_size) == (128, 4, 16)

@@ -12,7 +12,9 @@ from tests.conftest import tiny_config
 
 
 def test_schedule_warmup_then_cosine_to_final_fraction():
-    cfg = tiny_config("llama2-tiny", steps=100, learning_rate=1e-3, warmup_steps_fraction=0.1, cosine_learning_rate_final_fraction=0.1)
+    cfg = tiny_config(
+        "llama2-tiny", steps=100, learning_rate=1e-3, warmup_steps_fraction=0.1, cosine_learning_rate_final_fraction=0.1
+    )
     schedule = learning_rate_schedule(cfg, derive(cfg, 8))
     np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)], [0.0, 5e-4, 1e-3], rtol=1e-6)
     np.testing.assert_allclose(schedule(55), 1e-4 + 0.5 * (1e-3 - 1e-4), rtol=1e-5)  # cosine midpoint

@@ -17,7 +17,7 @@ def test_greedy_generation_matches_step_by_step_argmax():
     seq = list(prompt)
     for _ in range(6):
         seq.append(int(jnp.argmax(model(jnp.asarray([seq])).logits[0, -1])))
-    assert out == seq[len(prompt):]
+    assert out == seq[len(prompt) :]
 
 
 def test_stop_token_ends_generation():
@@ -32,7 +32,9 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
     model = build_model(cfg)
     a = list(generate_tokens(model, [5, 6], cfg, 12))
     assert a == list(generate_tokens(model, [5, 6], cfg, 12))
-    other = tiny_config("llama2-tiny", decode_sampling_strategy="weighted", decode_sampling_temperature=2.0, decode_sampling_seed=1)
+    other = tiny_config(
+        "llama2-tiny", decode_sampling_strategy="weighted", decode_sampling_temperature=2.0, decode_sampling_seed=1
+    )
     assert a != list(generate_tokens(model, [5, 6], other, 12))
 
 

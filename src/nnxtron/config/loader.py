@@ -62,7 +62,9 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
             values[key] = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             values[key] = raw
-        if values[key] is None or (field is not None and "tuple[str" in str(field.annotation) and not isinstance(values[key], list)):
+        if values[key] is None or (
+            field is not None and "tuple[str" in str(field.annotation) and not isinstance(values[key], list)
+        ):
             values[key] = raw
     _check_keys(values, "command-line overrides")
     return values
@@ -90,9 +92,7 @@ def _format_validation_error(err: pydantic.ValidationError) -> str:
     return f"config key '{loc.split('.')[0]}': {msg}{shown}"
 
 
-def load_config(
-    file: str | Path | None = None, overrides: Iterable[str] = (), values: dict[str, Any] | None = None
-) -> Config:
+def load_config(file: str | Path | None = None, overrides: Iterable[str] = (), values: dict[str, Any] | None = None) -> Config:
     """Resolve the configuration: base.yml < preset(model_name) < file < values < overrides.
 
     ``values`` are typed key/values from code (e.g. a converted HF config.json);

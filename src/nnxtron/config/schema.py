@@ -148,10 +148,7 @@ class Config(BaseModel):
         if self.dataset_type == "text" and not self.dataset_path:
             raise ValueError("dataset_type=text needs dataset_path (files, directories or globs)")
         if self.eval_interval > 0 and self.dataset_type == "text" and self.eval_split_fraction == 0:
-            raise ValueError(
-                "eval_interval > 0 with dataset_type=text needs eval_split_fraction > 0 "
-                "(or set eval_interval=-1)"
-            )
+            raise ValueError("eval_interval > 0 with dataset_type=text needs eval_split_fraction > 0 (or set eval_interval=-1)")
         return self
 
     @property

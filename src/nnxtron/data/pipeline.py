@@ -104,13 +104,9 @@ class TextBatches(BatchSource):
             raise DataError(f"unknown split {split!r}; use 'train' or 'eval'")
         eval_fraction = float(eval_fraction)
         if not 0.0 <= eval_fraction <= 1.0:
-            raise DataError(
-                f"eval_fraction must be in [0, 1], got {eval_fraction}; set it between 0 and 1"
-            )
+            raise DataError(f"eval_fraction must be in [0, 1], got {eval_fraction}; set it between 0 and 1")
         if split == "eval" and eval_fraction == 0.0:
-            raise DataError(
-                "the eval split is empty because eval_fraction is 0; set eval_fraction > 0"
-            )
+            raise DataError("the eval split is empty because eval_fraction is 0; set eval_fraction > 0")
         self.tokenizer = make_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.seq_len = _positive("seq_len", seq_len)
         self.global_batch_size = _positive("global_batch_size", global_batch_size)
@@ -154,9 +150,7 @@ class TextBatches(BatchSource):
             order = np.random.default_rng([self.seed, epoch]).permutation(len(docs))
             docs = [docs[i] for i in order]
         tok = self.tokenizer
-        return pack_documents_with_stats(
-            docs, self.seq_len, tok.bos_id, tok.eos_id, self.add_bos, self.add_eos, tok.pad_id
-        )
+        return pack_documents_with_stats(docs, self.seq_len, tok.bos_id, tok.eos_id, self.add_bos, self.add_eos, tok.pad_id)
 
     def epoch_rows(self, epoch: int) -> dict[str, np.ndarray]:
         """The packed rows of ``epoch`` (cached; treat as read-only). Eval has one fixed epoch."""
@@ -214,15 +208,10 @@ class TextBatches(BatchSource):
 class SyntheticBatches(BatchSource):
     """Uniform random tokens in [3, vocab_size); batch ``i`` uses ``default_rng([seed, i])``."""
 
-    def __init__(
-        self, vocab_size: int, seq_len: int, global_batch_size: int, seed: int = 0
-    ) -> None:
+    def __init__(self, vocab_size: int, seq_len: int, global_batch_size: int, seed: int = 0) -> None:
         self.vocab_size = _positive("vocab_size", vocab_size)
         if self.vocab_size <= 3:
-            raise DataError(
-                f"vocab_size {vocab_size} leaves no room for tokens after the 3 special ids; "
-                "set vocab_size > 3"
-            )
+            raise DataError(f"vocab_size {vocab_size} leaves no room for tokens after the 3 special ids; set vocab_size > 3")
         self.seq_len = _positive("seq_len", seq_len)
         self.global_batch_size = _positive("global_batch_size", global_batch_size)
         self.seed = _seed(seed)

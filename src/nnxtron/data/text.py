@@ -84,8 +84,7 @@ def load_documents(paths: Iterable[str | os.PathLike]) -> list[str]:
             raw = pathlib.Path(path).read_bytes()
         except OSError as e:
             raise DataError(
-                f"cannot read dataset file '{path}' ({e.strerror or e}); "
-                "fix its permissions or remove it from dataset_path"
+                f"cannot read dataset file '{path}' ({e.strerror or e}); fix its permissions or remove it from dataset_path"
             ) from None
         try:
             text = raw.decode("utf-8")
@@ -95,9 +94,6 @@ def load_documents(paths: Iterable[str | os.PathLike]) -> list[str]:
                 "re-encode it as UTF-8 or remove it from dataset_path"
             ) from None
         if not text.strip():
-            raise DataError(
-                f"dataset file '{path}' is empty (or only whitespace); "
-                "add text to it or remove it from dataset_path"
-            )
+            raise DataError(f"dataset file '{path}' is empty (or only whitespace); add text to it or remove it from dataset_path")
         docs.append(text)
     return docs

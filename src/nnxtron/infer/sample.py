@@ -38,7 +38,9 @@ def sample_logits(logits: jax.Array, key: jax.Array, strategy: str, temperature:
     return jax.random.categorical(key, logits, axis=-1)
 
 
-def generate_tokens(model: nnx.Module, prompt_ids: list[int], cfg: Config, max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> Iterator[int]:
+def generate_tokens(
+    model: nnx.Module, prompt_ids: list[int], cfg: Config, max_new_tokens: int, stop_ids: tuple[int, ...] = ()
+) -> Iterator[int]:
     """Yield sampled token ids one by one (seeded by decode_sampling_seed)."""
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")

@@ -70,7 +70,9 @@ class Checkpointer:
             )
         return meta
 
-    def restore(self, step: int, abstract_state: dict[str, Any], shardings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def restore(
+        self, step: int, abstract_state: dict[str, Any], shardings: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore ``step`` into the structure and shardings of ``abstract_state``.
 
         ``abstract_state`` may hold only ``params`` (to load weights for generation or

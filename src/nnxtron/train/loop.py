@@ -104,7 +104,9 @@ class Trainer:
         if latest is not None:
             state, meta = ckpt.restore(latest, self.setup.abstract_state, self.setup.state_shardings)
             if int(state["step"]) != latest or meta.get("data_position") != latest:
-                raise CheckpointError(f"checkpoint {latest} in {ckpt.directory} is inconsistent (step/data position); use a new run_name")
+                raise CheckpointError(
+                    f"checkpoint {latest} in {ckpt.directory} is inconsistent (step/data position); use a new run_name"
+                )
             return state, latest
         params = None
         if self.cfg.load_parameters_path:
@@ -130,38 +132,36 @@ class Trainer:
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
         state, start = self.initial_state(ckpt)
         result = TrainResult(self.run_dir, start, start)
-        flops_per_step = training_flops_per_token(cfg) * self.derived.tokens_per_step
         peak, peak_source = peak_flops_per_device(cfg)
         if jax.devices()[0].platform != "cpu":  # fake CPU devices share one CPU: its peak is the total
             peak *= jax.device_count()
         writer = MetricsWriter(self.run_dir, cfg.enable_tensorboard) if jax.process_index() == 0 else None
         with ProgressBar(cfg.steps, start, self.progress_enabled) as bar:
             bar.log(f"run {self.run_dir} | {'resumed at step ' + str(start) if start else 'new run'} | "
-                    f"mesh {self.derived.mesh_shape} | global batch {self.derived.global_batch_size} x {cfg.max_target_length}")
+                    f"mesh {self.derived.mesh_shape} | global batch {self.derived.global_batch_size} x {cfg.max_target_length}")  # fmt: skip
             bar.log(f"data: {self.train_source.describe()}")
             bar.log(f"peak {peak / 1e12:.3f} TFLOP/s from {peak_source}")
-            pending: tuple[int, dict, float] | None = None
-            last_time = time.perf_counter()
+            recorder = _Recorder(self, peak, writer, bar, result)
             for step in range(start, cfg.steps):
                 batch = device_batch(self._host_batch(self.train_source, step), self.batch_shardings)
                 state, metrics = self.train_step(state, batch)
-                if pending is not None:  # read the previous step while this one runs
-                    last_time = self._record(pending, last_time, flops_per_step, peak, writer, bar, result)
-                pending = (step + 1, metrics, last_time)
                 done = step + 1
-                if cfg.eval_interval > 0 and self.eval_source is not None and (done % cfg.eval_interval == 0 or done == cfg.steps):
-                    last_time = self._record(pending, last_time, flops_per_step, peak, writer, bar, result)
-                    pending = None
+                recorder.submit(done, metrics)  # records the previous step while this one runs
+                if (
+                    cfg.eval_interval > 0
+                    and self.eval_source is not None
+                    and (done % cfg.eval_interval == 0 or done == cfg.steps)
+                ):
+                    recorder.flush()
                     eval_loss = self.evaluate(state)
                     result.eval_losses[done] = eval_loss
                     bar.log(f"step {done}: eval loss {eval_loss:.4f}")
                     if writer:
                         writer.write({"step": done, "eval_loss": eval_loss})
-                    last_time = time.perf_counter()
+                    recorder.restart_clock()
                 if ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps):
                     ckpt.save(done, state, {"data_position": done, "config": cfg.model_dump(mode="json")})
-            if pending is not None:
-                self._record(pending, last_time, flops_per_step, peak, writer, bar, result)
+            recorder.flush()
         if ckpt is not None:
             ckpt.wait()
         if writer:
@@ -170,32 +170,53 @@ class Trainer:
         result.state = state
         return result
 
-    def _record(self, pending, last_time, flops_per_step, peak, writer, bar, result) -> float:
-        step, metrics, _ = pending
+
+class _Recorder:
+    """Turns step metrics into records one step late, so reading them never stalls dispatch."""
+
+    def __init__(self, trainer: Trainer, peak: float, writer: MetricsWriter | None, bar: ProgressBar, result: TrainResult):
+        self.cfg, self.tokens_per_step = trainer.cfg, trainer.derived.tokens_per_step
+        self.flops_per_step = training_flops_per_token(trainer.cfg) * self.tokens_per_step
+        self.peak, self.writer, self.bar, self.result = peak, writer, bar, result
+        self.pending: tuple[int, dict] | None = None
+        self.last_time = time.perf_counter()
+
+    def submit(self, step: int, metrics: dict) -> None:
+        self.flush()
+        self.pending = (step, metrics)
+
+    def restart_clock(self) -> None:
+        self.last_time = time.perf_counter()
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        step, metrics = self.pending
+        self.pending = None
         values = {k: float(v) for k, v in metrics.items()}  # blocks until that step finished
         now = time.perf_counter()
-        seconds = max(now - last_time, 1e-9)
-        tflops = flops_per_step / seconds / 1e12
+        seconds = max(now - self.last_time, 1e-9)
+        self.last_time = now
+        tflops = self.flops_per_step / seconds / 1e12
         record = {
             "step": step,
             **values,
             "step_seconds": seconds,
-            "tokens_per_s": self.derived.tokens_per_step / seconds,
+            "tokens_per_s": self.tokens_per_step / seconds,
             "tflops": tflops,
-            "mfu": tflops * 1e12 / peak,
+            "mfu": tflops * 1e12 / self.peak,
         }
-        result.losses.append(values["loss"])
-        if writer:
-            writer.write(record)
+        self.result.losses.append(values["loss"])
+        if self.writer:
+            self.writer.write(record)
             if step % self.cfg.log_period == 0:
-                writer.flush()
-        bar.update(step, record)
-        if not bar.enabled and (step % self.cfg.log_period == 0 or step == self.cfg.steps):
-            bar.log(
+                self.writer.flush()
+        self.bar.update(step, record)
+        if not self.bar.enabled and (step % self.cfg.log_period == 0 or step == self.cfg.steps):
+            self.bar.log(
                 f"step {step}: loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
                 f"{tflops:.4f} TFLOP/s | MFU {100 * record['mfu']:.1f}%"
             )
-        return now
 
 
 def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
