@@ -420,3 +420,17 @@ def test_synthetic_batches():
     assert "\n" not in src.describe()
     with pytest.raises(DataError, match="vocab_size"):
         SyntheticBatches(3, 8, 4)
+
+
+def test_eval_split_does_not_depend_on_where_the_corpus_lives(tmp_path):
+    """The split hashes paths relative to the corpus root: a moved corpus splits the same."""
+    for root in ("a", "b/deeper"):
+        for i in range(30):
+            path = tmp_path / root / "sub" / f"doc{i}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"document number {i} " * 20)
+    kwargs = dict(tokenizer="byte", seq_len=16, global_batch_size=2, split="eval", eval_fraction=0.3)
+    a = TextBatches([str(tmp_path / "a" / "**" / "*.txt")], **kwargs)
+    b = TextBatches([str(tmp_path / "b" / "deeper" / "**" / "*.txt")], **kwargs)
+    assert [p.name for p in a.paths] == [p.name for p in b.paths]
+    assert 0 < len(a.paths) < 30

@@ -81,8 +81,9 @@ class BatchSource(abc.ABC):
 class TextBatches(BatchSource):
     """Packed rows of text files, one document per file.
 
-    Files go to the eval split by a stable hash of their resolved path
-    (``eval_bucket(path) < eval_fraction * 10000``). Train epoch ``e`` shuffles the train
+    Files go to the eval split by a stable hash of their path relative to the corpus root
+    (the deepest common directory): ``eval_bucket(relpath) < eval_fraction * 10000``, so the
+    split is the same wherever the corpus lives. Train epoch ``e`` shuffles the train
     documents with ``np.random.default_rng([seed, e])`` and packs them; batches read an endless
     run of epochs (a batch may straddle epochs). Eval packs documents in sorted order once and
     batches cycle over its rows.
@@ -120,7 +121,9 @@ class TextBatches(BatchSource):
 
         all_paths = resolve_paths(self.patterns)
         threshold = eval_fraction * 10000
-        is_eval = [eval_bucket(str(p)) < threshold for p in all_paths]
+        # hash paths relative to the corpus root, so the split is the same on every machine
+        root = os.path.commonpath([str(p.parent) for p in all_paths])
+        is_eval = [eval_bucket(os.path.relpath(p, root)) < threshold for p in all_paths]
         if eval_fraction > 0 and not any(is_eval):
             is_eval[-1] = True  # never an empty eval split: the last file (sorted) goes there
         train = [p for p, e in zip(all_paths, is_eval) if not e]
