@@ -62,7 +62,7 @@ def test_derived_values():
         ]
     )
     d = derive(cfg, 8)
-    assert d.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert d.mesh_shape == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
     assert (d.head_dim, d.num_kv_groups, d.global_batch_size) == (128, 4, 16)
     assert (d.schedule_steps, d.warmup_steps, d.tokens_per_step) == (100, 10, 16 * cfg.max_target_length)
     assert derive(load_config(overrides=["head_dim=-1"]), 1).head_dim == 256 // 4

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class Derived:
     head_dim: int
     num_kv_groups: int  # query heads per kv head
     global_batch_size: int
+    microbatch_size: int  # rows per gradient-accumulation microbatch (= global batch without accumulation)
     schedule_steps: int
     warmup_steps: int
     tokens_per_step: int
@@ -31,6 +32,7 @@ def mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
     requested = {
         "data": cfg.ici_data_parallelism,
         "fsdp": cfg.ici_fsdp_parallelism,
+        "context": cfg.ici_context_parallelism,
         "tensor": cfg.ici_tensor_parallelism,
     }
     keys = {axis: f"ici_{axis}_parallelism" for axis in MESH_AXES}
@@ -75,6 +77,18 @@ def derive(cfg: Config, num_devices: int) -> Derived:
             f"global batch {global_batch} (per_device_batch_size x devices) does not divide over the "
             f"data x fsdp mesh axes ({batch_shards}); change per_device_batch_size or the ici_* sizes"
         )
+    accumulation = cfg.gradient_accumulation_steps
+    if global_batch % (accumulation * batch_shards):
+        raise ConfigError(
+            f"gradient_accumulation_steps={accumulation} does not divide the global batch {global_batch} into "
+            f"microbatches that divide over the data x fsdp mesh axes ({batch_shards}); choose a divisor of "
+            f"{global_batch // batch_shards} or change per_device_batch_size"
+        )
+    if cfg.max_target_length % shape["context"]:
+        raise ConfigError(
+            f"max_target_length={cfg.max_target_length} does not divide over ici_context_parallelism="
+            f"{shape['context']}; choose a sequence length that is a multiple of it"
+        )
     schedule = cfg.steps if cfg.learning_rate_schedule_steps == -1 else cfg.learning_rate_schedule_steps
     return Derived(
         num_devices=num_devices,
@@ -82,6 +96,7 @@ def derive(cfg: Config, num_devices: int) -> Derived:
         head_dim=cfg.resolved_head_dim,
         num_kv_groups=cfg.base_num_query_heads // cfg.base_num_kv_heads,
         global_batch_size=global_batch,
+        microbatch_size=global_batch // accumulation,
         schedule_steps=schedule,
         warmup_steps=int(round(cfg.warmup_steps_fraction * schedule)),
         tokens_per_step=global_batch * cfg.max_target_length,

@@ -12,7 +12,21 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DType = Literal["float32", "bfloat16"]
-RematPolicy = Literal["none", "full", "minimal"]
+RematPolicy = Literal[
+    "none",
+    "full",
+    "minimal",
+    "minimal_with_context",
+    "save_dot_with_context_except_mlp",
+    "save_dot_except_mlpwi",
+    "save_dot_except_mlp",
+    "save_qkv_proj",
+    "save_out_proj",
+    "qkv_proj_offloaded",
+    "minimal_offloaded",
+    "custom",
+]
+RematChoice = Literal["remat", "device", "offload"]  # per named activation, for remat_policy=custom
 SUPPORTED_MLP_ACTIVATIONS = (("silu", "linear"),)
 
 
@@ -53,11 +67,28 @@ class Config(BaseModel):
     # --- layer stacking and memory ----------------------------------------------
     scan_layers: bool
     remat_policy: RematPolicy
+    # remat_policy=custom: what to do with each named activation (MaxText names)
+    decoder_layer_input: RematChoice
+    query_proj: RematChoice
+    key_proj: RematChoice
+    value_proj: RematChoice
+    qkv_proj: RematChoice  # shorthand for query_proj + key_proj + value_proj when not "remat"
+    context: RematChoice  # attention output, before the output projection
+    out_proj: RematChoice
+    mlpwi: RematChoice  # shorthand for mlpwi_0 + mlpwi_1 when not "remat"
+    mlpwi_0: RematChoice
+    mlpwi_1: RematChoice
+    mlpwo: RematChoice
+    parameter_memory_host_offload: bool
+    optimizer_memory_host_offload: bool
+    gradient_accumulation_steps: int = Field(gt=0)
 
     # --- parallelism ------------------------------------------------------------
     ici_data_parallelism: int = Field(ge=-1)
     ici_fsdp_parallelism: int = Field(ge=-1)
     ici_tensor_parallelism: int = Field(ge=-1)
+    ici_context_parallelism: int = Field(ge=-1)
+    sharding_tolerance: float = Field(ge=0, le=1)  # max fraction of parameter elements left unsharded
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...]
 
     # --- data -------------------------------------------------------------------

@@ -100,3 +100,42 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh)))
+
+
+MODEL_AXES = ("fsdp", "tensor", "context", "expert", "stage")  # axes that split parameters (not data)
+
+
+def unsharded_report(abstract_params: Any, param_shardings: Any, mesh: Mesh) -> tuple[float, list[tuple[str, tuple, str, int]]]:
+    """Fraction of parameter elements not split over any active model axis, and the
+    offenders ``(path, shape, spec, elements)`` from largest to smallest.
+
+    An axis is active when the mesh has it with size > 1. With no active model axis
+    (one device, or pure data parallelism) nothing can be sharded and the fraction is 0.
+    """
+    from nnxtron.params import flatten
+
+    active = {axis for axis in MODEL_AXES if mesh.shape.get(axis, 1) > 1}
+    if not active:
+        return 0.0, []
+    shapes, specs = flatten(abstract_params), flatten(param_shardings)
+    total, offenders = 0, []
+    for path, value in shapes.items():
+        size = math.prod(value.shape)
+        total += size
+        used = {a for entry in specs[path].spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+        if not used & active:
+            offenders.append((path, tuple(value.shape), str(specs[path].spec), size))
+    offenders.sort(key=lambda row: -row[3])
+    return sum(row[3] for row in offenders) / max(total, 1), offenders
+
+
+def check_unsharded(abstract_params: Any, param_shardings: Any, mesh: Mesh, tolerance: float) -> float:
+    """Raise if more than ``tolerance`` of the parameter elements are left unsharded."""
+    fraction, offenders = unsharded_report(abstract_params, param_shardings, mesh)
+    if fraction > tolerance:
+        worst = "; ".join(f"{path} {shape} {spec}" for path, shape, spec, _ in offenders[:3])
+        raise ConfigError(
+            f"{100 * fraction:.1f}% of parameter elements are not sharded over any model axis (sharding_tolerance="
+            f"{tolerance}); largest: {worst}; fix logical_axis_rules or the mesh, or raise sharding_tolerance"
+        )
+    return fraction

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxtron.config.schema import Config
 from nnxtron.decoder import Decoder, abstract_model
-from nnxtron.parallel.sharding import state_shardings
+from nnxtron.parallel.sharding import check_unsharded, state_shardings
 
 TrainState = dict[str, Any]  # {"params": dict, "rest": dict, "opt_state": optax state over dicts, "step": int32}
 
@@ -74,6 +74,7 @@ def _opt_shardings(opt_abstract: Any, params_abstract: dict, param_shardings: di
 def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSetup:
     """Trace the model abstractly and compute the shardings of the whole train state."""
     graphdef, params, rest, param_sh, rest_sh = model_shardings(cfg, mesh)
+    check_unsharded(params, param_sh, mesh, cfg.sharding_tolerance)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_abstract = jax.eval_shape(tx.init, params)
     shardings = {
