@@ -13,6 +13,7 @@ from nnxtron.layers.embed import Embed
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.models.registry import family_for
+from nnxtron.parallel.remat import RematSpec
 from nnxtron.parallel.scan import LayerStack
 from nnxtron.parallel.sharding import constrain
 
@@ -36,7 +37,7 @@ class Decoder(nnx.Module):
             cfg.base_num_decoder_layers,
             key=k_layers,
             scan=cfg.scan_layers,
-            remat=cfg.remat_policy,
+            remat=RematSpec.from_config(cfg),
         )
         self.final_norm = RMSNorm(cfg.base_emb_dim, eps=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype)
         if not cfg.logits_via_embedding:

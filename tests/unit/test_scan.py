@@ -7,6 +7,7 @@ from flax import nnx
 from jax._src import ad_checkpoint
 
 from nnxtron.decoder import build_model
+from nnxtron.parallel.remat import POLICIES
 from nnxtron.parallel.scan import add_stack_axis, remove_stack_axis
 from nnxtron.parallel.sharding import variable_names
 from tests.conftest import random_batch, tiny_config
@@ -61,8 +62,10 @@ def _subjaxprs(eqn):
 
 
 @pytest.mark.parametrize("scan", [True, False])
-@pytest.mark.parametrize("policy, expected", [("full", "per_layer"), ("minimal", "per_layer"), ("none", 0)])
-def test_remat_applied_by_identity(scan, policy, expected):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_remat_applied_by_identity(scan, policy):
+    """Every policy but none puts a checkpoint around each layer (one inside the scan body)."""
+    expected = 0 if policy == "none" else "per_layer"
     cfg = tiny_config("llama2-tiny", scan_layers=scan, remat_policy=policy)
     model = build_model(cfg)
     graphdef, state = nnx.split(model)

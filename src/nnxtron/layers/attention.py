@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.rope import RopeSpec, apply_rope
@@ -61,11 +62,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         batch, seq, _ = x.shape
-        q = apply_rope(self.query(x), positions, self.rope)
-        k = apply_rope(self.key(x), positions, self.rope)
-        v = self.value(x)
+        q = apply_rope(checkpoint_name(self.query(x), "query_proj"), positions, self.rope)
+        k = apply_rope(checkpoint_name(self.key(x), "key_proj"), positions, self.rope)
+        v = checkpoint_name(self.value(x), "value_proj")
         q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None))
-        k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
+        # context parallelism: queries stay sharded over the sequence; keys/values are gathered
+        k = constrain(k, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
+        v = constrain(v, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
         q = q.reshape(batch, seq, self.num_kv_heads, self.groups, self.head_dim)
         scores = jnp.einsum("bskgd,btkd->bkgst", q, k) * jnp.asarray(self.head_dim**-0.5, q.dtype)
         mask = attention_mask(segment_ids, self.sliding_window)[:, None, None]
@@ -73,4 +76,4 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(batch, seq, self.groups * self.num_kv_heads, self.head_dim)
         out = constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
-        return self.out(out)
+        return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.layers.linear import Linear
 from nnxtron.parallel.sharding import constrain
@@ -23,6 +24,7 @@ class GatedMLP(nnx.Module):
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = ACTIVATIONS[self.activation](self.wi_0(x)) * self.wi_1(x)
-        hidden = constrain(hidden, ("activation_batch", "activation_length", "activation_mlp"))
-        return self.wo(hidden)
+        gate = checkpoint_name(self.wi_0(x), "mlpwi_0")
+        up = checkpoint_name(self.wi_1(x), "mlpwi_1")
+        hidden = constrain(ACTIVATIONS[self.activation](gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+        return checkpoint_name(self.wo(hidden), "mlpwo")

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
@@ -63,7 +64,7 @@ class LlamaBlock(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        x = constrain(x, RESIDUAL)
+        x = checkpoint_name(constrain(x, RESIDUAL), "decoder_layer_input")
         h = x + self.attention(self.pre_attention_norm(x), positions, segment_ids)
         return h + self.mlp(self.post_attention_norm(h))
 

@@ -18,9 +18,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxtron.parallel.remat import RematSpec, jax_policy
 from nnxtron.parallel.sharding import SHARDING_KEY
 
 STACK_AXIS = "layers"
+
+
+def is_stack_axis(name: str | None) -> bool:
+    """Stacking axes are named ``layers`` or ``<something>_layers`` (e.g. ``moe_layers``)."""
+    return name is not None and (name == STACK_AXIS or name.endswith("_layers"))
 
 
 def _is_variable(x: Any) -> bool:
@@ -83,18 +89,6 @@ def remove_stack_axis(tree: Any, axis_name: str = STACK_AXIS, axis: int = 0) -> 
     return _rename(tree, edit)
 
 
-def remat_policy(name: str):
-    """The jax.checkpoint policy for a remat_policy name (None means no remat)."""
-    policies = {
-        "none": None,
-        "full": jax.checkpoint_policies.nothing_saveable,
-        "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    }
-    if name not in policies:
-        raise ValueError(f"unknown remat_policy '{name}'; choose one of {', '.join(policies)}")
-    return policies[name]
-
-
 def _apply_layer(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: tuple) -> tuple[jax.Array, nnx.State]:
     """Pure application of one layer: returns the output and its non-parameter state."""
     layer = nnx.merge(graphdef, state)
@@ -102,12 +96,13 @@ def _apply_layer(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: t
     return y, nnx.state(layer, nnx.Not(nnx.Param))
 
 
-def _with_remat(fn: Callable, policy_name: str, *, in_scan: bool) -> Callable:
+def _with_remat(fn: Callable, spec: RematSpec, *, in_scan: bool) -> Callable:
     """Wrap one layer application in jax.checkpoint. CSE prevention is only needed outside
     a scan (inside, the loop already stops XLA from merging the recomputation away)."""
-    if policy_name == "none":
+    policy = jax_policy(spec)
+    if policy is None:
         return fn
-    return jax.checkpoint(fn, policy=remat_policy(policy_name), prevent_cse=not in_scan, static_argnums=(0,))
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan, static_argnums=(0,))
 
 
 class LayerStack(nnx.Module):
@@ -120,9 +115,13 @@ class LayerStack(nnx.Module):
         *,
         key: jax.Array,
         scan: bool,
-        remat: str,
+        remat: RematSpec,
+        axis_name: str = STACK_AXIS,
     ):
-        remat_policy(remat)  # validate the name early
+        jax_policy(remat)  # validate the name early
+        if not is_stack_axis(axis_name):
+            raise ValueError(f"stack axis name '{axis_name}' must be 'layers' or end with '_layers'")
+        self.axis_name = axis_name
         self.num_layers = num_layers
         self.scan = scan
         self.remat = remat
@@ -130,7 +129,7 @@ class LayerStack(nnx.Module):
         if scan:
             graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_block(nnx.Rngs(0))))
             stacked = jax.vmap(lambda k: nnx.split(make_block(nnx.Rngs(k)))[1])(keys)
-            self.layers = nnx.merge(graphdef, add_stack_axis(stacked))
+            self.layers = nnx.merge(graphdef, add_stack_axis(stacked, axis_name))
         else:
             self.layers = nnx.List([make_block(nnx.Rngs(keys[i])) for i in range(num_layers)])
 
@@ -146,9 +145,9 @@ class LayerStack(nnx.Module):
         graphdef, state = nnx.split(self.layers)
 
         def body(carry, layer_state):
-            y, rest = apply(graphdef, remove_stack_axis(layer_state), carry, args)
+            y, rest = apply(graphdef, remove_stack_axis(layer_state, self.axis_name), carry, args)
             return y, rest
 
         x, stacked_rest = jax.lax.scan(body, x, state)
-        nnx.update(self.layers, add_stack_axis(stacked_rest))
+        nnx.update(self.layers, add_stack_axis(stacked_rest, self.axis_name))
         return x

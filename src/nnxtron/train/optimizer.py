@@ -11,7 +11,7 @@ from flax import nnx
 from nnxtron.config.derived import Derived
 from nnxtron.config.schema import Config
 from nnxtron.decoder import abstract_model
-from nnxtron.parallel.scan import STACK_AXIS
+from nnxtron.parallel.scan import is_stack_axis
 from nnxtron.parallel.sharding import variable_names
 
 
@@ -34,7 +34,7 @@ def decay_mask(cfg: Config) -> dict:
 
     def one(variable: nnx.Variable) -> bool:
         names = variable_names(variable) or ()
-        return len([n for n in names if n != STACK_AXIS]) >= 2
+        return len([n for n in names if not is_stack_axis(n)]) >= 2
 
     params = nnx.state(abstract_model(cfg), nnx.Param)
     return nnx.to_pure_dict(jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))

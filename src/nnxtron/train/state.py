@@ -19,19 +19,62 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxtron.config.schema import Config
 from nnxtron.decoder import Decoder, abstract_model
+from nnxtron.errors import ConfigError
 from nnxtron.parallel.sharding import check_unsharded, state_shardings
 
 TrainState = dict[str, Any]  # {"params": dict, "rest": dict, "opt_state": optax state over dicts, "step": int32}
 
 
+HOST_MEMORY = "pinned_host"
+
+
 @dataclass
 class ModelSetup:
-    """What the step functions need: the static graph and the shardings of each piece."""
+    """What the step functions need: the static graph and the shardings of each piece.
+
+    ``state_shardings`` say where the state lives between steps (host memory for the
+    parts named by parameter/optimizer_memory_host_offload); ``compute_shardings`` say
+    where the step computes on them (device memory).
+    """
 
     graphdef: nnx.GraphDef
     mesh: Mesh
     state_shardings: TrainState
     abstract_state: TrainState
+    compute_shardings: TrainState | None = None
+
+    def to_compute(self, state: TrainState) -> TrainState:
+        """Inside the step: bring host-offloaded parts of the state into device memory."""
+        if self.compute_shardings is None:
+            return state
+        return {key: jax.device_put(value, self.compute_shardings[key]) for key, value in state.items()}
+
+    def to_storage(self, state: TrainState) -> TrainState:
+        """Inside the step: send the offloaded parts of the new state back to host memory."""
+        if self.compute_shardings is None:
+            return state
+        return {key: jax.device_put(value, self.state_shardings[key]) for key, value in state.items()}
+
+
+def _with_memory_kind(shardings: Any, kind: str) -> Any:
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+
+def _host_offload(cfg: Config, shardings: TrainState) -> tuple[TrainState, TrainState | None]:
+    """(storage shardings, compute shardings) for parameter/optimizer host offload."""
+    parts = [
+        k for k, flag in (("params", cfg.parameter_memory_host_offload), ("opt_state", cfg.optimizer_memory_host_offload)) if flag
+    ]
+    if not parts:
+        return shardings, None
+    device = jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if HOST_MEMORY not in kinds:
+        flag = "parameter_memory_host_offload" if "params" in parts else "optimizer_memory_host_offload"
+        raise ConfigError(f"{flag}=true needs '{HOST_MEMORY}' memory, which the {device.platform} backend lacks; set it to false")
+    compute = {k: _with_memory_kind(v, "device") for k, v in shardings.items()}
+    storage = {k: _with_memory_kind(v, HOST_MEMORY) if k in parts else compute[k] for k, v in shardings.items()}
+    return storage, compute
 
 
 def model_shardings(cfg: Config, mesh: Mesh) -> tuple[nnx.GraphDef, dict, dict, dict, dict]:
@@ -84,7 +127,8 @@ def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSet
         "step": replicated,
     }
     abstract_state = {"params": params, "rest": rest, "opt_state": opt_abstract, "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    return ModelSetup(graphdef, mesh, shardings, abstract_state)
+    storage, compute = _host_offload(cfg, shardings)
+    return ModelSetup(graphdef, mesh, storage, abstract_state, compute)
 
 
 def init_state(cfg: Config, model_setup: ModelSetup, tx: optax.GradientTransformation, params: dict | None = None) -> TrainState:
