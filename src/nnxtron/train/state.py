@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnxtron.config.schema import Config
 from nnxtron.decoder import Decoder, abstract_model
 from nnxtron.errors import ConfigError
+from nnxtron.parallel.remat import RematSpec, check_offload_supported, host_memory_available
 from nnxtron.parallel.sharding import check_unsharded, state_shardings
 
 TrainState = dict[str, Any]  # {"params": dict, "rest": dict, "opt_state": optax state over dicts, "step": int32}
@@ -67,9 +68,8 @@ def _host_offload(cfg: Config, shardings: TrainState) -> tuple[TrainState, Train
     ]
     if not parts:
         return shardings, None
-    device = jax.devices()[0]
-    kinds = {m.kind for m in device.addressable_memories()}
-    if HOST_MEMORY not in kinds:
+    if not host_memory_available():
+        device = jax.devices()[0]
         flag = "parameter_memory_host_offload" if "params" in parts else "optimizer_memory_host_offload"
         raise ConfigError(f"{flag}=true needs '{HOST_MEMORY}' memory, which the {device.platform} backend lacks; set it to false")
     compute = {k: _with_memory_kind(v, "device") for k, v in shardings.items()}
@@ -116,6 +116,7 @@ def _opt_shardings(opt_abstract: Any, params_abstract: dict, param_shardings: di
 
 def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSetup:
     """Trace the model abstractly and compute the shardings of the whole train state."""
+    check_offload_supported(RematSpec.from_config(cfg))
     graphdef, params, rest, param_sh, rest_sh = model_shardings(cfg, mesh)
     check_unsharded(params, param_sh, mesh, cfg.sharding_tolerance)
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -1,9 +1,10 @@
 """Break critical code on purpose and check that a test turns red (mutation check).
 
 Each mutation replaces one snippet in one source file, runs the tests that must catch it,
-and restores the file. A mutation that leaves the tests green is reported as SURVIVED
-and the script exits 1. Run: ``.venv/bin/python scripts/mutate.py [NAME ...]``
-(several minutes on 2 CPU cores; not part of CI).
+and restores the file. A mutation that leaves the tests green is reported as SURVIVED,
+the mutation score (killed / total) is printed and the script exits 1 unless every
+mutant is killed. Run: ``.venv/bin/python tests/mutation/run.py [NAME ...]`` (several
+minutes on 2 CPU cores; not part of the CI suite). Later features append mutants.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "nnxtron"
 
 
@@ -45,6 +46,8 @@ MUTATIONS = [
              "jnp.ones_like(per_token)", ("tests/unit/test_loss.py",)),
     Mutation("resume-restarts-data", "train/loop.py", "self._host_batch(self.train_source, step)", "self._host_batch(self.train_source, step - start)",
              ("tests/integration/test_train.py::test_resume_equals_an_uninterrupted_run",)),
+    Mutation("drop-stack-axis-name", "parallel/scan.py", "return names[:axis] + (axis_name,) + names[axis:]", "return names",
+             ("tests/unit/test_scan.py", "tests/parity/test_sharding_robustness.py")),
     Mutation("unrolled-layers-share-a-key", "parallel/scan.py", "make_block(nnx.Rngs(keys[i]))", "make_block(nnx.Rngs(keys[0]))",
              ("tests/parity/test_strategies.py::test_scan_and_unroll_build_identical_weights",)),
     Mutation("rules-shard-nothing", "parallel/sharding.py", "used.update(axes)", "used.update(axes); axes = ()",
@@ -79,6 +82,8 @@ def main(names: list[str]) -> int:
         print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name}", flush=True)
         if not caught:
             survived.append(mutation.name)
+    killed = len(chosen) - len(survived)
+    print(f"mutation score: {killed}/{len(chosen)} killed" + (f"; survived: {', '.join(survived)}" if survived else ""))
     return 1 if survived else 0
 
 
