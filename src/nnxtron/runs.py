@@ -32,7 +32,10 @@ def run_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
 
 
 def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:
-    """The trained model at ``path``: a run directory (latest checkpoint) or an HF directory."""
+    """The trained model at ``path``: a run directory (latest checkpoint) or an HF directory.
+
+    The model is built from the run's config plus ``overrides`` (e.g. ``scan_layers=false`` or
+    another mesh); the checkpoint is converted to that layout whatever layout wrote it."""
     path = Path(path)
     if is_hf_directory(path):
         from nnxtron.hf import from_hf

@@ -2,9 +2,18 @@
 
 A checkpoint directory holds ``<step>/params`` (weights), ``<step>/train`` (optimizer
 state, step, other variables; absent in converted HF checkpoints) and ``<step>/meta``
-(JSON: format marker, step, data position, the config that wrote it). Restoring checks that the
-stored arrays match the model being restored key by key and shape by shape, so a
-foreign or corrupted directory gives one clear error instead of a deep traceback.
+(JSON: format marker, step, data position, the config that wrote it and the ``layout`` it
+was written with: scanned or layer-list layers, layer count, mesh shape). Restoring
+checks that the stored arrays match the model being restored key by key and shape by
+shape, so a foreign or corrupted directory gives one clear error instead of a deep
+traceback.
+
+Restoring works across layouts. A different mesh needs nothing special: orbax reads
+each array straight into the target's sharding. A different ``scan_layers`` is
+converted: the arrays are read in the *stored* layout (targets derived from the
+current ones, sharded like them with the layer axis added or dropped) and every key
+with a layer group -- parameters, Adam moments, other state -- is stacked or unstacked
+one group at a time straight into the current shardings (never gathered on one device).
 """
 
 from __future__ import annotations
@@ -14,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxtron.errors import CheckpointError
-from nnxtron.params import flatten_with_treedef
+from nnxtron.params import detect_layout, flatten_with_treedef, layer_groups
 
 FORMAT = "nnxtron-checkpoint-v1"
 
@@ -46,12 +57,18 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Save a train state (or a params-only state) as the items ``params`` and ``train``."""
-        items = {"params": ocp.args.StandardSave(flatten_with_treedef(state["params"])[0])}
+        """Save a train state (or a params-only state) as the items ``params`` and ``train``.
+
+        ``meta`` gets a ``layout`` record read from the arrays themselves (entries the
+        caller passes in ``meta["layout"]`` are added to it).
+        """
+        flat_params = flatten_with_treedef(state["params"])[0]
+        items = {"params": ocp.args.StandardSave(flat_params)}
         others = {k: v for k, v in state.items() if k != "params"}
         if others:
             items["train"] = ocp.args.StandardSave(flatten_with_treedef(others)[0])
-        payload = {"format": FORMAT, "step": int(step), "items": sorted(items), **meta}
+        layout = {**layout_of(flat_params), **meta.get("layout", {})}
+        payload = {"format": FORMAT, "step": int(step), "items": sorted(items), **meta, "layout": layout}
         self.manager.save(int(step), args=ocp.args.Composite(meta=ocp.args.JsonSave(payload), **items))
 
     def wait(self) -> None:
@@ -69,6 +86,19 @@ class Checkpointer:
                 "point at a directory written by `nnxtron train` or `nnxtron convert from-hf`"
             )
         return meta
+
+    def stored_layout(self, step: int, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The layout ``step`` was written with: its ``layout`` record; for older checkpoints
+        ``scan_layers`` of the config in its meta; else read from the stored array names."""
+        meta = self.read_meta(step) if meta is None else meta
+        layout = meta.get("layout")
+        if isinstance(layout, dict) and isinstance(layout.get("scan_layers"), bool):
+            return layout
+        config = meta.get("config")
+        if isinstance(config, dict) and isinstance(config.get("scan_layers"), bool):
+            return {"scan_layers": config["scan_layers"], "num_layers": config.get("base_num_decoder_layers")}
+        scanned, num_layers = detect_layout(self._stored_metadata(step, "params"))
+        return {"scan_layers": scanned, "num_layers": num_layers}
 
     def restore(
         self, step: int, abstract_state: dict[str, Any], shardings: dict[str, Any]
@@ -97,13 +127,19 @@ class Checkpointer:
             targets[item] = {
                 key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=flat_sh[key]) for key, value in flat.items()
             }
-            self._check_structure(step, item, targets[item])
+        scanned, num_layers = detect_layout(targets["params"])
+        stored_scanned = self.stored_layout(step, meta).get("scan_layers") if scanned is not None else None
+        convert = stored_scanned is not None and stored_scanned != scanned
+        stored_targets = {}
+        for item, target in targets.items():
+            stored_targets[item] = _abstract_relayout(target, num_layers, stored_scanned) if convert else target
+            self._check_structure(step, item, stored_targets[item])
         try:
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
                     meta=ocp.args.JsonRestore(),
-                    **{item: ocp.args.StandardRestore(target) for item, target in targets.items()},
+                    **{item: ocp.args.StandardRestore(target) for item, target in stored_targets.items()},
                 ),
             )
         except Exception as err:
@@ -111,13 +147,16 @@ class Checkpointer:
                 f"checkpoint '{self.directory / str(step)}' is unreadable ({_one_line(err)}); "
                 "it may be corrupted: restore an older step or start a new run_name"
             ) from None
+        arrays = {item: dict(restored[item]) for item in targets}
+        del restored
         out: dict[str, Any] = {}
         for item, target in targets.items():
-            tree = jax.tree_util.tree_unflatten(treedefs[item], [restored[item][key] for key in target])
+            values = _relayout(arrays.pop(item), target, num_layers, scanned) if convert else arrays.pop(item)
+            tree = jax.tree_util.tree_unflatten(treedefs[item], [values[key] for key in target])
             out.update({"params": tree} if item == "params" else tree)
         return out, meta
 
-    def _check_structure(self, step: int, item: str, target: dict[str, jax.ShapeDtypeStruct]) -> None:
+    def _stored_metadata(self, step: int, item: str) -> dict[str, Any]:
         try:
             stored = self.manager.item_metadata(step)[item]
         except Exception as err:
@@ -125,7 +164,11 @@ class Checkpointer:
                 f"checkpoint '{self.directory / str(step)}' has no readable state ({_one_line(err)}); "
                 "it may be corrupted: restore an older step or start a new run_name"
             ) from None
-        stored_keys = set(stored.keys()) if stored is not None else set()
+        return dict(stored) if stored is not None else {}
+
+    def _check_structure(self, step: int, item: str, target: dict[str, jax.ShapeDtypeStruct]) -> None:
+        stored = self._stored_metadata(step, item)
+        stored_keys = set(stored)
         missing = sorted(set(target) - stored_keys)
         extra = sorted(stored_keys - set(target))
         if missing or extra:
@@ -142,6 +185,82 @@ class Checkpointer:
                     f"checkpoint '{self.directory / str(step)}' array {key} has shape {shape}, this model needs "
                     f"{tuple(want.shape)}: it was written for a different config; use a new run_name"
                 )
+
+
+def layout_of(flat_params: dict[str, Any]) -> dict[str, Any]:
+    """The layout record of a flat parameter dict: scanned or not, layer count, mesh shape."""
+    scanned, num_layers = detect_layout(flat_params)
+    shardings = [getattr(v, "sharding", None) for v in flat_params.values()]
+    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+    devices = next((len(s.device_set) for s in shardings if s is not None), None)
+    return {
+        "scan_layers": scanned,
+        "num_layers": num_layers,
+        "mesh_shape": None if mesh is None else {str(axis): int(size) for axis, size in mesh.shape.items()},
+        "num_devices": devices,
+    }
+
+
+def _with_layer_axis(sharding: Any, add: bool) -> Any:
+    """The sharding of the stacked (``add``) or per-layer array of a leaf sharded like ``sharding``:
+    the layer axis is never split (added as None; a split one is dropped, i.e. gathered)."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding  # single-device or fully replicated: valid for any rank
+    spec = tuple(sharding.spec)
+    spec = (None, *spec) if add else spec[1:]
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+
+
+def _abstract_relayout(target: dict[str, jax.ShapeDtypeStruct], num_layers: int, scanned: bool) -> dict:
+    """Restore targets of the other layout (shapes, dtypes and sharding) from the current targets."""
+    out: dict[str, jax.ShapeDtypeStruct] = {}
+    for new, old in _groups(target, num_layers, scanned):
+        if new == old:
+            out[new[0]] = target[old[0]]
+        elif scanned:  # per-layer targets -> one stacked target
+            first = target[old[0]]
+            sharding = _with_layer_axis(first.sharding, add=True)
+            out[new[0]] = jax.ShapeDtypeStruct((num_layers, *first.shape), first.dtype, sharding=sharding)
+        else:  # one stacked target -> per-layer targets
+            whole = target[old[0]]
+            sharding = _with_layer_axis(whole.sharding, add=False)
+            part = jax.ShapeDtypeStruct(tuple(whole.shape[1:]), whole.dtype, sharding=sharding)
+            out.update(dict.fromkeys(new, part))
+    return out
+
+
+def _relayout(stored: dict[str, jax.Array], target: dict[str, jax.ShapeDtypeStruct], num_layers: int, scanned: bool) -> dict:
+    """Restored arrays of the other layout -> the current one, placed on the target shardings.
+
+    One layer group at a time, each source dropped once converted, so at most one group's
+    arrays exist twice."""
+    out: dict[str, jax.Array] = {}
+    for new, old in _groups(stored, num_layers, scanned):
+        if new == old:
+            out[new[0]] = stored.pop(old[0])
+        elif scanned:
+            parts = [stored.pop(k) for k in old]
+            out[new[0]] = jax.jit(_stack, out_shardings=target[new[0]].sharding)(parts)
+            del parts
+        else:
+            shardings = tuple(target[k].sharding for k in new)
+            out.update(zip(new, jax.jit(_unstack, out_shardings=shardings)(stored.pop(old[0])), strict=True))
+    return out
+
+
+def _stack(parts: list[jax.Array]) -> jax.Array:
+    return jnp.stack(parts)
+
+
+def _unstack(whole: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(whole[i] for i in range(whole.shape[0]))
+
+
+def _groups(flat: dict[str, Any], num_layers: int, scanned: bool) -> list[tuple[list[str], list[str]]]:
+    try:
+        return layer_groups(flat, num_layers, scanned)
+    except ValueError as err:
+        raise CheckpointError(f"cannot convert the checkpoint's layer layout: {err}") from None
 
 
 def _one_line(err: BaseException) -> str:

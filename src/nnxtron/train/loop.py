@@ -25,9 +25,11 @@ from nnxtron.train.state import TrainState, init_state, setup
 from nnxtron.train.step import batch_sharding, device_batch, make_eval_step, make_train_step
 
 # Keys that define the model's parameters: a run cannot resume with different values.
+# (scan_layers is not one: it changes how the same parameters are laid out and applied, and
+# checkpoints are converted between the two layouts on restore; the mesh may change too.)
 MODEL_KEYS = (
     "decoder_block", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
-    "base_num_decoder_layers", "vocab_size", "logits_via_embedding", "scan_layers", "weight_dtype",
+    "base_num_decoder_layers", "vocab_size", "logits_via_embedding", "weight_dtype",
 )  # fmt: skip
 
 
@@ -65,7 +67,11 @@ def _check_same_model(run_dir: Path, cfg: Config) -> None:
 
 
 def load_parameters(path: str | Path, abstract_params: Any, param_shardings: Any) -> Any:
-    """Weights from an nnxtron checkpoint: a run directory, its checkpoints/ or one step."""
+    """Weights from an nnxtron checkpoint: a run directory, its checkpoints/ or one step.
+
+    The checkpoint may be a full training one or params-only (``convert from-hf``), written
+    with either ``scan_layers`` and on any mesh: it is converted to the layout of
+    ``abstract_params`` and placed on ``param_shardings``."""
     directory = Path(path)
     if (directory / "checkpoints").is_dir():
         directory = directory / "checkpoints"
