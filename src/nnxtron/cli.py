@@ -1,4 +1,4 @@
-"""The ``nnxtron`` command: train | generate | convert | config | bench.
+"""The ``nnxtron`` command: train | generate | convert | config | bench | plan.
 
 Every subcommand takes an optional YAML file and ``key=value`` overrides. Bad input
 (config, data, checkpoint, command line) is reported as one line on stderr with exit
@@ -147,6 +147,95 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    """Parameter counts, shardings and per-device memory from an AOT compile of the train step.
+
+    ``devices=N`` (a plan argument, not a config key) plans over N fake CPU devices: the
+    XLA flag is set before jax starts, or the plan re-runs in a child process when this
+    process's jax is already running with other devices.
+    """
+    import os
+
+    devices, args = None, []
+    for arg in ns.args:
+        key, _, value = arg.partition("=")
+        if key.strip() != "devices":
+            args.append(arg)
+            continue
+        try:
+            devices = int(value.strip())
+        except ValueError:
+            raise UserError(f"devices={value!r} is not an integer; give the number of fake CPU devices, e.g. devices=8") from None
+        if devices < 1:
+            raise UserError(f"devices={devices} must be at least 1")
+    if devices is not None:
+        if "jax" in sys.modules:
+            if not _jax_has_cpu_devices(devices):
+                return _rerun_plan_with_devices(ns, devices)
+        else:
+            os.environ.update(_fake_device_env(devices))
+
+    from nnxtron.config import load_config
+    from nnxtron.plan import format_plan, make_plan, to_json_ready
+
+    if ns.device_memory_gib is not None and ns.device_memory_gib <= 0:
+        raise UserError(f"--device-memory-gib must be positive, got {ns.device_memory_gib}")
+    cfg = load_config(*_split_file_and_overrides(args))
+    plan = make_plan(cfg, device_memory_gib=ns.device_memory_gib)
+    print(json.dumps(to_json_ready(plan), indent=1) if ns.json else format_plan(plan).rstrip("\n"))
+    return 0
+
+
+def _fake_device_env(devices: int) -> dict[str, str]:
+    """XLA_FLAGS / JAX_PLATFORMS for ``devices`` fake CPU devices (other XLA flags kept)."""
+    import os
+
+    flag = "--xla_force_host_platform_device_count"
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+    return {"XLA_FLAGS": " ".join([*kept, f"{flag}={devices}"]), "JAX_PLATFORMS": "cpu"}
+
+
+def _jax_has_cpu_devices(devices: int) -> bool:
+    """Whether the already-imported jax runs on exactly ``devices`` CPU devices (False if
+    its backends are not started yet: their flags can no longer be trusted to apply)."""
+    import jax
+
+    try:
+        from jax._src import xla_bridge
+
+        if not xla_bridge.backends_are_initialized():
+            return False
+    except (ImportError, AttributeError):
+        return False
+    return jax.default_backend() == "cpu" and jax.device_count() == devices
+
+
+def _rerun_plan_with_devices(ns: argparse.Namespace, devices: int) -> int:
+    """Run ``nnxtron plan`` in a child process with ``devices`` fake CPU devices, forwarding
+    its stdout, stderr and exit status."""
+    import os
+    import subprocess
+
+    import nnxtron
+
+    if os.environ.get("NNXTRON_PLAN_CHILD"):  # the child must never recurse
+        raise UserError(f"could not start jax with {devices} fake CPU devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+    env = {**os.environ, **_fake_device_env(devices), "NNXTRON_PLAN_CHILD": "1"}
+    src = str(Path(nnxtron.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
+    argv = [sys.executable, "-m", "nnxtron", "plan", *ns.args]
+    if ns.json:
+        argv.append("--json")
+    if ns.device_memory_gib is not None:
+        argv += ["--device-memory-gib", str(ns.device_memory_gib)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    sys.stdout.write(proc.stdout)
+    sys.stdout.flush()
+    sys.stderr.write(proc.stderr)
+    sys.stderr.flush()
+    return proc.returncode
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nnxtron", description="Train and sample decoder-only language models with JAX + NNX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -181,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", help=file_help)
     p.add_argument("--steps", type=int, default=10, help="timed steps after warm-up (median reported)")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "plan",
+        help="parameter counts, shardings and per-device memory from an ahead-of-time compile (nothing allocated)",
+    )
+    p.add_argument("args", nargs="*", help=file_help + "; devices=N plans over N fake CPU devices")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--device-memory-gib", type=float, default=None, help="say whether the peak fits in this much device memory")
+    p.set_defaults(func=_cmd_plan)
     return parser
 
 

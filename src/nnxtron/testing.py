@@ -9,7 +9,7 @@ false-alarms on tiny leaves; an aggregate-only bound hides a wrong small leaf).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -18,19 +18,30 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
-from nnxtron.params import layer_list_layout
-from nnxtron.train.loss import cross_entropy
+from nnxtron.params import flatten, layer_list_layout
+from nnxtron.train.step import compute_gradients
 
 
 @dataclass
 class GradResult:
-    loss: float
-    input_grad: np.ndarray  # d loss / d embedding output [B, S, D]
+    loss: float  # token-mean cross-entropy (aux losses excluded)
+    input_grad: np.ndarray  # d objective / d embedding output [B, S, D]
     param_grads: dict[str, np.ndarray]  # layer-list layout, independent of scan_layers
+    aux: dict[str, float] = field(default_factory=dict)  # the model's aux losses (batch values)
+    rest: dict[str, np.ndarray] = field(default_factory=dict)  # non-parameter state after the batch (flat paths)
 
 
-def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], mesh: Mesh | None = None) -> GradResult:
-    """Token-mean cross-entropy, its input cotangent and parameter gradients (jitted).
+def loss_and_grads(
+    model: nnx.Module, batch: dict[str, jax.Array], mesh: Mesh | None = None, accumulation_steps: int = 1
+) -> GradResult:
+    """Loss, input cotangent and parameter gradients of the training objective (jitted).
+
+    Computed by the train step's own ``compute_gradients``: the objective is token-mean
+    cross-entropy plus the model's aux losses, the parameter gradients are exactly those
+    the optimizer receives (including the embedding lookup), and the input cotangent is
+    d objective / d (embedding output). ``accumulation_steps`` = k > 1 runs the batch as
+    k microbatches (rows i, i+k, ... form microbatch i); the input cotangent is then the
+    per-microbatch cotangents put back in row order, scaled like the k = 1 one.
 
     With ``mesh``, parameters are placed by the config's logical rules and activations
     are constrained as in training, so the result checks the sharded computation.
@@ -38,27 +49,29 @@ def loss_and_grads(model: nnx.Module, batch: dict[str, jax.Array], mesh: Mesh | 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     cfg = model.config
     num_layers = cfg.base_num_decoder_layers
+    rules = cfg.logical_axis_rules
+    grad_shardings = None
     if mesh is not None:
-        params = jax.device_put(params, state_shardings(params, mesh, cfg.logical_axis_rules))
-        rest = jax.device_put(rest, state_shardings(rest, mesh, cfg.logical_axis_rules))
-        batch_spec = NamedSharding(mesh, logical_to_spec(("activation_batch", "activation_length"), cfg.logical_axis_rules, mesh))
+        param_shardings = state_shardings(params, mesh, rules)
+        params = jax.device_put(params, param_shardings)
+        rest = jax.device_put(rest, state_shardings(rest, mesh, rules))
+        grad_shardings = nnx.to_pure_dict(param_shardings)
+        batch_spec = NamedSharding(mesh, logical_to_spec(("activation_batch", "activation_length"), rules, mesh))
         batch = {k: jax.device_put(v, batch_spec) for k, v in batch.items()}
-
-    def loss_fn(params, x, batch):
-        m = nnx.merge(graphdef, params, rest)
-        out = m.from_embeddings(x, batch.get("positions"), batch.get("segment_ids"))
-        return cross_entropy(out.logits, batch["targets"], batch.get("loss_mask"))[0]
+    params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
     @jax.jit
     def run(params, rest, batch):
-        with activate(mesh, cfg.logical_axis_rules) if mesh is not None else contextlib.nullcontext():
-            x = nnx.merge(graphdef, params, rest).embed(batch["inputs"])
-            loss, (g_params, g_x) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, x, batch)
-        return loss, g_x, g_params
+        with activate(mesh, rules) if mesh is not None else contextlib.nullcontext():
+            g = compute_gradients(
+                graphdef, params, rest, batch, accumulation_steps, input_grad=True, grad_shardings=grad_shardings
+            )
+        return g.loss, g.input_grad, g.grads, g.aux, g.rest
 
-    loss, g_x, g_params = run(params, rest, batch)
+    loss, g_x, g_params, aux, new_rest = run(params, rest, batch)
     grads = {k: np.asarray(v) for k, v in layer_list_layout(g_params, num_layers).items()}
-    return GradResult(float(loss), np.asarray(g_x), grads)
+    new_rest = {k: np.asarray(v) for k, v in flatten(new_rest).items()}
+    return GradResult(float(loss), np.asarray(g_x), grads, {k: float(v) for k, v in aux.items()}, new_rest)
 
 
 def _norm(x: np.ndarray) -> float:
@@ -81,6 +94,11 @@ def assert_grad_parity(
     )
     loss_err = abs(a.loss - b.loss) / max(abs(b.loss), 1e-12)
     assert loss_err <= loss_rtol, f"loss {a.loss} vs {b.loss}: rel err {loss_err:.3e} > {loss_rtol}"
+    assert set(a.aux) == set(b.aux), f"aux losses differ: {sorted(a.aux)} vs {sorted(b.aux)}"
+    for name, value in b.aux.items():
+        aux_err = abs(a.aux[name] - value) / max(abs(value), 1e-12)
+        assert aux_err <= loss_rtol, f"aux loss {name} {a.aux[name]} vs {value}: rel err {aux_err:.3e} > {loss_rtol}"
+        loss_err = max(loss_err, aux_err)
 
     in_err = _norm(a.input_grad - b.input_grad) / max(_norm(b.input_grad), 1e-30)
     assert in_err <= aggregate_rel, f"input cotangent rel err {in_err:.3e} > {aggregate_rel}"

@@ -6,16 +6,22 @@ import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token loss over unmasked tokens, and the number of those tokens.
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Sum of the next-token loss over unmasked tokens, and the number of those tokens.
 
     logits [B, S, V] (any float dtype, computed in float32), targets [B, S] int, mask [B, S]
-    (1 = count this target; padding and cross-document targets are 0).
+    (1 = count this target; padding and cross-document targets are 0). Sums (not means)
+    let gradient accumulation normalise by the tokens of the whole batch.
     """
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     per_token = log_z - target_logit
     weights = jnp.ones_like(per_token) if mask is None else mask.astype(jnp.float32)
-    count = jnp.sum(weights)
-    return jnp.sum(per_token * weights) / jnp.maximum(count, 1.0), count
+    return jnp.sum(per_token * weights), jnp.sum(weights)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Token-mean next-token loss over unmasked tokens, and the number of those tokens."""
+    total, count = cross_entropy_sum(logits, targets, mask)
+    return total / jnp.maximum(count, 1.0), count

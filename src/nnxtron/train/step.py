@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxtron.config.schema import Config
 from nnxtron.data.packing import BATCH_KEYS
-from nnxtron.parallel.sharding import activate, logical_to_spec
-from nnxtron.train.loss import cross_entropy
+from nnxtron.parallel.sharding import activate, constrain, logical_to_spec
+from nnxtron.train.loss import cross_entropy, cross_entropy_sum
 from nnxtron.train.state import ModelSetup, TrainState
 
 Batch = dict[str, jax.Array]
@@ -33,27 +33,204 @@ def _forward_loss(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, ba
     return loss, (tokens, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
 
 
+# --------------------------------------------------------------------------- gradients
+#
+# The objective of one batch is   J = CE_token_mean + sum_name aux_losses[name]
+# where a model may return ``DecoderOutput.aux["losses"] = {name: scalar}``: already
+# weighted auxiliary losses, each a mean over the tokens of the rows it saw (e.g. MoE
+# load balancing, MTP). With gradient accumulation (k microbatches) the batch objective
+# is the same large-batch quantity:
+#
+#     J = ( sum_i loss_sum_i  +  sum_i tokens_i * aux_i ) / T,     T = sum_i tokens_i
+#
+# i.e. every microbatch's aux loss is weighted by its token share tokens_i / T, exactly
+# like its cross-entropy tokens, so k = 1 and k > 1 agree when the aux losses are token
+# means over the loss-mask tokens. (If the whole batch has no target token, T is clamped
+# to 1 as in ``cross_entropy`` and each microbatch's aux loss gets weight 1/k.)
+
+
+class Gradients(NamedTuple):
+    """What ``compute_gradients`` returns for one (global) batch."""
+
+    loss: jax.Array  # token-mean cross-entropy over the whole batch (float32 scalar; aux losses excluded)
+    tokens: jax.Array  # number of target tokens counted (sum of loss_mask)
+    grads: Any  # d J / d params, same tree and dtypes as params (J includes the aux losses)
+    rest: Any  # the model's non-parameter state after the batch (carried through the microbatches)
+    aux: dict[str, jax.Array]  # each aux loss as a batch value (token-share weighted over microbatches)
+    input_grad: jax.Array | None = None  # d J / d embedding output [B, S, D], only when requested
+
+
+def split_microbatches(batch: Batch, k: int) -> Batch:
+    """[B, ...] -> [k, B/k, ...]: microbatch i is rows i, i+k, i+2k, ... of the batch.
+
+    The strided assignment is what keeps every shard where it is: the batch dim is split
+    into contiguous blocks of B/n rows over the n data x fsdp shards, and reshaping to
+    [B/k, k, ...] keeps those blocks on dim 0 (B/k divides over the shards — checked by
+    ``derive``), so each microbatch is sharded over the batch axes exactly like the full
+    batch and the split moves no data between devices. (Contiguous microbatches, rows
+    [i*B/k, (i+1)*B/k), would live on only n/k of the devices and need an all-to-all.)
+    The assignment does not depend on the mesh, so every mesh sees the same microbatches.
+    """
+    rows = {v.shape[0] for v in batch.values()}
+    if len(rows) != 1 or next(iter(rows)) % k:
+        raise ValueError(f"accumulation_steps={k} does not divide the batch rows {sorted(rows)}")
+
+    def one(x: jax.Array) -> jax.Array:
+        x = jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+        return constrain(x, (None, "activation_batch", "activation_length")[: x.ndim] + (None,) * max(x.ndim - 3, 0))
+
+    return {key: one(value) for key, value in batch.items()}
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    """The inverse of ``split_microbatches`` for one array: [k, B/k, ...] -> [B, ...]."""
+    k, rows = x.shape[:2]
+    return jnp.swapaxes(x, 0, 1).reshape(k * rows, *x.shape[2:])
+
+
+def _aux_losses(out: Any) -> dict[str, jax.Array]:
+    aux = getattr(out, "aux", None) or {}
+    return {name: jnp.asarray(value, jnp.float32) for name, value in dict(aux.get("losses", {})).items()}
+
+
+def _apply(graphdef: nnx.GraphDef, params: Any, rest: Any, batch: Batch, delta: jax.Array | None):
+    """Run the model on ``batch``; ``delta`` (zeros) is added to the embedding output so
+    that its gradient is the input cotangent. Returns (output, new non-parameter state)."""
+    model = nnx.merge(graphdef, params, rest)
+    positions, segment_ids = batch.get("positions"), batch.get("segment_ids")
+    if delta is None:
+        out = model(batch["inputs"], positions, segment_ids)
+    else:
+        x = model.embed(batch["inputs"])
+        out = model.from_embeddings(x + delta.astype(x.dtype), positions, segment_ids)
+    return out, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+
+
+def _embedding_zeros(graphdef: nnx.GraphDef, params: Any, rest: Any, inputs: Any) -> jax.Array:
+    """Zeros shaped like the embedding output of ``inputs`` (an array or a ShapeDtypeStruct)."""
+    spec = jax.eval_shape(lambda p, r, t: nnx.merge(graphdef, p, r).embed(t), params, rest, inputs)
+    return jnp.zeros(spec.shape, spec.dtype)
+
+
+def _constrain_tree(tree: Any, shardings: Any | None) -> Any:
+    return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def compute_gradients(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    rest: Any,
+    batch: Batch,
+    accumulation_steps: int = 1,
+    *,
+    input_grad: bool = False,
+    grad_shardings: Any | None = None,
+) -> Gradients:
+    """Loss, token count, gradients, new non-parameter state and aux losses of one batch.
+
+    ``accumulation_steps`` = k > 1 splits the batch into k microbatches
+    (``split_microbatches``) and runs them one after the other under ``jax.lax.scan``,
+    accumulating the cross-entropy sum, the token count, the gradient of the summed
+    objective (in float32) and the token-weighted aux losses, and carrying the model's
+    non-parameter state from one microbatch to the next; everything is divided by the
+    total token count at the end, so the result is the large-batch token-mean step, not
+    a mean of per-microbatch means. k = 1 differentiates the whole batch directly.
+
+    ``input_grad``: also return d J / d (embedding output), [B, S, D] in batch row order
+    (under accumulation, the per-microbatch cotangents scaled by the same 1 / T).
+    ``grad_shardings``: shardings of the parameters (a tree like ``params``), applied to
+    the gradient accumulator. Call inside ``parallel.sharding.activate`` to shard
+    activations (and the microbatches) by the logical rules.
+    """
+    k = int(accumulation_steps)
+    if k < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {k}")
+    argnums = (0, 1) if input_grad else 0
+
+    if k == 1:
+
+        def objective(params, delta):
+            out, new_rest = _apply(graphdef, params, rest, batch, delta)
+            loss, tokens = cross_entropy(out.logits, batch["targets"], batch.get("loss_mask"))
+            aux = _aux_losses(out)
+            total = loss + sum(aux.values()) if aux else loss
+            return total, (loss, tokens, new_rest, aux)
+
+        delta = _embedding_zeros(graphdef, params, rest, batch["inputs"]) if input_grad else None
+        (_, (loss, tokens, new_rest, aux)), grads = jax.value_and_grad(objective, argnums=argnums, has_aux=True)(params, delta)
+        grads, g_input = grads if input_grad else (grads, None)
+        return Gradients(loss, tokens, grads, new_rest, aux, g_input)
+
+    micro = split_microbatches(batch, k)
+    mask = batch.get("loss_mask")
+    total_tokens = jnp.float32(batch["targets"].size) if mask is None else jnp.sum(mask.astype(jnp.float32))
+    norm = jnp.maximum(total_tokens, 1.0)
+
+    def objective(params, delta, rest, mb):
+        out, new_rest = _apply(graphdef, params, rest, mb, delta)
+        loss_sum, tokens = cross_entropy_sum(out.logits, mb["targets"], mb.get("loss_mask"))
+        # aux weight in "sum" units: tokens_i (/ T at the end = the token share), or 1/k if T = 0
+        weight = jnp.where(total_tokens > 0, tokens, 1.0 / k)
+        aux = {name: weight * value for name, value in _aux_losses(out).items()}
+        total = loss_sum + sum(aux.values()) if aux else loss_sum
+        return total, (loss_sum, tokens, new_rest, aux)
+
+    grad_fn = jax.value_and_grad(objective, argnums=argnums, has_aux=True)
+    mb_spec = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], b), micro)
+    aux_names = jax.eval_shape(lambda p, r, b: _aux_losses(_apply(graphdef, p, r, b, None)[0]), params, rest, mb_spec)
+
+    def body(carry, mb):
+        acc, loss_sum, tokens, aux_sum, rest = carry
+        mb = {key: constrain(v, ("activation_batch", "activation_length")[: v.ndim]) for key, v in mb.items()}
+        delta = _embedding_zeros(graphdef, params, rest, mb_spec["inputs"]) if input_grad else None
+        (_, (mb_loss, mb_tokens, rest, mb_aux)), grads = grad_fn(params, delta, rest, mb)
+        grads, g_input = grads if input_grad else (grads, None)
+        acc = _constrain_tree(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), grad_shardings)
+        aux_sum = {name: aux_sum[name] + mb_aux[name] for name in aux_sum}
+        return (acc, loss_sum + mb_loss, tokens + mb_tokens, aux_sum, rest), g_input
+
+    zeros = _constrain_tree(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings)
+    scalar = jnp.zeros((), jnp.float32)
+    init = (zeros, scalar, scalar, {name: scalar for name in aux_names}, rest)
+    (acc, loss_sum, tokens, aux_sum, new_rest), g_inputs = jax.lax.scan(body, init, micro)
+    grads = jax.tree.map(lambda a, p: (a / norm).astype(p.dtype), acc, params)
+    aux = {name: value / norm for name, value in aux_sum.items()}
+    g_input = None if g_inputs is None else merge_microbatches(g_inputs / norm.astype(g_inputs.dtype))
+    return Gradients(loss_sum / norm, tokens, grads, new_rest, aux, g_input)
+
+
 def make_train_step(
     cfg: Config, model_setup: ModelSetup, tx: optax.GradientTransformation, schedule: optax.Schedule
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """``step(state, batch) -> (state, metrics)``; the input state is donated."""
+    """``step(state, batch) -> (state, metrics)``; the input state is donated.
+
+    With ``gradient_accumulation_steps`` = k > 1 the batch is processed as k microbatches
+    (``compute_gradients``); the update is the same as for the whole batch at once.
+    Metrics: ``loss`` (token-mean cross-entropy), ``tokens``, ``grad_norm``,
+    ``learning_rate`` and ``aux/<name>`` for each auxiliary loss the model returns.
+    """
     graphdef = model_setup.graphdef
     rules = cfg.logical_axis_rules
+    accumulation = cfg.gradient_accumulation_steps
+    # the accumulator lives where the step computes (device memory, also under host offload)
+    compute_shardings = model_setup.compute_shardings or model_setup.state_shardings
+    param_shardings = compute_shardings["params"] if accumulation > 1 else None
 
     def train_step(state: TrainState, batch: Batch):
+        state = model_setup.to_compute(state)
         with activate(model_setup.mesh, rules):
-            grad_fn = jax.value_and_grad(_forward_loss, argnums=1, has_aux=True)
-            (loss, (tokens, rest)), grads = grad_fn(graphdef, state["params"], state["rest"], batch)
-            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+            g = compute_gradients(graphdef, state["params"], state["rest"], batch, accumulation, grad_shardings=param_shardings)
+            updates, opt_state = tx.update(g.grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
         metrics = {
-            "loss": loss,
-            "tokens": tokens,
-            "grad_norm": optax.tree.norm(grads),
+            "loss": g.loss,
+            "tokens": g.tokens,
+            "grad_norm": optax.tree.norm(g.grads),
             "learning_rate": jnp.asarray(schedule(state["step"]), jnp.float32),
+            **{f"aux/{name}": value for name, value in g.aux.items()},
         }
-        new_state = {"params": params, "rest": rest, "opt_state": opt_state, "step": state["step"] + 1}
-        return new_state, metrics
+        new_state = {"params": params, "rest": g.rest, "opt_state": opt_state, "step": state["step"] + 1}
+        return model_setup.to_storage(new_state), metrics
 
     shardings = model_setup.state_shardings
     replicated = NamedSharding(model_setup.mesh, PartitionSpec())
@@ -70,6 +247,7 @@ def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState
     graphdef = model_setup.graphdef
 
     def eval_step(state: TrainState, batch: Batch):
+        state = model_setup.to_compute(state)
         with activate(model_setup.mesh, cfg.logical_axis_rules):
             loss, (tokens, _) = _forward_loss(graphdef, state["params"], state["rest"], batch)
         return {"loss_sum": loss * tokens, "tokens": tokens}
