@@ -32,7 +32,7 @@ MUTATIONS = [
              ("tests/parity/test_hf_golden.py",)),
     Mutation("drop-mlp-residual", "models/llama.py", "return h + self.mlp(", "return self.mlp(",
              ("tests/parity/test_hf_golden.py",)),
-    Mutation("skip-remat", "parallel/scan.py", 'if policy_name == "none":', "if True:",
+    Mutation("skip-remat", "parallel/scan.py", "policy = jax_policy(spec)", "policy = None",
              ("tests/unit/test_scan.py",)),
     Mutation("ignore-segments", "layers/attention.py", "return visible[None] & same_segment", "return visible[None] | (same_segment & False)",
              ("tests/unit/test_masking.py",)),
