@@ -74,7 +74,10 @@ def test_convert_round_trip_through_the_cli(tmp_path, capsys):
         (["train", "model_name=llama2-tiny", "ici_tensor_parallelism=8"], "does not divide over mesh axes"),
         (["train", "a.yml", "b.yml"], "at most one YAML file"),
         (["train", "remat_policy=save_everything"], "config key 'remat_policy'"),
-        (["train", "ici_fsdp_parallelism=2", "ici_context_parallelism=4", "max_target_length=30"], "does not divide over ici_context_parallelism"),
+        (
+            ["train", "ici_fsdp_parallelism=2", "ici_context_parallelism=4", "max_target_length=30"],
+            "does not divide over ici_context_parallelism",
+        ),
         (["train", "per_device_batch_size=1", "gradient_accumulation_steps=3"], "gradient_accumulation_steps=3 does not divide"),
         (["plan", "devices=abc"], "devices"),
         (["train", "--bogus"], "unrecognized arguments"),

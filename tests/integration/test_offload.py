@@ -20,12 +20,16 @@ def reference(corpus, tmp_path_factory):
                                    dict(parameter_memory_host_offload=True, optimizer_memory_host_offload=True)])  # fmt: skip
 def test_offloaded_state_lives_on_host_and_trains_identically(reference, flags):
     ref, corpus, base = reference
-    cfg = load_config(overrides=train_overrides(corpus, base, "off", steps=3, enable_checkpointing=False, eval_interval=-1, **flags))
+    cfg = load_config(
+        overrides=train_overrides(corpus, base, "off", steps=3, enable_checkpointing=False, eval_interval=-1, **flags)
+    )
     result = Trainer(cfg, progress=False).run()
     assert result.losses == ref.losses  # bitwise: the same computation, only storage moves
     for key, value in flatten(result.state).items():
         part = key.split("/")[0]
-        on_host = (part == "params" and cfg.parameter_memory_host_offload) or (part == "opt_state" and cfg.optimizer_memory_host_offload)
+        on_host = (part == "params" and cfg.parameter_memory_host_offload) or (
+            part == "opt_state" and cfg.optimizer_memory_host_offload
+        )
         if part in ("params", "opt_state") and value.ndim > 0:
             assert value.sharding.memory_kind == ("pinned_host" if on_host else "device"), key
     for key, value in flatten(ref.state["params"]).items():
