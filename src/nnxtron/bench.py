@@ -20,7 +20,7 @@ from nnxtron.config.loader import load_config
 from nnxtron.data.sources import make_sources
 from nnxtron.errors import UserError
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.perf import peak_flops_per_device, training_flops_per_token
+from nnxtron.perf import peak_flops_total, training_flops_per_token
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import init_state, setup
 from nnxtron.train.step import batch_sharding, device_batch, make_train_step
@@ -82,10 +82,7 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
     tokens_per_step = derived.tokens_per_step
     flops_per_token = training_flops_per_token(cfg)
     tflops = flops_per_token * tokens_per_step / step_seconds / 1e12
-    peak, peak_source = peak_flops_per_device(cfg)
-    platform = jax.devices()[0].platform
-    if platform != "cpu":  # as in the Trainer: fake CPU devices share one CPU, whose probe is the total
-        peak *= jax.device_count()
+    peak, peak_source = peak_flops_total(cfg)
     return {
         "model_name": cfg.model_name,
         "decoder_block": cfg.decoder_block,

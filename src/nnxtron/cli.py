@@ -67,25 +67,30 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _sample(model, cfg, max_new_tokens: int):
+    """(tokenizer, token-id iterator) for ``cfg.prompt``: BOS + prompt, stop at EOS."""
+    from nnxtron.data.sources import tokenizer_for
+    from nnxtron.infer.sample import generate_tokens
+
+    tokenizer = tokenizer_for(cfg)
+    prompt = [tokenizer.bos_id, *tokenizer.encode(cfg.prompt).tolist()]
+    return tokenizer, generate_tokens(model, prompt, cfg, max_new_tokens, (tokenizer.eos_id,))
+
+
 def _print_sample_from_state(cfg, result) -> None:
     from flax import nnx
 
-    from nnxtron.data.sources import tokenizer_for
     from nnxtron.decoder import abstract_model
-    from nnxtron.infer.sample import generate_tokens
 
     graphdef = nnx.split(abstract_model(cfg))[0]
     model = nnx.merge(graphdef, result.state["params"], result.state["rest"])
-    tokenizer = tokenizer_for(cfg)
-    prompt = [tokenizer.bos_id, *tokenizer.encode(cfg.prompt).tolist()]
-    ids = list(generate_tokens(model, prompt, cfg, cfg.sample_after_training, (tokenizer.eos_id,)))
+    tokenizer, stream = _sample(model, cfg, cfg.sample_after_training)
+    ids = list(stream)
     print(f"--- sample ({cfg.decode_sampling_strategy}, {len(ids)} tokens) ---")
     print(cfg.prompt + tokenizer.decode(ids))
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from nnxtron.data.sources import tokenizer_for
-    from nnxtron.infer.sample import generate_tokens
     from nnxtron.runs import load_model
 
     overrides = list(ns.overrides)
@@ -93,9 +98,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         overrides.append(f"prompt={ns.prompt}")
     model = load_model(ns.path, overrides)
     cfg = model.config
-    tokenizer = tokenizer_for(cfg)
-    prompt = [tokenizer.bos_id, *tokenizer.encode(cfg.prompt).tolist()]
-    stream = generate_tokens(model, prompt, cfg, cfg.max_new_tokens, (tokenizer.eos_id,))
+    tokenizer, stream = _sample(model, cfg, cfg.max_new_tokens)
     if ns.json:
         ids = list(stream)
         print(json.dumps({"prompt": cfg.prompt, "completion": tokenizer.decode(ids), "tokens": ids}))

@@ -82,3 +82,12 @@ def peak_flops_per_device(cfg: Config) -> tuple[float, str]:
         except OSError:
             pass  # read-only home: measure again next time
     return float(cached[key]), f"matmul probe ({key}, cached in {cache})"
+
+
+def peak_flops_total(cfg: Config) -> tuple[float, str]:
+    """Peak FLOP/s of all devices together (for MFU). Accelerators: per-device peak x device
+    count; CPU: the probe already measures the whole CPU, which fake devices share."""
+    peak, source = peak_flops_per_device(cfg)
+    if jax.devices()[0].platform != "cpu":
+        peak *= jax.device_count()
+    return peak, source

@@ -17,7 +17,7 @@ from nnxtron.config.schema import Config
 from nnxtron.data.sources import make_sources
 from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.perf import peak_flops_per_device, training_flops_per_token
+from nnxtron.perf import peak_flops_total, training_flops_per_token
 from nnxtron.train.checkpoint import Checkpointer
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
@@ -138,9 +138,7 @@ class Trainer:
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
         state, start = self.initial_state(ckpt)
         result = TrainResult(self.run_dir, start, start)
-        peak, peak_source = peak_flops_per_device(cfg)
-        if jax.devices()[0].platform != "cpu":  # fake CPU devices share one CPU: its peak is the total
-            peak *= jax.device_count()
+        peak, peak_source = peak_flops_total(cfg)
         writer = MetricsWriter(self.run_dir, cfg.enable_tensorboard) if jax.process_index() == 0 else None
         with ProgressBar(cfg.steps, start, self.progress_enabled) as bar:
             bar.log(f"run {self.run_dir} | {'resumed at step ' + str(start) if start else 'new run'} | "

@@ -26,13 +26,6 @@ def batch_sharding(cfg: Config, model_setup: ModelSetup) -> dict[str, NamedShard
     return {key: sharding for key in BATCH_KEYS}
 
 
-def _forward_loss(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, batch: Batch):
-    model = nnx.merge(graphdef, params, rest)
-    out = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    loss, tokens = cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
-    return loss, (tokens, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
-
-
 # --------------------------------------------------------------------------- gradients
 #
 # The objective of one batch is   J = CE_token_mean + sum_name aux_losses[name]
@@ -249,8 +242,9 @@ def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState
     def eval_step(state: TrainState, batch: Batch):
         state = model_setup.to_compute(state)
         with activate(model_setup.mesh, cfg.logical_axis_rules):
-            loss, (tokens, _) = _forward_loss(graphdef, state["params"], state["rest"], batch)
-        return {"loss_sum": loss * tokens, "tokens": tokens}
+            out, _ = _apply(graphdef, state["params"], state["rest"], batch, None)
+            loss_sum, tokens = cross_entropy_sum(out.logits, batch["targets"], batch["loss_mask"])
+        return {"loss_sum": loss_sum, "tokens": tokens}
 
     replicated = NamedSharding(model_setup.mesh, PartitionSpec())
     return jax.jit(
