@@ -1,13 +1,20 @@
 """Generate the HuggingFace golden logits used by nnxtron's conversion tests.
 
-Three tiny, randomly initialised HF models (no download needed) are built,
-saved with ``save_pretrained`` and run once in float32 / eager attention on a
-fixed batch of token ids. For every case ``<out>/<case>/`` receives:
+Tiny, randomly initialised HF models (no download needed) are built, saved
+with ``save_pretrained`` and run once in float32 / eager attention (and eager
+experts for MoE models) on a fixed batch of token ids. For every case
+``<out>/<case>/`` receives:
 
 * ``config.json``        -- written by ``model.save_pretrained``
 * ``model.safetensors``  -- float32 weights written by ``model.save_pretrained``
+                            (transformers 5 writes MoE experts in the per-expert
+                            hub layout, e.g. ``experts.{e}.w1.weight``)
 * ``golden.safetensors`` -- ``input_ids`` (int32, [2, S]) and ``logits``
                             (float32, [2, S, V]) of the HF forward pass
+* ``fused.safetensors``  -- MoE cases only: the same weights in transformers'
+                            in-memory fused layout (``model.state_dict()``:
+                            ``mlp.experts.gate_up_proj [E, 2F, D]``,
+                            ``mlp.experts.down_proj [E, D, F]``)
 
 plus ``<out>/versions.json`` recording the torch / transformers versions.
 
@@ -18,21 +25,32 @@ Cases:
                  (theta 5e5, factor 8, original_max_position_embeddings 64),
                  tied embeddings / lm_head.
 * ``mistral`` -- MistralForCausalLM, GQA, theta 1e6, sliding_window=8.
+* ``mixtral`` -- MixtralForCausalLM, 2 layers, 4 experts top-2, theta 1e6.
+* ``qwen3``   -- Qwen3ForCausalLM (qk-norm), GQA, theta 1e6, tied embeddings.
+* ``qwen3_moe`` / ``qwen3_moe_norenorm`` -- Qwen3MoeForCausalLM, 8 experts
+                 top-2, ``norm_topk_prob`` True / False.
+* ``deepseek3`` -- DeepseekV3ForCausalLM: MLA (q/kv LoRA), YaRN RoPE
+                 (interleaved, mscale), 1 dense + 2 MoE layers, sigmoid router
+                 with random ``e_score_correction_bias``, group-limited top-k
+                 (n_group 4, topk_group 2), shared expert, scaling 2.5.
 
 Regenerate (CPU only, takes well under a minute)::
 
     pip install -e '.[golden]'          # torch==2.13.0, transformers 5.x
     OMP_NUM_THREADS=1 python scripts/make_goldens.py --out tests/assets/golden
+    # or only some cases: ... --cases mixtral qwen3_moe
 
 The script is deterministic (fixed seeds, one thread). After writing, each
 directory is reloaded with ``from_pretrained`` and its logits are asserted to
-be bit-identical to the stored ones.
+be bit-identical to the stored ones (for MoE cases also after loading
+``fused.safetensors`` into a fresh model).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -45,10 +63,18 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (  # noqa: E402
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 SEQ_LEN = 48
@@ -56,6 +82,19 @@ BATCH = 2
 VOCAB = 256
 MODEL_SEED = 0
 INPUT_SEED = 1234
+# Cases that do not use MODEL_SEED (so that they do not share weights with a sibling case).
+CASE_SEEDS = {"qwen3_moe_norenorm": 1}
+# DeepSeek-V3: e_score_correction_bias = BIAS_SCALE * randn from this seed (layer by layer).
+BIAS_SEED = 4321
+BIAS_SCALE = 0.05
+# MoE routers: HF's init (std 0.02) leaves near-ties between the k-th and (k+1)-th expert
+# (gaps ~1e-6 on these inputs), which a float32 reimplementation could flip. The router
+# weights (`mlp.gate.weight`) are therefore redrawn with this larger std.
+ROUTER_STD = 0.1
+MIN_ROUTING_GAP = 2e-5
+# MoE cases run (and are reloaded) with the reference per-expert loop, not grouped_mm.
+EXPERTS_IMPL = "eager"
+MOE_CASES = ("mixtral", "qwen3_moe", "qwen3_moe_norenorm", "deepseek3")
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -68,6 +107,33 @@ _COMMON = dict(
     max_position_embeddings=256,
     attention_bias=False,
     mlp_bias=False,
+)
+
+# Mixtral / Qwen3-MoE: same attention shapes as above (4 q heads, 2 kv heads, head_dim 16).
+_MOE_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+)
+
+_QWEN3_MOE = dict(
+    _MOE_COMMON,
+    rms_norm_eps=1e-6,
+    num_hidden_layers=2,
+    intermediate_size=96,  # dense MLP size; unused (every layer is MoE)
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    use_sliding_window=False,
+    attention_bias=False,
+    tie_word_embeddings=False,
 )
 
 
@@ -112,19 +178,115 @@ def _cases() -> dict[str, tuple[type, type, dict]]:
                 tie_word_embeddings=False,
             ),
         ),
+        "mixtral": (
+            MixtralConfig,
+            MixtralForCausalLM,
+            dict(
+                _MOE_COMMON,
+                num_hidden_layers=2,
+                intermediate_size=96,  # per-expert F
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                sliding_window=None,
+                tie_word_embeddings=False,
+            ),
+        ),
+        "qwen3": (
+            Qwen3Config,
+            Qwen3ForCausalLM,
+            dict(
+                {k: v for k, v in _COMMON.items() if k != "mlp_bias"},
+                rms_norm_eps=1e-6,
+                num_key_value_heads=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                use_sliding_window=False,
+                tie_word_embeddings=True,
+            ),
+        ),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(_QWEN3_MOE, norm_topk_prob=True)),
+        "qwen3_moe_norenorm": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(_QWEN3_MOE, norm_topk_prob=False)),
+        "deepseek3": (
+            DeepseekV3Config,
+            DeepseekV3ForCausalLM,
+            dict(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                num_hidden_layers=3,
+                first_k_dense_replace=1,  # layer 0 dense, layers 1-2 MoE
+                intermediate_size=96,  # dense-layer MLP
+                moe_intermediate_size=32,  # routed and shared experts
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                routed_scaling_factor=2.5,
+                n_group=4,
+                topk_group=2,
+                norm_topk_prob=True,
+                q_lora_rank=32,
+                kv_lora_rank=16,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=16,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=163840,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 40.0,
+                    "original_max_position_embeddings": 4096,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                },
+                rope_interleave=True,
+                attention_bias=False,
+                tie_word_embeddings=False,
+            ),
+        ),
     }
 
 
-def _build(config_cls, model_cls, kwargs) -> torch.nn.Module:
-    config = config_cls(**kwargs, attn_implementation="eager", dtype="float32")
-    torch.manual_seed(MODEL_SEED)
+def _impl(case: str) -> dict:
+    """Kernel choices passed to the config / from_pretrained (not saved in config.json)."""
+    impl = dict(attn_implementation="eager")
+    if case in MOE_CASES:
+        # transformers 5.24 defaults to "grouped_mm" (sorted tokens, grouped matmul); the eager
+        # per-expert loop is the reference formulation. They agree to float32 rounding.
+        impl["experts_implementation"] = EXPERTS_IMPL
+    return impl
+
+
+def _build(config_cls, model_cls, kwargs, case: str = "") -> torch.nn.Module:
+    config = config_cls(**kwargs, **_impl(case), dtype="float32")
+    torch.manual_seed(CASE_SEEDS.get(case, MODEL_SEED))
     model = model_cls(config)  # default HF init (normal(0, initializer_range))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # RMSNorm weights: make them non-trivial
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif case in MOE_CASES and name.endswith("mlp.gate.weight"):  # MoE router
+                p.copy_(ROUTER_STD * torch.randn_like(p))
+        # DeepSeek-V3 routers: HF initialises the (persistent) correction-bias buffer to zeros.
+        gen = torch.Generator().manual_seed(BIAS_SEED)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(BIAS_SCALE * torch.randn(b.shape, generator=gen, dtype=torch.float32))
     model.to(torch.float32).eval()
+    if case in MOE_CASES:
+        assert model.config._experts_implementation == EXPERTS_IMPL
     return model
+
+
+def _variant_logits(model, config_cls, model_cls, kwargs, case, input_ids, **overrides) -> torch.Tensor:
+    """Logits of the same weights under a modified config."""
+    other = model_cls(config_cls(**dict(kwargs, **overrides), **_impl(case), dtype="float32"))
+    other.load_state_dict(model.state_dict(), strict=True)
+    other.to(torch.float32).eval()
+    return _logits(other, input_ids)
 
 
 @torch.no_grad()
@@ -163,9 +325,233 @@ def _sliding_check(model, config_cls, model_cls, kwargs, input_ids, logits) -> N
     assert beyond > 1e-4, "sliding window not applied by HF"
 
 
+def _moe_gates(model) -> list[tuple[int, torch.nn.Module]]:
+    return [(i, layer.mlp.gate) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+
+
+def _capture_router_io(model, input_ids) -> dict[int, tuple[torch.Tensor, tuple]]:
+    """Router input ([T, D], T = B*S tokens) and output (logits, weights, indices) per MoE layer."""
+    seen: dict[int, tuple[torch.Tensor, tuple]] = {}
+    hooks = [
+        gate.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0].detach(), out)))
+        for i, gate in _moe_gates(model)
+    ]
+    try:
+        _logits(model, input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _sorted_choice(idx: torch.Tensor, w: torch.Tensor | None = None):
+    order = idx.argsort(dim=-1)
+    return idx.gather(-1, order), (None if w is None else w.gather(-1, order))
+
+
+@torch.no_grad()
+def _softmax_router_check(model, input_ids) -> None:
+    """Mixtral / Qwen3-MoE: re-derive HF's routing (softmax in fp32, top-k, optional renorm)."""
+    cfg = model.config
+    k = cfg.num_experts_per_tok
+    renorm = getattr(cfg, "norm_topk_prob", True)  # Mixtral always renormalises
+    seen = _capture_router_io(model, input_ids)
+    for i, gate in _moe_gates(model):
+        x, (logits_hf, w_hf, idx_hf) = seen[i]
+        x = x.reshape(-1, x.shape[-1])
+        logits = torch.nn.functional.linear(x, gate.weight)  # activation dtype (fp32 here)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = probs.topk(k + 1, dim=-1)
+        idx, w = top.indices[:, :k], top.values[:, :k]
+        if renorm:
+            w = w / w.sum(dim=-1, keepdim=True)
+        assert torch.equal(logits, logits_hf)
+        assert torch.equal(_sorted_choice(idx)[0], _sorted_choice(idx_hf)[0]), "routing re-derivation differs"
+        assert torch.allclose(_sorted_choice(idx, w)[1], _sorted_choice(idx_hf, w_hf.float())[1], rtol=1e-6, atol=0)
+        margin = float((top.values[:, k - 1] - top.values[:, k]).min())
+        load = torch.bincount(idx.flatten(), minlength=probs.shape[-1]).tolist()
+        print(
+            f"  layer {i} router: softmax(fp32) top-{k}{' renorm' if renorm else ''}; re-derived = HF; "
+            f"min prob gap k-th vs (k+1)-th = {margin:.3e}; tokens per expert {load}; "
+            f"sum of weights in [{float(w_hf.sum(-1).min()):.4f}, {float(w_hf.sum(-1).max()):.4f}]"
+        )
+        assert margin > MIN_ROUTING_GAP, "routing too close to a tie for a float32 parity test"
+
+
+def _ds_route(s, bias, n_group, topk_group, k, fill=float("-inf")):
+    """DeepSeek-V3 selection as HF does it (experts of dropped groups set to -inf).
+
+    Returns (indices [T, k], expert margin, group margin)."""
+    c = s + bias
+    t, e = c.shape
+    gs = c.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    gmargin = float("inf")
+    if topk_group < n_group:
+        gtop = gs.topk(topk_group + 1, dim=-1)
+        gmargin = float((gtop.values[:, topk_group - 1] - gtop.values[:, topk_group]).min())
+    gidx = gs.topk(topk_group, dim=-1).indices
+    gmask = torch.zeros_like(gs).scatter_(1, gidx, 1.0).bool()
+    emask = gmask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    cm = c.masked_fill(~emask, fill)
+    top = cm.topk(k + 1, dim=-1)
+    return top.indices[:, :k], float((top.values[:, k - 1] - top.values[:, k]).min()), gmargin
+
+
+@torch.no_grad()
+def _deepseek_router_check(model, config_cls, model_cls, kwargs, case, input_ids, logits) -> None:
+    cfg = model.config
+    k, g, tg = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+    seen = _capture_router_io(model, input_ids)
+    for i, gate in _moe_gates(model):
+        x, (logits_hf, w_hf, idx_hf) = seen[i]
+        x = x.reshape(-1, x.shape[-1])
+        s = torch.sigmoid(torch.nn.functional.linear(x.float(), gate.weight.float()))
+        b = gate.e_score_correction_bias
+        assert bool((b != 0).all()), "e_score_correction_bias not set"
+        idx, emargin, gmargin = _ds_route(s, b, g, tg, k)
+        w = s.gather(1, idx)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        assert torch.equal(_sorted_choice(idx)[0], _sorted_choice(idx_hf)[0]), "routing re-derivation differs"
+        assert torch.allclose(_sorted_choice(idx, w)[1], _sorted_choice(idx_hf, w_hf)[1], rtol=1e-6, atol=0)
+
+        chosen = _sorted_choice(idx)[0]
+
+        def ndiff(other, ref=chosen):
+            return int((_sorted_choice(other)[0] != ref).any(-1).sum())
+
+        plain = (s + b).topk(k, dim=-1).indices  # bias, no groups
+        nobias = _ds_route(s, torch.zeros_like(b), g, tg, k)[0]  # groups, no bias
+        neither = s.topk(k, dim=-1).indices
+        zero_fill = _ds_route(s, b, g, tg, k, fill=0.0)[0]  # DeepSeek reference / older HF masking
+        n = idx.shape[0]
+        print(
+            f"  layer {i} router: sigmoid(fp32) + bias, groups {g}/{tg}, top-{k}; re-derived = HF; "
+            f"min gaps: expert {emargin:.3e}, group {gmargin:.3e}; bias range "
+            f"[{float(b.min()):+.4f}, {float(b.max()):+.4f}]"
+        )
+        print(
+            f"    tokens whose expert set differs from group-limited+bias: plain top-k (+bias, no groups) "
+            f"{ndiff(plain)}/{n}, groups without bias {ndiff(nobias)}/{n}, plain top-k of sigmoid {ndiff(neither)}/{n}; masking dropped groups with 0.0 instead of -inf {ndiff(zero_fill)}/{n} "
+            f"(min selected score+bias {float((s + b).gather(1, idx).min()):+.4f})"
+        )
+        assert ndiff(plain) > 0, "group-limited routing selects the same experts as plain top-k"
+        assert ndiff(nobias) > 0, "e_score_correction_bias does not change the selection"
+        assert min(emargin, gmargin) > MIN_ROUTING_GAP, "routing too close to a tie for a float32 parity test"
+    no_groups = _variant_logits(model, config_cls, model_cls, kwargs, case, input_ids, n_group=1, topk_group=1)
+    d_groups = float((no_groups - logits).abs().max())
+    print(f"  max|logits - logits(n_group=1, topk_group=1)| = {d_groups:.3e}")
+    assert d_groups > 1e-4
+    saved = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in saved:
+                b.zero_()
+        d_bias = float((_logits(model, input_ids) - logits).abs().max())
+        for n, b in model.named_buffers():
+            if n in saved:
+                b.copy_(saved[n])
+    assert torch.equal(_logits(model, input_ids), logits)
+    print(f"  max|logits - logits(e_score_correction_bias = 0)| = {d_bias:.3e}")
+    assert d_bias > 1e-4
+
+
+def _yarn_check(model) -> None:
+    cfg = model.config
+    rope = cfg.rope_parameters
+    dim = cfg.qk_rope_head_dim
+    inv_plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv = model.model.rotary_emb.inv_freq.float()
+    print("  rope yarn check (i: unscaled -> scaled inv_freq, ratio):")
+    for j, (a, b) in enumerate(zip(inv_plain.tolist(), inv.tolist())):
+        print(f"    {j}: {a:.6e} -> {b:.6e}  ({a / b:7.3f}x)")
+    mscale = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0
+    expect = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * mscale * mscale
+    scaling = model.model.layers[0].self_attn.scaling
+    print(
+        f"  attention_scaling (cos/sin factor) = {model.model.rotary_emb.attention_scaling}; softmax scale = "
+        f"{scaling:.8f} = qk_head_dim^-0.5 * mscale^2 (mscale {mscale:.6f})"
+    )
+    assert model.model.rotary_emb.attention_scaling == 1.0
+    assert math.isclose(scaling, expect, rel_tol=1e-12)
+    ratio = inv_plain / inv
+    assert bool((ratio - 1).abs().min() < 1e-6) and bool((ratio - rope["factor"]).abs().min() < 1e-3)
+    assert bool(((ratio > 1 + 1e-3) & (ratio < rope["factor"] - 1e-3)).any()), "no frequency in the yarn ramp"
+
+
+def _norenorm_check(model, config_cls, model_cls, kwargs, case, input_ids, logits) -> None:
+    ref = _variant_logits(model, config_cls, model_cls, kwargs, case, input_ids, norm_topk_prob=True)
+    d = float((logits - ref).abs().max())
+    print(f"  max|logits - logits(norm_topk_prob=True)| = {d:.3e}")
+    assert d > 1e-4, "norm_topk_prob has no effect"
+
+
+def _hub_name(case: str, fused_key: str) -> str:
+    return fused_key.replace(".mlp.", ".block_sparse_moe.") if case == "mixtral" else fused_key
+
+
+def _expert_names(case: str) -> tuple[str, str, str]:
+    return ("w1", "w3", "w2") if case == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+
+@torch.no_grad()
+def _write_and_check_fused(model, config_cls, model_cls, kwargs, case, d: Path, input_ids, logits) -> None:
+    """fused.safetensors = model.state_dict() (transformers' in-memory layout); check it against the hub file."""
+    fused = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(fused, str(d / "fused.safetensors"), metadata={"format": "pt"})
+    fused = load_file(str(d / "fused.safetensors"))
+    hub = load_file(str(d / "model.safetensors"))
+    g, u, dn = _expert_names(case)
+    covered = set()
+    for key, t in fused.items():
+        hk = _hub_name(case, key)
+        if key.endswith(".experts.gate_up_proj"):
+            pre = hk[: -len("gate_up_proj")]
+            n_exp, two_f, _ = t.shape
+            for e in range(n_exp):
+                gate, up = hub[f"{pre}{e}.{g}.weight"], hub[f"{pre}{e}.{u}.weight"]
+                assert torch.equal(t[e], torch.cat([gate, up], dim=0)) and two_f == 2 * gate.shape[0]
+                covered |= {f"{pre}{e}.{g}.weight", f"{pre}{e}.{u}.weight"}
+        elif key.endswith(".experts.down_proj"):
+            pre = hk[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                assert torch.equal(t[e], hub[f"{pre}{e}.{dn}.weight"])
+                covered.add(f"{pre}{e}.{dn}.weight")
+        else:
+            assert torch.equal(t, hub[hk]), key
+            covered.add(hk)
+    assert covered == set(hub), sorted(set(hub) ^ covered)[:5]
+    fresh = model_cls(config_cls(**kwargs, **_impl(case), dtype="float32"))
+    fresh.load_state_dict(fused, strict=True)
+    fresh.to(torch.float32).eval()
+    assert torch.equal(_logits(fresh, input_ids), logits), f"{case}: fused.safetensors logits differ"
+    layer = _moe_gates(model)[0][0]
+    tag = f"layers.{layer}."
+    print(f"  MoE layer {layer} keys, hub layout (model.safetensors, {len(hub)} tensors):")
+    for key in sorted(hub):
+        if tag in key and (".experts.0." in key or ".experts." not in key) and "self_attn" not in key:
+            print(f"    {key:55s} {list(hub[key].shape)}")
+    print(f"    ... experts 0..{fused[next(k for k in fused if tag in k and 'gate_up_proj' in k)].shape[0] - 1}")
+    print(f"  MoE layer {layer} keys, fused layout (fused.safetensors, {len(fused)} tensors):")
+    for key in sorted(fused):
+        if tag in key and "self_attn" not in key:
+            print(f"    {key:55s} {list(fused[key].shape)}")
+    print("  fused check: == hub weights (gate_up_proj[e] = cat(gate_e, up_e)), load_state_dict logits bit-identical")
+
+
+def _grouped_mm_note(model_cls, d: Path, logits, input_ids) -> None:
+    try:
+        other = model_cls.from_pretrained(d, attn_implementation="eager", dtype=torch.float32).eval()
+        impl = other.config._experts_implementation
+        diff = float((_logits(other, input_ids) - logits).abs().max())
+        print(f"  (info) default experts_implementation={impl!r}: max|logits - golden| = {diff:.3e}")
+    except Exception as exc:  # informational only
+        print(f"  (info) default experts implementation failed: {exc!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("tests/assets/golden"))
+    parser.add_argument("--cases", nargs="+", choices=list(_cases()), help="only these cases (default: all)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -182,15 +568,22 @@ def main(argv: list[str] | None = None) -> int:
         "batch": BATCH,
         "model_seed": MODEL_SEED,
         "input_seed": INPUT_SEED,
+        "case_seeds": CASE_SEEDS,
+        "moe_router_std": ROUTER_STD,
+        "deepseek_bias_seed": BIAS_SEED,
+        "deepseek_bias_scale": BIAS_SCALE,
+        "experts_implementation": EXPERTS_IMPL,
     }
     (args.out / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
 
     for case, (config_cls, model_cls, kwargs) in _cases().items():
+        if args.cases and case not in args.cases:
+            continue
         print(f"[{case}]")
         d = args.out / case
         d.mkdir(parents=True, exist_ok=True)
-        model = _build(config_cls, model_cls, kwargs)
+        model = _build(config_cls, model_cls, kwargs, case)
         logits = _logits(model, input_ids)
         assert logits.shape == (BATCH, SEQ_LEN, VOCAB) and logits.dtype == torch.float32
 
@@ -206,9 +599,18 @@ def main(argv: list[str] | None = None) -> int:
             _rope_check(model)
         if case == "mistral":
             _sliding_check(model, config_cls, model_cls, kwargs, input_ids, logits)
+        if case in ("mixtral", "qwen3_moe", "qwen3_moe_norenorm"):
+            _softmax_router_check(model, input_ids)
+        if case == "qwen3_moe_norenorm":
+            _norenorm_check(model, config_cls, model_cls, kwargs, case, input_ids, logits)
+        if case == "deepseek3":
+            _yarn_check(model)
+            _deepseek_router_check(model, config_cls, model_cls, kwargs, case, input_ids, logits)
+        if case in MOE_CASES:
+            _write_and_check_fused(model, config_cls, model_cls, kwargs, case, d, input_ids, logits)
 
         # Round trip: reload the saved directory and compare bit-exactly.
-        reloaded = model_cls.from_pretrained(d, attn_implementation="eager", dtype=torch.float32).eval()
+        reloaded = model_cls.from_pretrained(d, **_impl(case), dtype=torch.float32).eval()
         stored = load_file(str(d / "golden.safetensors"))
         assert set(stored) == {"input_ids", "logits"}
         assert torch.equal(stored["input_ids"], input_ids)
@@ -218,9 +620,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         weights = load_file(str(d / "model.safetensors"))
         assert all(t.dtype == torch.float32 for t in weights.values())
+        for name, b in model.named_buffers():  # persistent buffers (DeepSeek correction bias) round-trip
+            if name.endswith("e_score_correction_bias"):
+                assert torch.equal(weights[name], b) and torch.equal(reloaded.get_buffer(name), b)
+        if case in MOE_CASES:
+            _grouped_mm_note(model_cls, d, logits, input_ids)
 
         for f in sorted(d.iterdir()):
             print(f"  {f.name:20s} {f.stat().st_size:>9d} bytes")
+            assert f.stat().st_size < 1_500_000, f"{f} too large"
         print(
             f"  max|logit| = {float(logits.abs().max()):.4f}, "
             f"tensors in model.safetensors: {len(weights)}, "

@@ -1,4 +1,12 @@
-"""The decoder: embed -> layer stack -> final norm -> logits."""
+"""The decoder: embed -> layer stacks -> final norm -> logits (+ multi-token prediction).
+
+The layer stacks come from ``models.registry.layer_stacks``: one ``layers`` stack, or
+for MoE models with a dense prefix ``dense_layers`` then ``moe_layers`` (each scanned
+with its own stack axis name). Auxiliary outputs are explicit: ``DecoderOutput.aux``
+holds ``"losses"`` (already weighted, added to the training objective by the step:
+MoE load balancing, MTP) and diagnostics such as ``"mtp_loss"`` and
+``"mtp_acceptance"``.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +20,10 @@ from nnxtron.config.schema import Config
 from nnxtron.layers.embed import Embed
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
-from nnxtron.models.registry import family_for
+from nnxtron.models.registry import family_for, layer_stacks
+from nnxtron.mtp import MultiTokenPrediction
 from nnxtron.parallel.remat import RematSpec
-from nnxtron.parallel.scan import LayerStack
+from nnxtron.parallel.scan import LayerStack, sum_aux
 from nnxtron.parallel.sharding import constrain
 
 
@@ -32,13 +41,21 @@ class Decoder(nnx.Module):
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         k_embed, k_layers, k_head = jax.random.split(rngs.params(), 3)
         self.embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=nnx.Rngs(k_embed))
-        self.layers = LayerStack(
-            lambda r: family.make_block(cfg, r),
-            cfg.base_num_decoder_layers,
-            key=k_layers,
-            scan=cfg.scan_layers,
-            remat=RematSpec.from_config(cfg),
-        )
+        stacks = layer_stacks(cfg)
+        for i, layout in enumerate(stacks):
+            stack = LayerStack(
+                lambda r, moe=layout.moe: family.make_block(cfg, r, moe),
+                layout.num_layers,
+                key=k_layers if i == 0 else jax.random.fold_in(k_layers, i),
+                scan=cfg.scan_layers,
+                remat=RematSpec.from_config(cfg),
+                axis_name=layout.name,
+            )
+            setattr(self, layout.name, stack)
+        self.stack_names = tuple(layout.name for layout in stacks)
+        if cfg.mtp_num_layers:
+            last_moe = stacks[-1].moe
+            self.mtp = MultiTokenPrediction(cfg, lambda r: family.make_block(cfg, r, last_moe), jax.random.fold_in(k_head, 1))
         self.final_norm = RMSNorm(cfg.base_emb_dim, eps=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype)
         if not cfg.logits_via_embedding:
             self.logits = Linear(
@@ -54,13 +71,27 @@ class Decoder(nnx.Module):
         self.soft_cap = cfg.final_logits_soft_cap
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        targets: jax.Array | None = None,
+        loss_mask: jax.Array | None = None,
     ) -> DecoderOutput:
-        """tokens [B, S] int; positions default to 0..S-1; segment_ids default to one segment."""
-        return self.from_embeddings(self.embed(tokens), positions, segment_ids)
+        """tokens [B, S] int; positions default to 0..S-1; segment_ids default to one segment.
+
+        ``targets`` (and ``loss_mask``) are only needed by multi-token prediction, whose
+        losses are computed when targets are given.
+        """
+        return self.from_embeddings(self.embed(tokens), positions, segment_ids, targets, loss_mask)
 
     def from_embeddings(
-        self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        targets: jax.Array | None = None,
+        loss_mask: jax.Array | None = None,
     ) -> DecoderOutput:
         """Everything after the embedding lookup (x [B, S, D]); lets tests take the input cotangent."""
         shape = x.shape[:2]
@@ -68,15 +99,29 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
         if segment_ids is None:
             segment_ids = jnp.ones(shape, jnp.int32)
-        x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
-        x = self.layers(x, positions, segment_ids)
+        embedded = x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+        stack_aux = []
+        for name in self.stack_names:
+            x, aux = getattr(self, name)(x, positions, segment_ids)
+            stack_aux.append(aux)
+        logits = self.head(x)
+        out_aux: dict[str, Any] = {"losses": sum_aux(*stack_aux)}
+        if self.config.mtp_num_layers and targets is not None:
+            mtp = self.mtp(x, embedded, self.head, logits, targets, positions, segment_ids, loss_mask)
+            out_aux["losses"] = sum_aux(out_aux["losses"], mtp.pop("losses"))
+            out_aux.update(mtp)
+        if not out_aux["losses"]:
+            del out_aux["losses"]
+        return DecoderOutput(logits=logits, aux=out_aux)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final norm and output head: hidden states [B, S, D] -> float32 logits [B, S, V]."""
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.tied else self.logits(x)
         logits = logits.astype(jnp.float32)
         if self.soft_cap > 0:
             logits = self.soft_cap * jnp.tanh(logits / self.soft_cap)
-        logits = constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
-        return DecoderOutput(logits=logits)
+        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
 def build_model(cfg: Config, seed: int | None = None) -> Decoder:

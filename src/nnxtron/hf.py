@@ -14,6 +14,7 @@ import json
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ from nnxtron.config.loader import load_config
 from nnxtron.config.schema import Config
 from nnxtron.decoder import Decoder, abstract_model
 from nnxtron.errors import CheckpointError
-from nnxtron.models.registry import WeightMap, family_for, family_for_hf
+from nnxtron.layers.moe import ExpertLoad
+from nnxtron.models.registry import WeightMap, family_for, family_for_hf, layer_stacks
 
 __all__ = ["from_hf", "to_hf", "read_hf_config", "hf_config_to_nnxtron"]
 
@@ -73,20 +75,30 @@ def hf_config_to_nnxtron(path: str | os.PathLike) -> dict[str, Any]:
     return _map_config(read_hf_config(path), Path(path) / CONFIG_FILE)
 
 
-def _weight_maps(cfg: Config) -> Iterator[tuple[ParamPath, list[str], WeightMap, bool]]:
-    """(model param path, HF keys, map, stacked) for every parameter of the model."""
+@dataclass(frozen=True)
+class _Mapped:
+    """One model variable and where its values live in an HF checkpoint."""
+
+    path: ParamPath
+    layer_prefixes: tuple[str, ...]  # HF key prefix of each layer it holds ("" for top-level weights)
+    wm: WeightMap
+    stacked: bool  # the variable stacks len(layer_prefixes) layers on its leading axis
+
+
+def _weight_maps(cfg: Config) -> Iterator[_Mapped]:
+    """Every variable of the model with an HF counterpart, layer stacks in HF layer order."""
     family = family_for(cfg.decoder_block)
     for wm in family.top_weights(cfg):
-        yield tuple(wm.path.split("/")), [wm.hf_key], wm, False
-    layers = range(cfg.base_num_decoder_layers)
-    for wm in family.layer_weights:
-        sub = tuple(wm.path.split("/"))
-        keys = [f"model.layers.{i}.{wm.hf_key}" for i in layers]
-        if cfg.scan_layers:
-            yield ("layers", "layers", *sub), keys, wm, True
-        else:
-            for i in layers:
-                yield ("layers", "layers", i, *sub), [keys[i]], wm, False
+        yield _Mapped(tuple(wm.path.split("/")), ("",), wm, False)
+    for stack in layer_stacks(cfg):
+        prefixes = tuple(f"model.layers.{stack.first_layer + i}." for i in range(stack.num_layers))
+        for wm in family.layer_weights(cfg, stack.moe):
+            sub = tuple(wm.path.split("/"))
+            if cfg.scan_layers:
+                yield _Mapped((stack.name, "layers", *sub), prefixes, wm, True)
+            else:
+                for i, prefix in enumerate(prefixes):
+                    yield _Mapped((stack.name, "layers", i, *sub), (prefix,), wm, False)
 
 
 def _check_covered(params: dict[ParamPath, Any], mapped: set[ParamPath], family: str) -> None:
@@ -109,6 +121,63 @@ def _to_hf_tensor(kernel: np.ndarray, in_dims: int) -> np.ndarray:
     if not in_dims:
         return np.ascontiguousarray(kernel)
     return np.ascontiguousarray(kernel.reshape(math.prod(kernel.shape[:in_dims]), -1).T)
+
+
+class _Reader:
+    """Reads one layer's value of a weight map from open safetensors handles, in either
+    expert layout (hub per-expert keys or the transformers>=5 fused tensor)."""
+
+    def __init__(self, root: Path, handles: dict[str, Any], dtype: np.dtype):
+        self.root, self.handles, self.dtype = root, handles, dtype
+        self.used: set[str] = set()
+
+    def _get(self, key: str, want: tuple[int, ...]) -> np.ndarray:
+        tensor = self.handles[key].get_tensor(key)
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(
+                f"tensor '{key}' in '{self.root}' has shape {list(tensor.shape)}, expected {list(want)} from "
+                "config.json; fix config.json or the weights"
+            )
+        self.used.add(key)
+        return tensor
+
+    def _missing(self, key: str) -> CheckpointError:
+        return CheckpointError(f"tensor '{key}' is missing from '{self.root}'; the weights do not match its config.json")
+
+    def read(self, prefix: str, wm: WeightMap, shape: tuple[int, ...]) -> np.ndarray:
+        """The nnxtron value (``shape``: one layer) of ``wm`` for the layer at HF ``prefix``."""
+        in_dims = wm.linear_in_dims
+        if not wm.per_expert:
+            key = prefix + wm.hf_key
+            if key not in self.handles and wm.fused_key and prefix + wm.fused_key in self.handles:
+                key = prefix + wm.fused_key  # the same tensor under its transformers>=5 name
+            if key not in self.handles:
+                raise self._missing(prefix + wm.hf_key)
+            return _from_hf_tensor(self._get(key, _hf_shape(shape, in_dims)), shape, in_dims).astype(self.dtype, copy=False)
+        experts, one = shape[0], tuple(shape[1:])
+        keys = [prefix + wm.hf_key.format(e=e) for e in range(experts)]
+        if wm.fused_key and keys[0] not in self.handles and prefix + wm.fused_key in self.handles:
+            out_size, in_size = _hf_shape(one, in_dims)
+            fused = self._get(prefix + wm.fused_key, (experts, wm.fused_parts * out_size, in_size))
+            part = fused[:, wm.fused_part * out_size : (wm.fused_part + 1) * out_size]
+            return np.stack([_from_hf_tensor(t, one, in_dims) for t in part]).astype(self.dtype, copy=False)
+        missing = [k for k in keys if k not in self.handles]
+        if missing:
+            raise self._missing(missing[0])
+        parts = [_from_hf_tensor(self._get(k, _hf_shape(one, in_dims)), one, in_dims) for k in keys]
+        return np.stack(parts).astype(self.dtype, copy=False)
+
+
+def _hf_tensors(value: np.ndarray, prefix: str, wm: WeightMap) -> dict[str, np.ndarray]:
+    """HF tensors (hub layout) of one layer's nnxtron ``value`` of ``wm``."""
+    if not wm.per_expert:
+        return {prefix + wm.hf_key: _to_hf_tensor(value, wm.linear_in_dims)}
+    return {prefix + wm.hf_key.format(e=e): _to_hf_tensor(value[e], wm.linear_in_dims) for e in range(value.shape[0])}
+
+
+def _is_counter(variable: Any) -> bool:
+    """Run-time statistics with no HF counterpart (MoE expert-load counters): start at zero."""
+    return isinstance(variable, ExpertLoad) or getattr(variable, "type", None) is ExpertLoad
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -144,7 +213,7 @@ def _open_all(stack: contextlib.ExitStack, files: list[Path]) -> dict[str, Any]:
 
 
 def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any) -> Decoder:
-    """Load an HF Llama/Mistral directory as a ``Decoder``.
+    """Load an HF model directory (any registered family) as a ``Decoder``.
 
     ``dtype`` sets both ``dtype`` and ``weight_dtype`` (default float32); ``overrides``
     are further config values (e.g. ``scan_layers=False``), applied last.
@@ -157,31 +226,22 @@ def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any)
     weight_dtype = jnp.dtype(cfg.weight_dtype)
     graphdef, state = nnx.split(abstract_model(cfg))
     params = dict(nnx.to_flat_state(state))
-    filled: dict[ParamPath, Any] = {}
-    used: set[str] = set()
+    filled: dict[ParamPath, Any] = {
+        path: v.replace(jnp.zeros(v.shape, v.dtype)) for path, v in params.items() if _is_counter(v)
+    }
     with contextlib.ExitStack() as stack:
         handles = _open_all(stack, _weight_files(root))
-        for param_path, keys, wm, stacked in _weight_maps(cfg):
-            variable = params.get(param_path)
+        reader = _Reader(root, handles, weight_dtype)
+        for mapped in _weight_maps(cfg):
+            variable = params.get(mapped.path)
             if variable is None:  # a family bug, not a user error
-                raise RuntimeError(f"decoder_block {cfg.decoder_block}: weight map path {wm.path} is not in the model")
-            kernel_shape = tuple(variable.shape[1:] if stacked else variable.shape)
-            want = _hf_shape(kernel_shape, wm.linear_in_dims)
-            parts = []
-            for key in keys:
-                if key not in handles:
-                    raise CheckpointError(f"tensor '{key}' is missing from '{root}'; the weights do not match its config.json")
-                tensor = handles[key].get_tensor(key)
-                if tuple(tensor.shape) != want:
-                    raise CheckpointError(
-                        f"tensor '{key}' in '{root}' has shape {list(tensor.shape)}, expected {list(want)} from "
-                        "config.json; fix config.json or the weights"
-                    )
-                parts.append(_from_hf_tensor(tensor, kernel_shape, wm.linear_in_dims).astype(weight_dtype, copy=False))
-                used.add(key)
-            filled[param_path] = variable.replace(jnp.asarray(np.stack(parts) if stacked else parts[0]))
+                raise RuntimeError(f"decoder_block {cfg.decoder_block}: weight map path {mapped.wm.path} is not in the model")
+            shape = tuple(variable.shape[1:] if mapped.stacked else variable.shape)
+            dtype = variable.dtype if not isinstance(variable, nnx.Param) else weight_dtype
+            parts = [reader.read(prefix, mapped.wm, shape).astype(dtype, copy=False) for prefix in mapped.layer_prefixes]
+            filled[mapped.path] = variable.replace(jnp.asarray(np.stack(parts) if mapped.stacked else parts[0]))
         ignored = {"lm_head.weight"} if cfg.logits_via_embedding else set()  # HF ties it to the embedding
-        extra = sorted(k for k in handles if k not in used and k not in ignored and not k.endswith(IGNORED_SUFFIXES))
+        extra = sorted(k for k in handles if k not in reader.used and k not in ignored and not k.endswith(IGNORED_SUFFIXES))
     if extra:
         shown = ", ".join(extra[:5]) + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
         raise CheckpointError(f"'{root}' holds tensors this config does not use: {shown}; check config.json matches the weights")
@@ -196,14 +256,14 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
         raise CheckpointError(f"'{root}' already holds an HF checkpoint; choose another directory or pass overwrite=True")
     cfg: Config = model.config
     hf_config = family_for(cfg.decoder_block).config_to_hf(cfg)
-    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    params = {p: v for p, v in nnx.to_flat_state(nnx.state(model)) if not _is_counter(v)}
     tensors: dict[str, np.ndarray] = {}
     mapped: set[ParamPath] = set()
-    for param_path, keys, wm, stacked in _weight_maps(cfg):
-        value = np.asarray(params[param_path][...])
-        mapped.add(param_path)
-        for i, key in enumerate(keys):
-            tensors[key] = _to_hf_tensor(value[i] if stacked else value, wm.linear_in_dims)
+    for m in _weight_maps(cfg):
+        value = np.asarray(params[m.path][...])
+        mapped.add(m.path)
+        for i, prefix in enumerate(m.layer_prefixes):
+            tensors.update(_hf_tensors(value[i] if m.stacked else value, prefix, m.wm))
     _check_covered(params, mapped, cfg.decoder_block)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{WEIGHTS_FILE}.tmp"

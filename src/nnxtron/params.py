@@ -1,24 +1,29 @@
 """Parameter trees as flat ``{"a/b/c": array}`` dicts, and the layer-list layout.
 
 The flat form names every parameter by its path; the *layer-list layout* is the one
-``scan_layers=false`` uses (``layers/layers/<i>/...``). Converting a scanned tree to it
+``scan_layers=false`` uses (``<stack>/layers/<i>/...``). Converting a scanned tree to it
 gives a layout that is independent of the stacking strategy: HF conversion and the
 strategy-parity tests compare parameters and gradients in this layout.
 
-A *layer group* is the ``layers/layers/`` part of a path, wherever it sits: the same
-conversions apply to any tree that mirrors the parameters, e.g. the Adam moments of a
-train state (``opt_state/1/0/mu/layers/layers/...``), so checkpoints can be converted
-between the two layouts as a whole.
+A *layer group* is the ``<stack>/layers/`` part of a path, wherever it sits, where
+``<stack>`` is a stack name (``layers`` or ``<kind>_layers``, e.g. DeepSeek's
+``dense_layers`` and ``moe_layers``): the same conversions apply to any tree that
+mirrors the parameters, e.g. the Adam moments of a train state
+(``opt_state/1/0/mu/layers/layers/...``), so checkpoints can be converted between the
+two layouts as a whole. Layer counts are one int for every stack or a dict per stack.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 from flax import nnx
 
-LAYERS_PREFIX = "layers/layers/"
+STACK_PATTERN = re.compile(r"(?:^|/)(layers|[A-Za-z0-9_]*[A-Za-z0-9]_layers)/layers/")
+LayerCounts = int | Mapping[str, int]  # one count for every stack, or per stack name
 
 
 def path_str(path: tuple) -> str:
@@ -50,39 +55,51 @@ def flatten(tree: Any) -> dict[str, Any]:
     return flatten_with_treedef(tree)[0]
 
 
-LayerPath = tuple[str, int | None, str]  # (prefix, layer index or None when scanned, rest)
+LayerPath = tuple[str, int | None, str]  # (group, layer index or None when scanned, rest)
+
+
+def stack_name(group: str) -> str:
+    """The stack of a layer group: ``"opt_state/mu/moe_layers/layers/"`` -> ``"moe_layers"``."""
+    return group.rstrip("/").split("/")[-2]
+
+
+def layer_count(num_layers: LayerCounts, group: str) -> int:
+    """The layer count of ``group``'s stack."""
+    if isinstance(num_layers, int):
+        return num_layers
+    name = stack_name(group)
+    if name not in num_layers:
+        raise ValueError(f"{group}: no layer count for stack '{name}' (known: {sorted(num_layers)})")
+    return int(num_layers[name])
 
 
 def split_layer_path(path: str) -> LayerPath | None:
-    """``(prefix, index, rest)`` of a path with a layer group, else None.
+    """``(group, index, rest)`` of a path with a layer group, else None.
 
-    ``"opt_state/1/0/mu/layers/layers/3/mlp/wo/kernel"`` -> ``("opt_state/1/0/mu/", 3, "mlp/wo/kernel")``;
-    a scanned path (no layer index after ``layers/layers/``) has index None.
+    ``"opt_state/1/0/mu/layers/layers/3/mlp/wo/kernel"`` -> ``("opt_state/1/0/mu/layers/layers/", 3, "mlp/wo/kernel")``;
+    a scanned path (no layer index after the group) has index None.
     """
-    if path.startswith(LAYERS_PREFIX):
-        at = 0
-    else:
-        at = path.find("/" + LAYERS_PREFIX) + 1
-        if at == 0:
-            return None
-    prefix, tail = path[:at], path[at + len(LAYERS_PREFIX) :]
+    match = STACK_PATTERN.search(path)
+    if match is None:
+        return None
+    group, tail = path[: match.end()], path[match.end() :]
     head, _, rest = tail.partition("/")
     if head.isdigit() and rest:
-        return prefix, int(head), rest
-    return prefix, None, tail
+        return group, int(head), rest
+    return group, None, tail
 
 
-def layer_path(prefix: str, index: int | None, rest: str) -> str:
+def layer_path(group: str, index: int | None, rest: str) -> str:
     """The inverse of ``split_layer_path``."""
-    return f"{prefix}{LAYERS_PREFIX}{rest}" if index is None else f"{prefix}{LAYERS_PREFIX}{index}/{rest}"
+    return f"{group}{rest}" if index is None else f"{group}{index}/{rest}"
 
 
-def layer_groups(keys: Any, num_layers: int, scanned: bool) -> list[tuple[list[str], list[str]]]:
+def layer_groups(keys: Any, num_layers: LayerCounts, scanned: bool) -> list[tuple[list[str], list[str]]]:
     """How to convert flat ``keys`` to the scanned (``scanned=True``) or layer-list layout.
 
     A list of ``(new keys, old keys)`` in the order of ``keys``: a key already in the wanted
     layout (or outside any layer group) maps to itself; to scan, one new key gathers the
-    ``num_layers`` old per-layer keys in layer order; to unscan, the ``num_layers`` new keys
+    stack's count of old per-layer keys in layer order; to unscan, that many new keys
     come from one old stacked key. Raises ValueError when a layer is missing or out of range.
     """
     groups: list[tuple[list[str], list[str]]] = []
@@ -91,28 +108,29 @@ def layer_groups(keys: Any, num_layers: int, scanned: bool) -> list[tuple[list[s
         split = split_layer_path(key)
         if split is None or (split[1] is None) == scanned:
             groups.append(([key], [key]))
-        elif scanned:
-            prefix, index, rest = split
-            new = layer_path(prefix, None, rest)
+            continue
+        group, index, rest = split
+        count = layer_count(num_layers, group)
+        if scanned:
+            new = layer_path(group, None, rest)
             if new not in stacked:
-                stacked[new] = [None] * num_layers
+                stacked[new] = [None] * count
                 groups.append(([new], stacked[new]))  # filled in below, in place
-            if index >= num_layers:
-                raise ValueError(f"{key}: layer {index} is out of range for {num_layers} layers")
+            if index >= count:
+                raise ValueError(f"{key}: layer {index} is out of range for {count} layers")
             stacked[new][index] = key
         else:
-            prefix, _, rest = split
-            groups.append(([layer_path(prefix, i, rest) for i in range(num_layers)], [key]))
+            groups.append(([layer_path(group, i, rest) for i in range(count)], [key]))
     for new, olds in stacked.items():
         missing = [i for i, old in enumerate(olds) if old is None]
         if missing:
-            prefix, _, rest = split_layer_path(new)
-            raise ValueError(f"{prefix}{LAYERS_PREFIX}<i>/{rest}: missing layers {missing}")
+            group, _, rest = split_layer_path(new)
+            raise ValueError(f"{group}<i>/{rest}: missing layers {missing}")
     return groups
 
 
-def convert_layers(flat: dict[str, Any], num_layers: int, scanned: bool, stack=None, unstack=None) -> dict[str, Any]:
-    """Convert a flat dict to the scanned or layer-list layout (any prefix before ``layers/layers/``).
+def convert_layers(flat: dict[str, Any], num_layers: LayerCounts, scanned: bool, stack=None, unstack=None) -> dict[str, Any]:
+    """Convert a flat dict to the scanned or layer-list layout (any prefix before a layer group).
 
     ``stack(values) -> value`` (np.stack, jnp.stack...) builds a stacked leaf;
     ``unstack(value) -> values`` splits one (default: ``value[i]`` after checking that the
@@ -120,9 +138,10 @@ def convert_layers(flat: dict[str, Any], num_layers: int, scanned: bool, stack=N
     """
 
     def default_unstack(key: str, value: Any) -> list:
-        if value.shape[0] != num_layers:
-            raise ValueError(f"{key}: leading axis {value.shape[0]} is not the layer count {num_layers}")
-        return [value[i] for i in range(num_layers)]
+        count = layer_count(num_layers, split_layer_path(key)[0])
+        if value.shape[0] != count:
+            raise ValueError(f"{key}: leading axis {value.shape[0]} is not the layer count {count}")
+        return [value[i] for i in range(count)]
 
     out: dict[str, Any] = {}
     for new, old in layer_groups(flat, num_layers, scanned):
@@ -136,32 +155,39 @@ def convert_layers(flat: dict[str, Any], num_layers: int, scanned: bool, stack=N
     return out
 
 
-def detect_layout(flat: dict[str, Any]) -> tuple[bool | None, int]:
-    """``(scanned, num_layers)`` of a flat tree of arrays (or shape structs); (None, 0) without layers.
+def detect_layout(flat: dict[str, Any]) -> tuple[bool | None, dict[str, int]]:
+    """``(scanned, {stack: layer count})`` of a flat tree of arrays (or shape structs);
+    ``(None, {})`` without layers.
 
     Scanned when a layer group has no layer index; its leading axis is the layer count.
     """
-    indices: set[int] = set()
+    counts: dict[str, int] = {}
+    scanned: bool | None = None
     for key, value in flat.items():
         split = split_layer_path(key)
         if split is None:
             continue
-        if split[1] is None:
-            return True, int(value.shape[0])
-        indices.add(split[1])
-    return (False, max(indices) + 1) if indices else (None, 0)
+        group, index, _ = split
+        name = stack_name(group)
+        if index is None:
+            scanned = True
+            counts[name] = int(value.shape[0])
+        elif scanned is None or not scanned:
+            scanned = False
+            counts[name] = max(counts.get(name, 0), index + 1)
+    return scanned, counts
 
 
-def unstack_layers(flat: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Scanned layout (``.../layers/layers/p`` with a leading layer axis) -> layer-list layout."""
+def unstack_layers(flat: dict[str, Any], num_layers: LayerCounts) -> dict[str, Any]:
+    """Scanned layout (``.../<stack>/layers/p`` with a leading layer axis) -> layer-list layout."""
     return convert_layers(flat, num_layers, scanned=False)
 
 
-def stack_layers(flat: dict[str, Any], num_layers: int, stack) -> dict[str, Any]:
+def stack_layers(flat: dict[str, Any], num_layers: LayerCounts, stack) -> dict[str, Any]:
     """Layer-list layout -> scanned layout; ``stack`` is np.stack or jnp.stack."""
     return convert_layers(flat, num_layers, scanned=True, stack=stack)
 
 
-def layer_list_layout(state: Any, num_layers: int) -> dict[str, Any]:
+def layer_list_layout(state: Any, num_layers: LayerCounts) -> dict[str, Any]:
     """Flat layer-list view of any model state or gradient tree (scanned or not)."""
     return unstack_layers(flatten(state), num_layers)

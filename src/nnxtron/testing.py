@@ -17,8 +17,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from nnxtron.models.registry import layer_counts
 from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
-from nnxtron.params import flatten, layer_list_layout
+from nnxtron.params import layer_list_layout
 from nnxtron.train.step import compute_gradients
 
 
@@ -28,7 +29,7 @@ class GradResult:
     input_grad: np.ndarray  # d objective / d embedding output [B, S, D]
     param_grads: dict[str, np.ndarray]  # layer-list layout, independent of scan_layers
     aux: dict[str, float] = field(default_factory=dict)  # the model's aux losses (batch values)
-    rest: dict[str, np.ndarray] = field(default_factory=dict)  # non-parameter state after the batch (flat paths)
+    rest: dict[str, np.ndarray] = field(default_factory=dict)  # non-parameter state after the batch (layer-list layout)
 
 
 def loss_and_grads(
@@ -48,7 +49,7 @@ def loss_and_grads(
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     cfg = model.config
-    num_layers = cfg.base_num_decoder_layers
+    num_layers = layer_counts(cfg)
     rules = cfg.logical_axis_rules
     grad_shardings = None
     if mesh is not None:
@@ -70,7 +71,7 @@ def loss_and_grads(
 
     loss, g_x, g_params, aux, new_rest = run(params, rest, batch)
     grads = {k: np.asarray(v) for k, v in layer_list_layout(g_params, num_layers).items()}
-    new_rest = {k: np.asarray(v) for k, v in flatten(new_rest).items()}
+    new_rest = {k: np.asarray(v) for k, v in layer_list_layout(new_rest, num_layers).items()}
     return GradResult(float(loss), np.asarray(g_x), grads, {k: float(v) for k, v in aux.items()}, new_rest)
 
 
@@ -95,6 +96,9 @@ def assert_grad_parity(
     loss_err = abs(a.loss - b.loss) / max(abs(b.loss), 1e-12)
     assert loss_err <= loss_rtol, f"loss {a.loss} vs {b.loss}: rel err {loss_err:.3e} > {loss_rtol}"
     assert set(a.aux) == set(b.aux), f"aux losses differ: {sorted(a.aux)} vs {sorted(b.aux)}"
+    assert set(a.rest) == set(b.rest), f"non-parameter state differs: {sorted(a.rest)} vs {sorted(b.rest)}"
+    for key, value in b.rest.items():  # e.g. MoE expert-load counts: carried, never dropped
+        np.testing.assert_allclose(a.rest[key], value, rtol=loss_rtol, atol=0, err_msg=f"non-parameter state {key}")
     for name, value in b.aux.items():
         aux_err = abs(a.aux[name] - value) / max(abs(value), 1e-12)
         assert aux_err <= loss_rtol, f"aux loss {name} {a.aux[name]} vs {value}: rel err {aux_err:.3e} > {loss_rtol}"

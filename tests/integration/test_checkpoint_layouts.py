@@ -120,7 +120,7 @@ def test_resume_on_another_mesh_continues_the_loss_curve(corpus, runs, mesh):
     np.testing.assert_allclose(resumed.losses, straight[True].losses[3:], rtol=LOSS_RTOL, atol=0)
     assert _max_rel(_layer_list(resumed.state), _layer_list(straight[True].state)) <= STATE_RTOL
     mesh_shape = Checkpointer(Path(base) / name / "checkpoints", 10).read_meta(6)["layout"]["mesh_shape"]
-    want = {"data": 1, "fsdp": 8, "context": 1, "tensor": 1, **{k.split("_")[1]: v for k, v in MESHES[mesh].items()}}
+    want = {"data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1, **{k.split("_")[1]: v for k, v in MESHES[mesh].items()}}
     assert mesh_shape == want
 
 
@@ -167,10 +167,10 @@ def test_load_model_with_the_other_scan_layout_gives_identical_logits(runs, scan
 
 def test_meta_records_the_layout(runs, flipped):
     base, _ = runs
-    fsdp8 = {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    fsdp8 = {"data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1}
     for run, scan in (("straight-True", True), ("straight-False", False), ("flip-from-True", False)):
         meta = Checkpointer(Path(base) / run / "checkpoints", 10).read_meta(6)
-        assert meta["layout"] == {"scan_layers": scan, "num_layers": LAYERS, "mesh_shape": fsdp8, "num_devices": 8}
+        assert meta["layout"] == {"scan_layers": scan, "num_layers": {"layers": LAYERS}, "mesh_shape": fsdp8, "num_devices": 8}
         assert meta["config"]["scan_layers"] is scan
 
 
@@ -239,8 +239,9 @@ def test_layer_conversions_work_under_any_prefix():
     np.testing.assert_array_equal(unrolled["opt_state/1/0/mu/layers/layers/1/mlp/wo/kernel"], -np.arange(6.0, 12.0).reshape(3, 2))
     back = stack_layers(unrolled, 2, np.stack)
     assert back.keys() == scanned.keys() and all(np.array_equal(back[k], scanned[k]) for k in scanned)
-    assert detect_layout(scanned) == (True, 2) and detect_layout(unrolled) == (False, 2)
-    assert split_layer_path("opt_state/1/0/mu/layers/layers/3/a/b") == ("opt_state/1/0/mu/", 3, "a/b")
+    assert detect_layout(scanned) == (True, {"layers": 2}) and detect_layout(unrolled) == (False, {"layers": 2})
+    assert split_layer_path("opt_state/1/0/mu/layers/layers/3/a/b") == ("opt_state/1/0/mu/layers/layers/", 3, "a/b")
+    assert split_layer_path("opt_state/mu/moe_layers/layers/a") == ("opt_state/mu/moe_layers/layers/", None, "a")
     assert split_layer_path("xlayers/layers/a") is None
     with pytest.raises(ValueError, match="missing layers \\[1\\]"):
         stack_layers({k: v for k, v in unrolled.items() if "/1/" not in k}, 2, np.stack)

@@ -9,6 +9,13 @@ new axis to ``ROWS``), not new harnesses.
 Bounds, measured on this CPU in float32 (2026-11): the worst row differs from the
 baseline by 6e-7 relative (aggregate); the bounds leave ~10x headroom and are orders of
 magnitude below what a real bug produces.
+
+MoE rows (``MOE_ROWS``) run ``deepseek3-test`` — MLA, a dense stack + a MoE stack,
+shared expert, correction bias with expert-load counting (``routed_bias_update_rate``),
+one MTP depth — over meshes with expert parallelism (``ici_expert_parallelism`` 2 and
+4) and the other axes; the non-parameter state (expert-load counts) must match too.
+The load-balance loss is a product of batch statistics, so it is not additive over
+microbatches: rows with gradient accumulation run without it against their own baseline.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ class Strategy:
         return f"{'scan' if self.scan else 'unroll'}-{self.remat}-{self.mesh}-ga{self.accumulation}"
 
     def overrides(self) -> dict:
-        values = {**MODEL, "scan_layers": self.scan, "remat_policy": self.remat, **(MESHES[self.mesh] or {})}
+        values = {**MODEL, "scan_layers": self.scan, "remat_policy": self.remat, **(MOE_MESHES[self.mesh] or {})}
         if self.remat == "custom":
             values.update(CUSTOM)
         values.update(dict(self.extra))
@@ -81,6 +88,53 @@ def baseline() -> GradResult:
 @pytest.mark.parametrize("strategy", ROWS, ids=lambda s: s.id)
 def test_strategy_matches_baseline(strategy, baseline):
     assert_grad_parity(run(strategy), baseline, **BOUNDS)
+
+
+MOE_MODEL = dict(mtp_num_layers=1, routed_bias_update_rate=1e-3)
+MOE_LB = dict(load_balance_loss_weight=0.01)
+MOE_MESHES = {
+    **MESHES,
+    "expert2_fsdp4": dict(ici_expert_parallelism=2, ici_fsdp_parallelism=4),
+    "data2_expert4": dict(ici_data_parallelism=2, ici_expert_parallelism=4, ici_fsdp_parallelism=1),
+}
+MOE_ROWS = [
+    Strategy(True, "none", "1dev"),
+    Strategy(True, "full", "expert2_fsdp4"),
+    Strategy(False, "minimal", "data2_expert4"),
+    Strategy(True, "save_dot_except_mlp", "fsdp4_tensor2"),
+    Strategy(True, "full", "fsdp2_context4"),
+    Strategy(True, "full", "1dev", 4),
+    Strategy(True, "none", "expert2_fsdp4", 2),
+    Strategy(False, "full", "data2_expert4", 2),
+]
+
+
+def run_moe(strategy: Strategy, load_balance: bool) -> GradResult:
+    overrides = {**strategy.overrides(), **MOE_MODEL}
+    overrides.pop("base_num_decoder_layers")
+    if load_balance:
+        overrides.update(MOE_LB)
+    cfg = tiny_config("deepseek3-test", **overrides)
+    mesh = make_mesh(cfg) if MOE_MESHES[strategy.mesh] is not None else None
+    batch = random_batch(cfg, batch=16, seq=16, seed=5, packed=True)
+    return loss_and_grads(build_model(cfg), batch, mesh=mesh, accumulation_steps=strategy.accumulation)
+
+
+@pytest.fixture(scope="module")
+def moe_baselines() -> dict[bool, GradResult]:
+    """One device, unrolled, no remat: with the load-balance loss (for rows without
+    accumulation) and without it (for rows with accumulation)."""
+    return {with_lb: run_moe(BASELINE, with_lb) for with_lb in (True, False)}
+
+
+@pytest.mark.parametrize("strategy", MOE_ROWS, ids=lambda s: "moe-" + s.id)
+def test_moe_strategy_matches_baseline(strategy, moe_baselines):
+    result = run_moe(strategy, strategy.accumulation == 1)
+    baseline = moe_baselines[strategy.accumulation == 1]
+    assert "mtp" in result.aux and any("expert_load" in key for key in result.rest)
+    if strategy.accumulation == 1:
+        assert result.aux["moe_lb_loss"] > 0
+    assert_grad_parity(result, baseline, **BOUNDS)
 
 
 def test_matrix_covers_every_axis():

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from nnxtron.decoder import build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.sharding import logical_to_spec, state_shardings
+from nnxtron.models.registry import layer_counts
 from nnxtron.params import flatten, layer_list_layout
 from nnxtron.testing import assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config
@@ -43,7 +44,7 @@ def reference(request):
 def test_scan_and_unroll_build_identical_weights(reference):
     name, _, _, scanned = reference
     unrolled = build_model(tiny_config(name, scan_layers=False))
-    n = scanned.config.base_num_decoder_layers
+    n = layer_counts(scanned.config)
     a = layer_list_layout(nnx.state(scanned, nnx.Param), n)
     b = layer_list_layout(nnx.state(unrolled, nnx.Param), n)
     assert a.keys() == b.keys()

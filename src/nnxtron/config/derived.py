@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # activation_batch splits over these (see logical_axis_rules)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ def mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
         "data": cfg.ici_data_parallelism,
         "fsdp": cfg.ici_fsdp_parallelism,
         "context": cfg.ici_context_parallelism,
+        "expert": cfg.ici_expert_parallelism,
         "tensor": cfg.ici_tensor_parallelism,
     }
     keys = {axis: f"ici_{axis}_parallelism" for axis in MESH_AXES}
@@ -71,17 +73,17 @@ def derive(cfg: Config, num_devices: int) -> Derived:
             f"({global_batch}); choose per_device_batch_size so the global batch is a positive integer"
         )
     global_batch = int(global_batch)
-    batch_shards = shape["data"] * shape["fsdp"]
+    batch_shards = math.prod(shape[axis] for axis in BATCH_AXES)
     if global_batch % batch_shards:
         raise ConfigError(
             f"global batch {global_batch} (per_device_batch_size x devices) does not divide over the "
-            f"data x fsdp mesh axes ({batch_shards}); change per_device_batch_size or the ici_* sizes"
+            f"data x fsdp x expert mesh axes ({batch_shards}); change per_device_batch_size or the ici_* sizes"
         )
     accumulation = cfg.gradient_accumulation_steps
     if global_batch % (accumulation * batch_shards):
         raise ConfigError(
             f"gradient_accumulation_steps={accumulation} does not divide the global batch {global_batch} into "
-            f"microbatches that divide over the data x fsdp mesh axes ({batch_shards}); choose a divisor of "
+            f"microbatches that divide over the data x fsdp x expert mesh axes ({batch_shards}); choose a divisor of "
             f"{global_batch // batch_shards} or change per_device_batch_size"
         )
     if cfg.max_target_length % shape["context"]:

@@ -41,7 +41,7 @@ class Config(BaseModel):
     model_name: str  # preset chosen from config/presets/<model_name>.yml
 
     # --- model ----------------------------------------------------------------
-    decoder_block: Literal["llama2", "mistral"]
+    decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek"]
     base_emb_dim: int = Field(gt=0)
     base_num_query_heads: int = Field(gt=0)
     base_num_kv_heads: int = Field(gt=0)
@@ -51,14 +51,48 @@ class Config(BaseModel):
     vocab_size: int = Field(gt=0)
     normalization_layer_epsilon: float = Field(gt=0)
     mlp_activations: tuple[str, ...]
-    rope_type: Literal["default", "llama3"]
+    rope_type: Literal["default", "llama3", "yarn"]
     rope_max_timescale: float = Field(gt=0)
     rope_interleave: bool  # False: rotate-half pairs (i, i+d/2) as HF Llama; True: (2i, 2i+1)
     rope_scaling_factor: float = Field(gt=0)
     rope_low_freq_factor: float = Field(gt=0)
     rope_high_freq_factor: float = Field(gt=0)
     rope_original_max_position_embeddings: int = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0)  # yarn: mscale applies only above rope_original_max_position_embeddings
+    beta_fast: float = Field(gt=0)  # yarn ramp (HF rope_scaling beta_fast)
+    beta_slow: float = Field(gt=0)  # yarn ramp (HF rope_scaling beta_slow)
+    mscale: float = Field(ge=0)  # yarn (HF mscale; 0 = unset): cos/sin x m(mscale)/m(mscale_all_dim) when both set, else m(1)
+    mscale_all_dim: float = Field(ge=0)  # yarn (HF rope_scaling mscale_all_dim): softmax scale x m(mscale_all_dim)^2
     sliding_window_size: int = Field(ge=0)  # 0 = full causal attention
+    attention_type: Literal["global", "mla"]  # mla: DeepSeek multi-head latent attention
+    use_qk_norm: bool  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    q_lora_rank: int = Field(ge=0)  # mla: 0 = plain query projection
+    kv_lora_rank: int = Field(gt=0)  # mla
+    qk_nope_head_dim: int = Field(gt=0)  # mla
+    qk_rope_head_dim: int = Field(gt=0)  # mla
+    v_head_dim: int = Field(gt=0)  # mla
+
+    # --- mixture of experts -------------------------------------------------------
+    num_experts: int = Field(gt=0)  # 1 = dense MLP layers
+    num_experts_per_tok: int = Field(gt=0)
+    base_moe_mlp_dim: int = Field(gt=0)  # hidden size of each routed (and shared) expert
+    shared_experts: int = Field(ge=0)  # always-on experts: one MLP of shared_experts x base_moe_mlp_dim
+    first_num_dense_layers: int = Field(ge=0)  # leading dense layers (their own scanned stack)
+    routed_score_func: Literal["softmax", "sigmoid", "sqrtsoftplus"]
+    norm_topk_prob: bool  # renormalise the selected experts' weights to sum to 1
+    routed_scaling_factor: float = Field(gt=0)  # multiplies the combine weights (DeepSeek)
+    routed_bias: bool  # correction bias added to the scores for selection only (DeepSeek)
+    routed_bias_update_rate: float = Field(ge=0)  # loss-free balancing: bias += rate * sign(mean load - load)
+    n_routing_groups: int = Field(ge=-1)  # group-limited routing: groups of experts (-1 = off)
+    topk_routing_group: int = Field(ge=-1)  # group-limited routing: groups kept per token (-1 = off)
+    router_scales_expert_input: bool  # Llama 4: sigmoid(top-1 logit) scales the expert input, not its output
+    capacity_factor: float  # -1 = dropless; > 0: each expert takes at most factor * tokens * k / experts tokens
+    load_balance_loss_weight: float = Field(ge=0)  # 0 = off
+
+    # --- multi-token prediction ---------------------------------------------------
+    mtp_num_layers: int = Field(ge=0)  # 0 = off
+    mtp_loss_scaling_factor: float = Field(ge=0)
+    mtp_eval_target_module: int = Field(ge=0)  # eval reports this MTP depth's acceptance rate (0 = off)
     logits_via_embedding: bool  # tied output head
     final_logits_soft_cap: float = Field(ge=0)  # 0 = off
     dtype: DType  # activations
@@ -88,6 +122,7 @@ class Config(BaseModel):
     ici_fsdp_parallelism: int = Field(ge=-1)
     ici_tensor_parallelism: int = Field(ge=-1)
     ici_context_parallelism: int = Field(ge=-1)
+    ici_expert_parallelism: int = Field(ge=-1)  # experts split over the `expert` mesh axis
     sharding_tolerance: float = Field(ge=0, le=1)  # max fraction of parameter elements left unsharded
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -174,6 +209,8 @@ class Config(BaseModel):
                 f"mlp_activations {list(self.mlp_activations)} is not supported by decoder_block "
                 f"{self.decoder_block}; use [silu, linear]"
             )
+        self._check_moe()
+        self._check_mla_and_mtp()
         if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("rope_high_freq_factor must exceed rope_low_freq_factor for rope_type=llama3")
         if self.dataset_type == "text" and not self.dataset_path:
@@ -181,6 +218,63 @@ class Config(BaseModel):
         if self.eval_interval > 0 and self.dataset_type == "text" and self.eval_split_fraction == 0:
             raise ValueError("eval_interval > 0 with dataset_type=text needs eval_split_fraction > 0 (or set eval_interval=-1)")
         return self
+
+    def _check_moe(self) -> None:
+        experts, k = self.num_experts, self.num_experts_per_tok
+        if experts == 1:
+            if self.ici_expert_parallelism not in (1, -1):
+                raise ValueError(f"ici_expert_parallelism={self.ici_expert_parallelism} needs num_experts > 1 (got 1)")
+            return
+        if k > experts:
+            raise ValueError(f"num_experts_per_tok ({k}) is larger than num_experts ({experts}); choose at most {experts}")
+        if self.ici_expert_parallelism > 1 and experts % self.ici_expert_parallelism:
+            raise ValueError(
+                f"ici_expert_parallelism={self.ici_expert_parallelism} does not divide num_experts={experts}; "
+                "choose a divisor of the expert count"
+            )
+        groups, keep = self.n_routing_groups, self.topk_routing_group
+        if (groups == -1) != (keep == -1):
+            raise ValueError("set both n_routing_groups and topk_routing_group (or neither, -1) for group-limited routing")
+        if groups != -1:
+            if groups < 1 or experts % groups:
+                raise ValueError(f"n_routing_groups={groups} does not divide num_experts={experts}; choose a divisor")
+            if not 1 <= keep <= groups:
+                raise ValueError(f"topk_routing_group={keep} must be between 1 and n_routing_groups={groups}")
+            if k > keep * (experts // groups):
+                raise ValueError(
+                    f"num_experts_per_tok={k} is more than the {keep * (experts // groups)} experts in the "
+                    f"topk_routing_group={keep} kept groups; raise topk_routing_group"
+                )
+            if self.routed_score_func == "softmax":
+                raise ValueError("n_routing_groups needs routed_score_func=sigmoid or sqrtsoftplus (DeepSeek routing)")
+        if self.capacity_factor != -1 and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be -1 (dropless) or > 0")
+        if self.routed_bias_update_rate > 0 and not self.routed_bias:
+            raise ValueError("routed_bias_update_rate > 0 needs routed_bias=true (the bias it updates)")
+        if self.router_scales_expert_input and (k != 1 or self.routed_score_func != "sigmoid"):
+            raise ValueError("router_scales_expert_input=true needs num_experts_per_tok=1 and routed_score_func=sigmoid")
+        if self.first_num_dense_layers >= self.base_num_decoder_layers:
+            raise ValueError(
+                f"first_num_dense_layers={self.first_num_dense_layers} leaves no MoE layer out of "
+                f"base_num_decoder_layers={self.base_num_decoder_layers}"
+            )
+
+    def _check_mla_and_mtp(self) -> None:
+        if self.attention_type == "mla":
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+            if self.base_num_kv_heads != self.base_num_query_heads:
+                raise ValueError("attention_type=mla has one key/value head per query head: set base_num_kv_heads = base_num_query_heads")
+        if self.mtp_num_layers:
+            if self.mtp_loss_scaling_factor == 0:
+                raise ValueError("mtp_num_layers > 0 with mtp_loss_scaling_factor=0 trains MTP layers on nothing; set a factor > 0")
+            if self.mtp_num_layers >= self.max_target_length - 1:
+                raise ValueError(f"mtp_num_layers={self.mtp_num_layers} needs max_target_length > mtp_num_layers + 1")
+        if self.mtp_eval_target_module > self.mtp_num_layers:
+            raise ValueError(
+                f"mtp_eval_target_module={self.mtp_eval_target_module} names an MTP depth beyond "
+                f"mtp_num_layers={self.mtp_num_layers}"
+            )
 
     @property
     def resolved_head_dim(self) -> int:

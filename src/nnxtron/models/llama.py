@@ -1,4 +1,4 @@
-"""Llama 2 / 3 / 3.1 and Mistral: block, layer layout (one homogeneous stack), HF maps.
+"""Llama 2 / 3 / 3.1 and Mistral: the pre-norm decoder block, its HF weight and config maps.
 
 Block (HF ``LlamaDecoderLayer``)::
 
@@ -6,6 +6,10 @@ Block (HF ``LlamaDecoderLayer``)::
     y = h + down(silu(gate(norm_post(h))) * up(norm_post(h)))
 
 Mistral is the same block; its sliding window comes from ``sliding_window_size``.
+The block is shared by the other pre-norm families: its attention is GQA (with
+``use_qk_norm`` for Qwen3) or MLA (``attention_type=mla``, DeepSeek), and its
+feed-forward is the gated MLP or, for MoE layers, the routed ``MoE`` (Mixtral, Qwen3-MoE,
+DeepSeek). MoE blocks return ``(y, aux)`` with the MoE's auxiliary losses.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from jax.ad_checkpoint import checkpoint_name
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 from nnxtron.layers.attention import Attention
+from nnxtron.layers.mla import MLA
 from nnxtron.layers.mlp import GatedMLP
+from nnxtron.layers.moe import MoE
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.layers.rope import RopeSpec
 from nnxtron.models.registry import Family, WeightMap, register
@@ -30,56 +36,80 @@ RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
 
 def rope_spec(cfg: Config) -> RopeSpec:
-    return RopeSpec(
-        head_dim=cfg.resolved_head_dim,
-        theta=cfg.rope_max_timescale,
-        interleave=cfg.rope_interleave,
-        scaling=cfg.rope_type,
-        factor=cfg.rope_scaling_factor,
-        low_freq_factor=cfg.rope_low_freq_factor,
-        high_freq_factor=cfg.rope_high_freq_factor,
-        original_max_position=cfg.rope_original_max_position_embeddings,
-    )
+    return RopeSpec.from_config(cfg, cfg.resolved_head_dim)
 
 
 class LlamaBlock(nnx.Module):
-    def __init__(self, cfg: Config, rngs: nnx.Rngs):
+    """Pre-norm attention + pre-norm feed-forward; ``moe`` selects the routed MoE feed-forward."""
+
+    def __init__(self, cfg: Config, rngs: nnx.Rngs, moe: bool = False):
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         norm = dict(eps=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype)
         self.pre_attention_norm = RMSNorm(cfg.base_emb_dim, **norm)
-        self.attention = Attention(
-            cfg.base_emb_dim,
-            cfg.base_num_query_heads,
-            cfg.base_num_kv_heads,
-            cfg.resolved_head_dim,
-            rope_spec(cfg),
-            sliding_window=cfg.sliding_window_size,
-            dtype=dtype,
-            weight_dtype=weight_dtype,
-            rngs=rngs,
-        )
+        if cfg.attention_type == "mla":
+            self.attention = MLA(cfg, rngs)
+        else:
+            self.attention = Attention(
+                cfg.base_emb_dim,
+                cfg.base_num_query_heads,
+                cfg.base_num_kv_heads,
+                cfg.resolved_head_dim,
+                rope_spec(cfg),
+                sliding_window=cfg.sliding_window_size,
+                qk_norm=cfg.use_qk_norm,
+                norm_eps=cfg.normalization_layer_epsilon,
+                dtype=dtype,
+                weight_dtype=weight_dtype,
+                rngs=rngs,
+            )
         self.post_attention_norm = RMSNorm(cfg.base_emb_dim, **norm)
-        self.mlp = GatedMLP(
-            cfg.base_emb_dim, cfg.base_mlp_dim, cfg.mlp_activations[0], dtype=dtype, weight_dtype=weight_dtype, rngs=rngs
-        )
+        if moe:
+            self.mlp = MoE(cfg, rngs)
+        else:
+            self.mlp = GatedMLP(
+                cfg.base_emb_dim, cfg.base_mlp_dim, cfg.mlp_activations[0], dtype=dtype, weight_dtype=weight_dtype, rngs=rngs
+            )
+        self.moe = moe
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
         x = checkpoint_name(constrain(x, RESIDUAL), "decoder_layer_input")
         h = x + self.attention(self.pre_attention_norm(x), positions, segment_ids)
-        return h + self.mlp(self.post_attention_norm(h))
+        if not self.moe:
+            return h + self.mlp(self.post_attention_norm(h))
+        y, aux = self.mlp(self.post_attention_norm(h))
+        return h + y, aux
 
 
-LAYER_WEIGHTS = (
+NORM_WEIGHTS = (
     WeightMap("pre_attention_norm/scale", "input_layernorm.weight"),
+    WeightMap("post_attention_norm/scale", "post_attention_layernorm.weight"),
+)
+GQA_WEIGHTS = (
     WeightMap("attention/query/kernel", "self_attn.q_proj.weight", 1),
     WeightMap("attention/key/kernel", "self_attn.k_proj.weight", 1),
     WeightMap("attention/value/kernel", "self_attn.v_proj.weight", 1),
     WeightMap("attention/out/kernel", "self_attn.o_proj.weight", 2),
-    WeightMap("post_attention_norm/scale", "post_attention_layernorm.weight"),
-    WeightMap("mlp/wi_0/kernel", "mlp.gate_proj.weight", 1),
-    WeightMap("mlp/wi_1/kernel", "mlp.up_proj.weight", 1),
-    WeightMap("mlp/wo/kernel", "mlp.down_proj.weight", 1),
 )
+QK_NORM_WEIGHTS = (
+    WeightMap("attention/query_norm/scale", "self_attn.q_norm.weight"),
+    WeightMap("attention/key_norm/scale", "self_attn.k_norm.weight"),
+)
+
+
+def gated_mlp_weights(prefix: str, hf_prefix: str) -> tuple[WeightMap, ...]:
+    """A GatedMLP at ``prefix`` <-> HF ``{hf_prefix}.{gate,up,down}_proj``."""
+    return (
+        WeightMap(f"{prefix}/wi_0/kernel", f"{hf_prefix}.gate_proj.weight", 1),
+        WeightMap(f"{prefix}/wi_1/kernel", f"{hf_prefix}.up_proj.weight", 1),
+        WeightMap(f"{prefix}/wo/kernel", f"{hf_prefix}.down_proj.weight", 1),
+    )
+
+
+LAYER_WEIGHTS = NORM_WEIGHTS + GQA_WEIGHTS + gated_mlp_weights("mlp", "mlp")
+
+
+def layer_weights(cfg: Config, moe: bool) -> tuple[WeightMap, ...]:
+    return LAYER_WEIGHTS
 
 
 def top_weights(cfg: Config) -> tuple[WeightMap, ...]:
@@ -89,7 +119,8 @@ def top_weights(cfg: Config) -> tuple[WeightMap, ...]:
     return tuple(maps)
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """nnxtron RoPE values from an HF config (transformers 5 ``rope_parameters`` or 4.x keys)."""
     rope = dict(hf.get("rope_parameters") or {})
     if not rope:  # transformers 4.x layout
         rope = dict(hf.get("rope_scaling") or {})
@@ -106,21 +137,56 @@ def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             rope_high_freq_factor=float(rope["high_freq_factor"]),
             rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
+    elif kind == "yarn":
+        if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
+            raise ConfigError("HF yarn rope_parameters with truncate=false or an explicit attention_factor are not supported")
+        out.update(
+            rope_type="yarn",
+            rope_scaling_factor=float(rope["factor"]),
+            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            max_position_embeddings=int(hf.get("max_position_embeddings") or rope["original_max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            mscale=float(rope.get("mscale") or 0.0),  # 0 = absent (HF semantics)
+            mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        )
     else:
-        raise ConfigError(f"HF rope_type '{kind}' is not supported for Llama/Mistral; supported: default, llama3")
+        raise ConfigError(f"HF rope_type '{kind}' is not supported; supported: default, llama3, yarn")
     return out
 
 
-def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """nnxtron config values for an HF Llama/Mistral ``config.json``."""
+def rope_to_hf(cfg: Config) -> dict[str, Any]:
+    """The HF ``rope_parameters`` of ``cfg``."""
+    rope: dict[str, Any] = {"rope_theta": cfg.rope_max_timescale, "rope_type": cfg.rope_type}
+    if cfg.rope_type == "llama3":
+        rope.update(
+            factor=cfg.rope_scaling_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+        )
+    elif cfg.rope_type == "yarn":
+        rope.update(
+            factor=cfg.rope_scaling_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+            beta_fast=cfg.beta_fast,
+            beta_slow=cfg.beta_slow,
+            mscale=cfg.mscale,
+            mscale_all_dim=cfg.mscale_all_dim,
+        )
+    return rope
+
+
+def common_config_from_hf(hf: dict[str, Any], decoder_block: str) -> dict[str, Any]:
+    """The config values every pre-norm family reads the same way from an HF ``config.json``."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"HF hidden_act '{hf['hidden_act']}' is not supported; only silu")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise ConfigError(f"HF {flag}=true is not supported by decoder_block llama2/mistral")
+            raise ConfigError(f"HF {flag}=true is not supported by decoder_block {decoder_block}")
     heads = int(hf["num_attention_heads"])
     values = {
-        "decoder_block": "mistral" if hf["model_type"] == "mistral" else "llama2",
+        "decoder_block": decoder_block,
         "base_emb_dim": int(hf["hidden_size"]),
         "base_num_query_heads": heads,
         "base_num_kv_heads": int(hf.get("num_key_value_heads") or heads),
@@ -134,25 +200,15 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "rope_interleave": False,
         "mlp_activations": ["silu", "linear"],
     }
-    values.update(_rope_from_hf(hf))
+    values.update(rope_from_hf(hf))
     return values
 
 
-def config_to_hf(cfg: Config) -> dict[str, Any]:
-    if cfg.rope_interleave:
-        raise ConfigError("rope_interleave=true has no HF Llama/Mistral equivalent; export needs rope_interleave=false")
-    mistral = cfg.decoder_block == "mistral"
-    rope: dict[str, Any] = {"rope_theta": cfg.rope_max_timescale, "rope_type": cfg.rope_type}
-    if cfg.rope_type == "llama3":
-        rope.update(
-            factor=cfg.rope_scaling_factor,
-            low_freq_factor=cfg.rope_low_freq_factor,
-            high_freq_factor=cfg.rope_high_freq_factor,
-            original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
-        )
-    hf: dict[str, Any] = {
-        "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
-        "model_type": "mistral" if mistral else "llama",
+def common_config_to_hf(cfg: Config, model_type: str, architecture: str) -> dict[str, Any]:
+    """The HF ``config.json`` entries shared by the pre-norm families."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": cfg.base_emb_dim,
         "num_attention_heads": cfg.base_num_query_heads,
         "num_key_value_heads": cfg.base_num_kv_heads,
@@ -163,16 +219,41 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
         "rms_norm_eps": cfg.normalization_layer_epsilon,
         "hidden_act": "silu",
         "tie_word_embeddings": cfg.logits_via_embedding,
-        "rope_parameters": rope,
-        "max_position_embeddings": max(cfg.max_target_length, cfg.rope_original_max_position_embeddings),
+        "rope_parameters": rope_to_hf(cfg),
+        "max_position_embeddings": max(cfg.max_target_length, cfg.max_position_embeddings),
+        "attention_bias": False,
         "dtype": cfg.weight_dtype,
     }
+
+
+def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """nnxtron config values for an HF Llama/Mistral ``config.json``."""
+    return common_config_from_hf(hf, "mistral" if hf["model_type"] == "mistral" else "llama2")
+
+
+def check_exportable(cfg: Config, family: str, *, moe: bool = False, qk_norm: bool = False, mla: bool = False) -> None:
+    """Raise when ``cfg`` uses a feature the HF class of ``family`` lacks."""
+    if cfg.num_experts > 1 and not moe:
+        raise ConfigError(f"num_experts > 1 has no HF {family} equivalent; export a MoE family (mixtral, qwen3_moe, deepseek)")
+    if cfg.use_qk_norm != qk_norm:
+        raise ConfigError(f"HF {family} needs use_qk_norm={str(qk_norm).lower()}")
+    if (cfg.attention_type == "mla") != mla:
+        raise ConfigError(f"HF {family} needs attention_type={'mla' if mla else 'global'}")
+
+
+def config_to_hf(cfg: Config) -> dict[str, Any]:
+    check_exportable(cfg, "Llama/Mistral")
+    if cfg.rope_interleave:
+        raise ConfigError("rope_interleave=true has no HF Llama/Mistral equivalent; export needs rope_interleave=false")
+    mistral = cfg.decoder_block == "mistral"
+    hf = common_config_to_hf(cfg, "mistral" if mistral else "llama", "MistralForCausalLM" if mistral else "LlamaForCausalLM")
     if mistral:
         hf["sliding_window"] = cfg.sliding_window_size or None
+        del hf["attention_bias"]
     elif cfg.sliding_window_size:
         raise ConfigError("sliding_window_size > 0 has no HF Llama equivalent; use decoder_block=mistral")
     else:
-        hf.update(attention_bias=False, mlp_bias=False)
+        hf["mlp_bias"] = False
     return hf
 
 
@@ -184,7 +265,7 @@ for _name, _type, _arch in (("llama2", "llama", "LlamaForCausalLM"), ("mistral",
             hf_model_type=_type,
             hf_architecture=_arch,
             make_block=LlamaBlock,
-            layer_weights=LAYER_WEIGHTS,
+            layer_weights=layer_weights,
             top_weights=top_weights,
             config_from_hf=config_from_hf,
             config_to_hf=config_to_hf,

@@ -20,23 +20,64 @@ class WeightMap:
     ``hf_key`` the HF name (per-layer keys are relative to ``model.layers.{i}.``) and
     ``linear_in_dims`` > 0 marks an HF ``nn.Linear.weight`` [out, in] whose nnxtron
     kernel is ``[*in, *out]`` with that many input dims; 0 means the same layout.
+
+    Routed experts: an ``hf_key`` containing ``{e}`` names one tensor per expert (the hub
+    layout ``save_pretrained`` writes); the nnxtron variable stacks the experts on its
+    leading axis and ``linear_in_dims`` describes one expert. ``fused_key`` is the
+    transformers>=5 in-memory layout holding all experts in one tensor
+    ``[E, fused_parts * out, in]``; this weight is chunk ``fused_part`` along dim 1.
     """
 
     path: str
     hf_key: str
     linear_in_dims: int = 0
+    fused_key: str = ""
+    fused_part: int = 0
+    fused_parts: int = 1
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf_key
 
 
 @dataclass(frozen=True)
 class Family:
+    """A decoder family: its block (dense or MoE kind), weight maps and HF config maps.
+
+    ``make_block(cfg, rngs, moe)`` and ``layer_weights(cfg, moe)`` take the layer kind:
+    ``moe=True`` for layers whose feed-forward is the routed MoE.
+    """
+
     name: str
     hf_model_type: str
     hf_architecture: str
-    make_block: Callable[[Config, nnx.Rngs], nnx.Module]
-    layer_weights: tuple[WeightMap, ...]
+    make_block: Callable[[Config, nnx.Rngs, bool], nnx.Module]
+    layer_weights: Callable[[Config, bool], tuple[WeightMap, ...]]
     top_weights: Callable[[Config], tuple[WeightMap, ...]]
     config_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
     config_to_hf: Callable[[Config], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class StackLayout:
+    """One scanned stack of identical layers: the Decoder attribute (also the stack axis
+    name), the HF index of its first layer, its layer count and its layer kind."""
+
+    name: str
+    first_layer: int
+    num_layers: int
+    moe: bool
+
+
+def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
+    """The decoder's layer stacks, in order: one ``layers`` stack, or with MoE and
+    ``first_num_dense_layers`` > 0 a ``dense_layers`` prefix then ``moe_layers``."""
+    moe = cfg.num_experts > 1
+    dense = cfg.first_num_dense_layers if moe else 0
+    total = cfg.base_num_decoder_layers
+    if not dense:
+        return (StackLayout("layers", 0, total, moe),)
+    return (StackLayout("dense_layers", 0, dense, False), StackLayout("moe_layers", dense, total - dense, True))
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -66,6 +107,11 @@ def family_for_hf(model_type: str) -> tuple[str, Family]:
     raise ConfigError(f"HF model_type '{model_type}' is not supported; supported: {', '.join(supported)}")
 
 
+def layer_counts(cfg: Config) -> dict[str, int]:
+    """Layer count of each stack, by stack name (what ``params`` layout conversions take)."""
+    return {stack.name: stack.num_layers for stack in layer_stacks(cfg)}
+
+
 def _load_builtin() -> None:
     if not _FAMILIES:
-        from nnxtron.models import llama  # noqa: F401  (registers itself)
+        from nnxtron.models import deepseek, llama, mixtral, qwen3  # noqa: F401  (each registers itself)

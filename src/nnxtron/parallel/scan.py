@@ -5,8 +5,12 @@ parameters are stacked along a leading axis (named ``layers`` in each variable's
 sharding annotation) and applied by one compiled body under ``jax.lax.scan``; with
 ``scan=False`` they are a plain list applied in a Python loop. Both paths build layer
 ``i`` from the same key and apply the same remat policy, so they compute the same
-function. Non-parameter state (e.g. router statistics in later families) is carried
-out of the scan and written back, never dropped.
+function. Non-parameter state (e.g. MoE expert-load counters) is carried out of the
+scan and written back, never dropped.
+
+A block returns either its output ``y`` or ``(y, aux)`` with ``aux`` a dict of float
+scalars (e.g. a load-balance loss); the stack returns ``(x, aux)`` with each entry
+summed over its layers, so auxiliary outputs are explicit values, never side channels.
 """
 
 from __future__ import annotations
@@ -89,11 +93,24 @@ def remove_stack_axis(tree: Any, axis_name: str = STACK_AXIS, axis: int = 0) -> 
     return _rename(tree, edit)
 
 
-def _apply_layer(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: tuple) -> tuple[jax.Array, nnx.State]:
-    """Pure application of one layer: returns the output and its non-parameter state."""
+Aux = dict[str, jax.Array]
+
+
+def _apply_layer(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: tuple) -> tuple[jax.Array, Aux, nnx.State]:
+    """Pure application of one layer: its output, aux dict and non-parameter state."""
     layer = nnx.merge(graphdef, state)
-    y = layer(x, *args)
-    return y, nnx.state(layer, nnx.Not(nnx.Param))
+    out = layer(x, *args)
+    y, aux = out if isinstance(out, tuple) else (out, {})
+    return y, {name: jnp.asarray(value, jnp.float32) for name, value in aux.items()}, nnx.state(layer, nnx.Not(nnx.Param))
+
+
+def sum_aux(*parts: Aux) -> Aux:
+    """Add aux dicts entry by entry (names missing from a part count as zero)."""
+    total: Aux = {}
+    for part in parts:
+        for name, value in part.items():
+            total[name] = total[name] + value if name in total else value
+    return total
 
 
 def _with_remat(fn: Callable, spec: RematSpec, *, in_scan: bool) -> Callable:
@@ -133,21 +150,26 @@ class LayerStack(nnx.Module):
         else:
             self.layers = nnx.List([make_block(nnx.Rngs(keys[i])) for i in range(num_layers)])
 
-    def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
-        """Apply every layer in order; ``args`` are passed unchanged to each layer."""
+    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, Aux]:
+        """Apply every layer in order; ``args`` are passed unchanged to each layer.
+
+        Returns the output and the blocks' aux entries summed over the layers.
+        """
         apply = _with_remat(_apply_layer, self.remat, in_scan=self.scan)
         if not self.scan:
+            auxes = []
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)
-                x, rest = apply(graphdef, state, x, args)
+                x, aux, rest = apply(graphdef, state, x, args)
                 nnx.update(layer, rest)
-            return x
+                auxes.append(aux)
+            return x, sum_aux(*auxes)
         graphdef, state = nnx.split(self.layers)
 
         def body(carry, layer_state):
-            y, rest = apply(graphdef, remove_stack_axis(layer_state, self.axis_name), carry, args)
-            return y, rest
+            y, aux, rest = apply(graphdef, remove_stack_axis(layer_state, self.axis_name), carry, args)
+            return y, (aux, rest)
 
-        x, stacked_rest = jax.lax.scan(body, x, state)
+        x, (stacked_aux, stacked_rest) = jax.lax.scan(body, x, state)
         nnx.update(self.layers, add_stack_axis(stacked_rest, self.axis_name))
-        return x
+        return x, {name: jnp.sum(value, axis=0) for name, value in stacked_aux.items()}

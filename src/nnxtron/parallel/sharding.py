@@ -93,6 +93,11 @@ def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active_mesh() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) set by ``activate`` around the current trace, or None."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrain an activation to the sharding its logical names map to (no-op without a mesh)."""
     active = _ACTIVE.get()

@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxtron.errors import CheckpointError
-from nnxtron.params import detect_layout, flatten_with_treedef, layer_groups
+from nnxtron.params import LayerCounts, detect_layout, flatten_with_treedef, layer_groups
 
 FORMAT = "nnxtron-checkpoint-v1"
 
@@ -211,7 +211,7 @@ def _with_layer_axis(sharding: Any, add: bool) -> Any:
     return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
 
 
-def _abstract_relayout(target: dict[str, jax.ShapeDtypeStruct], num_layers: int, scanned: bool) -> dict:
+def _abstract_relayout(target: dict[str, jax.ShapeDtypeStruct], num_layers: LayerCounts, scanned: bool) -> dict:
     """Restore targets of the other layout (shapes, dtypes and sharding) from the current targets."""
     out: dict[str, jax.ShapeDtypeStruct] = {}
     for new, old in _groups(target, num_layers, scanned):
@@ -220,7 +220,7 @@ def _abstract_relayout(target: dict[str, jax.ShapeDtypeStruct], num_layers: int,
         elif scanned:  # per-layer targets -> one stacked target
             first = target[old[0]]
             sharding = _with_layer_axis(first.sharding, add=True)
-            out[new[0]] = jax.ShapeDtypeStruct((num_layers, *first.shape), first.dtype, sharding=sharding)
+            out[new[0]] = jax.ShapeDtypeStruct((len(old), *first.shape), first.dtype, sharding=sharding)
         else:  # one stacked target -> per-layer targets
             whole = target[old[0]]
             sharding = _with_layer_axis(whole.sharding, add=False)
@@ -229,7 +229,7 @@ def _abstract_relayout(target: dict[str, jax.ShapeDtypeStruct], num_layers: int,
     return out
 
 
-def _relayout(stored: dict[str, jax.Array], target: dict[str, jax.ShapeDtypeStruct], num_layers: int, scanned: bool) -> dict:
+def _relayout(stored: dict[str, jax.Array], target: dict[str, jax.ShapeDtypeStruct], num_layers: LayerCounts, scanned: bool) -> dict:
     """Restored arrays of the other layout -> the current one, placed on the target shardings.
 
     One layer group at a time, each source dropped once converted, so at most one group's
@@ -256,7 +256,7 @@ def _unstack(whole: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(whole[i] for i in range(whole.shape[0]))
 
 
-def _groups(flat: dict[str, Any], num_layers: int, scanned: bool) -> list[tuple[list[str], list[str]]]:
+def _groups(flat: dict[str, Any], num_layers: LayerCounts, scanned: bool) -> list[tuple[list[str], list[str]]]:
     try:
         return layer_groups(flat, num_layers, scanned)
     except ValueError as err:

@@ -29,7 +29,9 @@ from nnxtron.train.step import batch_sharding, device_batch, make_eval_step, mak
 # checkpoints are converted between the two layouts on restore; the mesh may change too.)
 MODEL_KEYS = (
     "decoder_block", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
-    "base_num_decoder_layers", "vocab_size", "logits_via_embedding", "weight_dtype",
+    "base_num_decoder_layers", "vocab_size", "logits_via_embedding", "weight_dtype", "use_qk_norm", "attention_type",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts",
+    "base_moe_mlp_dim", "shared_experts", "first_num_dense_layers", "routed_bias", "mtp_num_layers",
 )  # fmt: skip
 
 
@@ -40,6 +42,7 @@ class TrainResult:
     end_step: int
     losses: list[float] = field(default_factory=list)
     eval_losses: dict[int, float] = field(default_factory=dict)
+    eval_mtp_acceptance: dict[int, float] = field(default_factory=dict)  # with mtp_eval_target_module > 0
     state: TrainState | None = None
 
 
@@ -121,13 +124,17 @@ class Trainer:
             )
         return init_state(self.cfg, self.setup, self.tx, params), 0
 
-    def evaluate(self, state: TrainState) -> float:
-        total, tokens = 0.0, 0.0
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """``{"loss": token-mean eval loss}`` plus ``"mtp_acceptance"`` (fraction) when configured."""
+        sums: dict[str, float] = {}
         for i in range(self.cfg.eval_steps):
             out = self.eval_step(state, device_batch(self._host_batch(self.eval_source, i), self.batch_shardings))
-            total += float(out["loss_sum"])
-            tokens += float(out["tokens"])
-        return total / max(tokens, 1.0)
+            for key, value in out.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        result = {"loss": sums["loss_sum"] / max(sums["tokens"], 1.0)}
+        if "mtp_accepted" in sums:
+            result["mtp_acceptance"] = sums["mtp_accepted"] / max(sums["mtp_predictions"], 1.0)
+        return result
 
     def run(self) -> TrainResult:
         cfg = self.cfg
@@ -157,11 +164,15 @@ class Trainer:
                     and (done % cfg.eval_interval == 0 or done == cfg.steps)
                 ):
                     recorder.flush()
-                    eval_loss = self.evaluate(state)
-                    result.eval_losses[done] = eval_loss
-                    bar.log(f"step {done}: eval loss {eval_loss:.4f}")
+                    evaluation = self.evaluate(state)
+                    result.eval_losses[done] = evaluation["loss"]
+                    line = f"step {done}: eval loss {evaluation['loss']:.4f}"
+                    if "mtp_acceptance" in evaluation:
+                        result.eval_mtp_acceptance[done] = evaluation["mtp_acceptance"]
+                        line += f" | MTP acceptance {100 * evaluation['mtp_acceptance']:.1f}%"
+                    bar.log(line)
                     if writer:
-                        writer.write({"step": done, "eval_loss": eval_loss})
+                        writer.write({"step": done, **{f"eval_{k}": v for k, v in evaluation.items()}})
                     recorder.restart_clock()
                 if ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps):
                     ckpt.save(done, state, {"data_position": done, "config": cfg.model_dump(mode="json")})
@@ -217,8 +228,9 @@ class _Recorder:
                 self.writer.flush()
         self.bar.update(step, record)
         if not self.bar.enabled and (step % self.cfg.log_period == 0 or step == self.cfg.steps):
+            aux = "".join(f" | {k[4:]} {v:.4f}" for k, v in values.items() if k.startswith("aux/"))
             self.bar.log(
-                f"step {step}: loss {record['loss']:.4f} | {record['tokens_per_s']:,.0f} tok/s | "
+                f"step {step}: loss {record['loss']:.4f}{aux} | {record['tokens_per_s']:,.0f} tok/s | "
                 f"{tflops:.4f} TFLOP/s | MFU {100 * record['mfu']:.1f}%"
             )
 

@@ -70,8 +70,9 @@ class ProgressBar:
         self.progress.stop()
 
     def update(self, step: int, record: dict[str, Any]) -> None:
+        aux = "".join(f"{k[4:]} {v:.4f}  " for k, v in record.items() if k.startswith("aux/"))
         stats = (
-            f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  "
+            f"loss {record['loss']:.4f}  {aux}{record['tokens_per_s']:,.0f} tok/s  "
             f"{record['tflops']:.3f} TFLOP/s  MFU {100 * record['mfu']:.1f}%"
         )
         self.progress.update(self.task, completed=step, stats=stats)

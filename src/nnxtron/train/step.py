@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxtron.config.schema import Config
 from nnxtron.data.packing import BATCH_KEYS
+from nnxtron.layers.moe import update_router_bias
 from nnxtron.parallel.sharding import activate, constrain, logical_to_spec
 from nnxtron.train.loss import cross_entropy, cross_entropy_sum
 from nnxtron.train.state import ModelSetup, TrainState
@@ -90,12 +91,12 @@ def _apply(graphdef: nnx.GraphDef, params: Any, rest: Any, batch: Batch, delta: 
     """Run the model on ``batch``; ``delta`` (zeros) is added to the embedding output so
     that its gradient is the input cotangent. Returns (output, new non-parameter state)."""
     model = nnx.merge(graphdef, params, rest)
-    positions, segment_ids = batch.get("positions"), batch.get("segment_ids")
+    extra = (batch.get("positions"), batch.get("segment_ids"), batch.get("targets"), batch.get("loss_mask"))
     if delta is None:
-        out = model(batch["inputs"], positions, segment_ids)
+        out = model(batch["inputs"], *extra)
     else:
         x = model.embed(batch["inputs"])
-        out = model.from_embeddings(x + delta.astype(x.dtype), positions, segment_ids)
+        out = model.from_embeddings(x + delta.astype(x.dtype), *extra)
     return out, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
@@ -201,6 +202,9 @@ def make_train_step(
     (``compute_gradients``); the update is the same as for the whole batch at once.
     Metrics: ``loss`` (token-mean cross-entropy), ``tokens``, ``grad_norm``,
     ``learning_rate`` and ``aux/<name>`` for each auxiliary loss the model returns.
+
+    With ``routed_bias_update_rate`` > 0 the MoE routers' correction biases are updated
+    after the gradient (loss-free balancing) from the expert load the step counted.
     """
     graphdef = model_setup.graphdef
     rules = cfg.logical_axis_rules
@@ -215,6 +219,7 @@ def make_train_step(
             g = compute_gradients(graphdef, state["params"], state["rest"], batch, accumulation, grad_shardings=param_shardings)
             updates, opt_state = tx.update(g.grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
+            rest = update_router_bias(g.rest, cfg.routed_bias_update_rate) if cfg.routed_bias_update_rate > 0 else g.rest
         metrics = {
             "loss": g.loss,
             "tokens": g.tokens,
@@ -222,7 +227,7 @@ def make_train_step(
             "learning_rate": jnp.asarray(schedule(state["step"]), jnp.float32),
             **{f"aux/{name}": value for name, value in g.aux.items()},
         }
-        new_state = {"params": params, "rest": g.rest, "opt_state": opt_state, "step": state["step"] + 1}
+        new_state = {"params": params, "rest": rest, "opt_state": opt_state, "step": state["step"] + 1}
         return model_setup.to_storage(new_state), metrics
 
     shardings = model_setup.state_shardings
@@ -236,7 +241,9 @@ def make_train_step(
 
 
 def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
-    """``eval(state, batch) -> {"loss_sum", "tokens"}`` (sum so that batches can be pooled)."""
+    """``eval(state, batch) -> {"loss_sum", "tokens"}`` (sums so that batches can be pooled);
+    with ``mtp_eval_target_module`` > 0 also ``mtp_accepted`` and ``mtp_predictions``: how
+    many of that MTP depth's predictions equal the main head's (the acceptance rate)."""
     graphdef = model_setup.graphdef
 
     def eval_step(state: TrainState, batch: Batch):
@@ -244,7 +251,10 @@ def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState
         with activate(model_setup.mesh, cfg.logical_axis_rules):
             out, _ = _apply(graphdef, state["params"], state["rest"], batch, None)
             loss_sum, tokens = cross_entropy_sum(out.logits, batch["targets"], batch["loss_mask"])
-        return {"loss_sum": loss_sum, "tokens": tokens}
+        result = {"loss_sum": loss_sum, "tokens": tokens}
+        if cfg.mtp_eval_target_module:
+            result["mtp_accepted"], result["mtp_predictions"] = out.aux["mtp_acceptance"]
+        return result
 
     replicated = NamedSharding(model_setup.mesh, PartitionSpec())
     return jax.jit(

@@ -1,0 +1,140 @@
+"""Mixture-of-experts feed-forward layer (Mixtral, Qwen3-MoE, Llama 4, DeepSeek-V3/V4).
+
+``MoE(cfg, rngs)(x [B, S, D]) -> (y [B, S, D], aux)``. Routing runs in float32 (see
+``nnxtron.layers.router``); each routed expert is the SwiGLU
+``wo[e](act(x @ wi_0[e]) * (x @ wi_1[e]))`` (HF gate_proj / up_proj / down_proj) and the
+routed sum accumulates in float32 before the cast to ``cfg.dtype``. An optional shared
+expert (``shared_experts * base_moe_mlp_dim`` wide) sees every token.
+
+Dispatch (``nnxtron.parallel.expert``):
+
+* dropless (``capacity_factor == -1``): every assignment is computed, grouped by expert
+  with ``jax.lax.ragged_dot``;
+* capacity (``capacity_factor > 0``): expert ``e`` takes at most
+  ``C = ceil(capacity_factor * T * k / E)`` assignments (``T`` = all tokens of the call);
+  assignments are admitted in (token index, slot) order and the overflow contributes
+  zero — the kept weights are not renormalised;
+* with an active mesh the experts are split over the ``expert`` axis (logical ``exp``)
+  and dispatched under ``jax.shard_map``; results equal the unsharded layer.
+
+Non-trainable state: ``router_bias`` (``RouterBias``, selection-only bias, when
+``routed_bias``) and ``expert_load`` (``ExpertLoad``, assignments per expert summed over
+forward calls, when ``routed_bias_update_rate > 0``). ``update_router_bias`` applies
+DeepSeek's loss-free balancing to a pure-dict tree of such state and resets the load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnxtron.config.schema import Config
+from nnxtron.layers.linear import Linear
+from nnxtron.layers.mlp import ACTIVATIONS, GatedMLP
+from nnxtron.layers.router import RouterSpec, expert_counts, load_balance_loss, route
+from nnxtron.parallel.expert import capacity_keep, dispatch
+from nnxtron.parallel.sharding import constrain
+
+TOKENS = ("activation_batch", "activation_length", "activation_embed")
+
+
+class RouterBias(nnx.Variable):
+    """Selection-only expert bias (DeepSeek ``e_score_correction_bias``); not trained by the optimizer."""
+
+
+class ExpertLoad(nnx.Variable):
+    """(token, slot) assignments per expert, summed over forward calls until ``update_router_bias``."""
+
+
+def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, weight_dtype: jnp.dtype, axes: tuple[str, ...]) -> nnx.Param:
+    init = jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
+    return nnx.Param(init(rngs.params(), shape, jnp.float32).astype(weight_dtype), out_sharding=axes)
+
+
+class MoE(nnx.Module):
+    """Routed experts (+ optional shared expert); returns ``(y, aux)``."""
+
+    def __init__(self, cfg: Config, rngs: nnx.Rngs):
+        dim, hidden, experts = cfg.base_emb_dim, cfg.base_moe_mlp_dim, cfg.num_experts
+        self.dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
+        self.spec = RouterSpec.from_config(cfg)
+        if cfg.mlp_activations[0] not in ACTIVATIONS:
+            raise ValueError(f"mlp_activations[0]={cfg.mlp_activations[0]!r} is not one of {sorted(ACTIVATIONS)}")
+        self.activation = cfg.mlp_activations[0]
+        self.capacity_factor = cfg.capacity_factor
+        self.lb_weight = cfg.load_balance_loss_weight
+        self.router = Linear([dim], [experts], ("embed", None), dtype=jnp.float32, weight_dtype=weight_dtype, rngs=rngs)
+        if cfg.routed_bias:
+            self.router_bias = RouterBias(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
+        if cfg.routed_bias_update_rate > 0:
+            self.expert_load = ExpertLoad(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
+        self.wi_0 = _expert_weight(rngs, (experts, dim, hidden), dim, weight_dtype, ("exp", "embed", "mlp"))
+        self.wi_1 = _expert_weight(rngs, (experts, dim, hidden), dim, weight_dtype, ("exp", "embed", "mlp"))
+        self.wo = _expert_weight(rngs, (experts, hidden, dim), hidden, weight_dtype, ("exp", "mlp", "embed"))
+        if cfg.shared_experts > 0:
+            self.shared = GatedMLP(
+                dim, cfg.shared_experts * hidden, self.activation, dtype=self.dtype, weight_dtype=weight_dtype, rngs=rngs
+            )
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Routing of ``x [B, S, D]``: weights ``[B, S, k]``, indices ``[B, S, k]``, probs ``[B, S, E]``."""
+        batch, seq, dim = x.shape
+        logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router.kernel[...].astype(jnp.float32))
+        bias = self.router_bias[...] if hasattr(self, "router_bias") else None
+        weights, indices, probs = route(logits.reshape(batch * seq, -1), bias, self.spec)
+        return weights.reshape(batch, seq, -1), indices.reshape(batch, seq, -1), probs.reshape(batch, seq, -1)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``x [B, S, D]`` -> ``(y [B, S, D] in cfg.dtype, aux)``; aux holds ``moe_lb_loss``
+        (already multiplied by ``load_balance_loss_weight``) when that weight is > 0."""
+        batch, seq, _ = x.shape
+        experts, k = self.spec.num_experts, self.spec.k
+        x = constrain(x.astype(self.dtype), TOKENS)
+        weights, indices, probs = self.route(x)
+        if hasattr(self, "expert_load"):
+            self.expert_load[...] = self.expert_load[...] + expert_counts(indices, experts)
+        if self.capacity_factor > 0:
+            capacity = math.ceil(self.capacity_factor * batch * seq * k / experts)
+            keep = capacity_keep(indices.reshape(batch * seq, k), experts, capacity).reshape(indices.shape)
+        else:
+            keep = jnp.ones(indices.shape, bool)
+        if self.spec.scales_input:  # Llama 4: the router weight scales the expert input
+            combine, in_scale = jnp.ones_like(weights), weights
+        else:
+            combine, in_scale = weights, None
+        routed = dispatch(
+            x, indices, combine, keep, in_scale, self.wi_0[...], self.wi_1[...], self.wo[...],
+            activation=ACTIVATIONS[self.activation],
+        )  # fmt: skip
+        y = constrain(routed.astype(self.dtype), TOKENS)
+        if hasattr(self, "shared"):
+            y = y + self.shared(x)
+        aux = {}
+        if self.lb_weight > 0:
+            aux["moe_lb_loss"] = jnp.float32(self.lb_weight) * load_balance_loss(indices, probs)
+        return y, aux
+
+
+def update_router_bias(rest: Mapping[str, Any], rate: float) -> dict[str, Any]:
+    """Loss-free balancing on a pure-dict state tree: wherever a dict holds both
+    ``router_bias`` and ``expert_load``, ``bias += rate * sign(mean(load) - load)`` (mean
+    over the last, expert axis, so stacked ``[L, E]`` layers update per layer) and the load
+    is reset to zero. Returns a new tree; jit-able."""
+
+    def walk(node: Any) -> Any:
+        if not isinstance(node, Mapping):
+            return node
+        new = {key: walk(value) for key, value in node.items()}
+        if "router_bias" in node and "expert_load" in node:
+            bias, load = jnp.asarray(node["router_bias"]), jnp.asarray(node["expert_load"])
+            step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+            new["router_bias"] = (bias + rate * step).astype(bias.dtype)
+            new["expert_load"] = jnp.zeros_like(load)
+        return new
+
+    return walk(rest)

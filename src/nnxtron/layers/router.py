@@ -1,0 +1,142 @@
+"""Mixture-of-experts routing math (pure functions, float32), matching HF transformers.
+
+``route(logits, bias, spec)`` turns router logits ``[T, E]`` into combine weights
+``[T, k]``, expert indices ``[T, k]`` and per-token probabilities ``[T, E]`` for the
+load-balance loss:
+
+* ``softmax`` (Mixtral, Qwen3-MoE): ``p = softmax(logits)``; top-k of ``p`` (+ bias);
+  ``w = p[idx]``, renormalised ``w / sum(w)`` when ``norm_topk_prob``.
+* ``sigmoid`` (DeepSeek-V3) / ``sqrtsoftplus`` (DeepSeek-V4): ``s = score(logits)``;
+  selection on ``s + bias``, optionally group-limited (sum of the top-2 biased scores of
+  each group of ``E/G`` consecutive experts; experts outside the kept groups get -inf);
+  ``w = s[idx]`` (pre-bias), renormalised ``w / (sum(w) + 1e-20)`` when ``norm_topk_prob``.
+* every score function then multiplies ``w`` by ``routed_scaling_factor``.
+* ``scales_input`` (Llama 4): top-1 of the raw logits (+ bias); ``w = sigmoid(logit)``
+  scales the expert *input*; neither renormalisation nor ``routed_scaling_factor`` apply.
+
+Ties select the lower expert index (as ``jax.lax.top_k``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """Static routing options (read from the config by ``from_config``)."""
+
+    num_experts: int
+    k: int
+    score_func: str = "softmax"
+    norm_topk_prob: bool = False
+    scaling_factor: float = 1.0
+    n_groups: int = -1  # -1 = no group-limited routing
+    topk_groups: int = -1
+    scales_input: bool = False
+
+    def __post_init__(self):
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"routed_score_func={self.score_func!r}; choose one of {SCORE_FUNCS}")
+        if not 1 <= self.k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.k} must be between 1 and num_experts={self.num_experts}")
+        if self.n_groups > 0 and self.num_experts % self.n_groups:
+            raise ValueError(f"n_routing_groups={self.n_groups} does not divide num_experts={self.num_experts}")
+        if self.scales_input and self.k != 1:
+            raise ValueError("router_scales_expert_input=true needs num_experts_per_tok=1")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RouterSpec:
+        return cls(
+            num_experts=cfg.num_experts,
+            k=cfg.num_experts_per_tok,
+            score_func=cfg.routed_score_func,
+            norm_topk_prob=cfg.norm_topk_prob,
+            scaling_factor=cfg.routed_scaling_factor,
+            n_groups=cfg.n_routing_groups,
+            topk_groups=cfg.topk_routing_group,
+            scales_input=cfg.router_scales_expert_input,
+        )
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k`` over the last axis (ties to the lower index) via a stable sort.
+
+    The sharding partitioner keeps a sort sharded along the token axis, but replicates
+    ``chlo.top_k`` (every device would route every token of the global batch).
+    """
+    idx = jnp.argsort(-x, axis=-1, stable=True)[..., :k]
+    return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
+def scores(logits: jax.Array, score_func: str) -> jax.Array:
+    """Per-expert scores in float32: softmax, sigmoid or sqrt(softplus)."""
+    logits = logits.astype(jnp.float32)
+    if score_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    if score_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    if score_func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    raise ValueError(f"unknown routed_score_func {score_func!r}; choose one of {SCORE_FUNCS}")
+
+
+def group_limit(choice: jax.Array, n_groups: int, topk_groups: int) -> jax.Array:
+    """Set to -inf the experts outside each token's ``topk_groups`` best groups.
+
+    A group's score is the sum of its top-2 ``choice`` values (top-1 for groups of one).
+    """
+    tokens, experts = choice.shape
+    grouped = choice.reshape(tokens, n_groups, experts // n_groups)
+    group_score = top_k(grouped, min(2, experts // n_groups))[0].sum(-1)  # [T, G]
+    _, keep = top_k(group_score, topk_groups)  # [T, g]
+    kept = jnp.any(keep[:, :, None] == jnp.arange(n_groups)[None, None, :], axis=1)  # [T, G]; no scatter (shards by token)
+    return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)
+
+
+def route(logits: jax.Array, bias: jax.Array | None, spec: RouterSpec) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``logits [T, E]`` -> ``(weights [T, k] f32, indices [T, k] int32, probs [T, E] f32)``.
+
+    ``bias`` ([E] or None) shifts the selection only, never the weights. ``probs`` are
+    the per-token routing probabilities used by the load-balance loss (softmax, or the
+    scores normalised to sum to one).
+    """
+    logits = logits.astype(jnp.float32)
+    if spec.scales_input:
+        s = jax.nn.sigmoid(logits)
+        choice = logits if bias is None else logits + bias.astype(jnp.float32)
+        _, idx = top_k(choice, spec.k)
+        weights = jax.nn.sigmoid(jnp.take_along_axis(logits, idx, axis=-1))
+        return weights, idx.astype(jnp.int32), s / jnp.sum(s, axis=-1, keepdims=True)
+    s = scores(logits, spec.score_func)
+    choice = s if bias is None else s + bias.astype(jnp.float32)
+    if spec.n_groups > 0:
+        choice = group_limit(choice, spec.n_groups, spec.topk_groups)
+    _, idx = top_k(choice, spec.k)
+    weights = jnp.take_along_axis(s, idx, axis=-1)
+    if spec.norm_topk_prob:
+        eps = 0.0 if spec.score_func == "softmax" else 1e-20
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + eps)
+    weights = weights * jnp.float32(spec.scaling_factor)
+    probs = s if spec.score_func == "softmax" else s / jnp.sum(s, axis=-1, keepdims=True)
+    return weights, idx.astype(jnp.int32), probs
+
+
+def expert_counts(indices: jax.Array, num_experts: int) -> jax.Array:
+    """Number of (token, slot) assignments per expert, float32 [E]."""
+    return jnp.zeros((num_experts,), jnp.float32).at[indices.reshape(-1)].add(1.0)
+
+
+def load_balance_loss(indices: jax.Array, probs: jax.Array) -> jax.Array:
+    """Switch-style ``E * sum_e f_e * P_e``: f_e the fraction of assignments to expert e,
+    P_e the mean routing probability of expert e over tokens."""
+    num_experts = probs.shape[-1]
+    fraction = expert_counts(indices, num_experts) / indices.size
+    mean_prob = jnp.mean(probs.reshape(-1, num_experts).astype(jnp.float32), axis=0)
+    return num_experts * jnp.sum(fraction * mean_prob)

@@ -1,0 +1,90 @@
+"""Mixtral: the Llama block with a routed MoE feed-forward (softmax top-k, renormalised).
+
+HF ``MixtralForCausalLM``. The hub checkpoint (what ``save_pretrained`` writes) keeps
+one tensor per expert (``block_sparse_moe.experts.{e}.w1/w3/w2``); transformers >= 5
+fuses them in memory (``mlp.experts.gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``,
+router ``mlp.gate``). Both load; export writes the hub layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nnxtron.config.schema import Config
+from nnxtron.errors import ConfigError
+from nnxtron.models.llama import (
+    GQA_WEIGHTS,
+    NORM_WEIGHTS,
+    LlamaBlock,
+    check_exportable,
+    common_config_from_hf,
+    common_config_to_hf,
+    top_weights,
+)
+from nnxtron.models.registry import Family, WeightMap, register
+
+
+def routed_expert_weights(router: str, experts: str, names: tuple[str, str, str], fused_router: str = "") -> tuple[WeightMap, ...]:
+    """The MoE router and experts <-> HF: ``{experts}.{e}.{gate,up,down name}.weight`` per
+    expert (hub layout) or the fused ``mlp.experts.gate_up_proj`` / ``down_proj``."""
+    gate, up, down = names
+    return (
+        WeightMap("mlp/router/kernel", f"{router}.weight", 1, fused_key=f"{fused_router}.weight" if fused_router else ""),
+        WeightMap("mlp/wi_0", f"{experts}.{{e}}.{gate}.weight", 1, "mlp.experts.gate_up_proj", 0, 2),
+        WeightMap("mlp/wi_1", f"{experts}.{{e}}.{up}.weight", 1, "mlp.experts.gate_up_proj", 1, 2),
+        WeightMap("mlp/wo", f"{experts}.{{e}}.{down}.weight", 1, "mlp.experts.down_proj"),
+    )
+
+
+MOE_WEIGHTS = routed_expert_weights("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2"), "mlp.gate")
+
+
+def layer_weights(cfg: Config, moe: bool) -> tuple[WeightMap, ...]:
+    if not moe:
+        raise ConfigError("decoder_block mixtral has only MoE layers; set num_experts > 1 and first_num_dense_layers=0")
+    return NORM_WEIGHTS + GQA_WEIGHTS + MOE_WEIGHTS
+
+
+def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    values = common_config_from_hf(hf, "mixtral")
+    values.update(
+        num_experts=int(hf["num_local_experts"]),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        base_moe_mlp_dim=int(hf["intermediate_size"]),
+        routed_score_func="softmax",
+        norm_topk_prob=True,
+    )
+    return values
+
+
+def config_to_hf(cfg: Config) -> dict[str, Any]:
+    check_exportable(cfg, "mixtral", moe=True)
+    if cfg.routed_score_func != "softmax" or not cfg.norm_topk_prob or cfg.shared_experts or cfg.first_num_dense_layers:
+        raise ConfigError("HF Mixtral routes by softmax top-k with renormalisation, without shared experts or dense layers")
+    if cfg.rope_interleave:
+        raise ConfigError("rope_interleave=true has no HF Mixtral equivalent; export needs rope_interleave=false")
+    hf = common_config_to_hf(cfg, "mixtral", "MixtralForCausalLM")
+    del hf["attention_bias"]
+    hf.update(
+        intermediate_size=cfg.base_moe_mlp_dim,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        sliding_window=cfg.sliding_window_size or None,
+        router_aux_loss_coef=cfg.load_balance_loss_weight,
+    )
+    return hf
+
+
+register(
+    ("mixtral",),
+    Family(
+        name="mixtral",
+        hf_model_type="mixtral",
+        hf_architecture="MixtralForCausalLM",
+        make_block=LlamaBlock,
+        layer_weights=layer_weights,
+        top_weights=top_weights,
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+    ),
+)

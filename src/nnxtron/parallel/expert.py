@@ -1,0 +1,149 @@
+"""Routed-expert dispatch: sort assignments by expert, three ``ragged_dot``s, combine.
+
+``expert_ffn`` runs on one device's tokens for the experts it holds. ``dispatch`` is the
+entry point used by ``MoE``: without an active mesh it calls ``expert_ffn`` directly;
+with one it runs ``expert_ffn`` under ``jax.shard_map`` (manual over every mesh axis):
+
+* tokens stay on their batch/sequence shards; expert weights are split over the mesh
+  axes that the logical name ``exp`` maps to (the ``expert`` axis) and, on the hidden
+  dimension, over the axes of ``mlp`` (tensor parallelism; partial sums are ``psum``-ed);
+  the ``embed`` dimension is gathered on entry (as FSDP does for any weight);
+* expert parallelism (``exp`` maps to axes of size > 1): each shard all-gathers the
+  tokens and their routing over the expert axes, computes its local experts'
+  contributions (assignments to other experts are sorted past the ragged groups and
+  contribute zero), and ``psum_scatter``s the float32 partial outputs back to the token
+  shards. The result equals the unsharded layer (values and gradients).
+
+Routing (top-k, capacity) is decided before the dispatch, on the global token set, so
+capacity mode means the same thing with and without a mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from nnxtron.parallel.sharding import active_mesh, logical_to_spec
+
+TOKEN_NAMES = ("activation_batch", "activation_length")
+
+
+def capacity_keep(indices: jax.Array, num_experts: int, capacity: int) -> jax.Array:
+    """Bool ``[T, k]``: an assignment is kept iff fewer than ``capacity`` earlier assignments
+    (in (token, slot) order) went to the same expert."""
+    flat = indices.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    start = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(flat.size, dtype=jnp.int32) - start[flat[order]]
+    rank = jnp.zeros_like(flat).at[order].set(rank_sorted)
+    return (rank < capacity).reshape(indices.shape)
+
+
+def expert_ffn(
+    x: jax.Array,
+    indices: jax.Array,
+    combine: jax.Array,
+    keep: jax.Array,
+    in_scale: jax.Array | None,
+    wi_0: jax.Array,
+    wi_1: jax.Array,
+    wo: jax.Array,
+    *,
+    activation: Callable[[jax.Array], jax.Array],
+    expert_offset: jax.Array | int = 0,
+) -> jax.Array:
+    """``sum_j combine[t, j] * FFN_{indices[t, j]}(x[t] * in_scale[t, j])`` in float32.
+
+    ``x [T, D]`` (compute dtype), ``indices/combine/keep/in_scale [T, k]``; the weights
+    ``[E_local, ...]`` hold experts ``expert_offset .. expert_offset + E_local - 1``.
+    Assignments to other experts, or with ``keep`` false, contribute zero.
+    """
+    tokens, k = indices.shape
+    local_experts = wi_0.shape[0]
+    local = indices - expert_offset
+    valid = keep & (local >= 0) & (local < local_experts)
+    key = jnp.where(valid, local, local_experts).reshape(-1)  # invalid -> sorted past every group
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[key].add(1)[:local_experts]
+    xs = x[order // k]
+    if in_scale is not None:
+        xs = xs * in_scale.reshape(-1)[order][:, None].astype(xs.dtype)
+    dtype = x.dtype
+    gate = checkpoint_name(jax.lax.ragged_dot(xs, wi_0.astype(dtype), group_sizes), "mlpwi_0")
+    up = checkpoint_name(jax.lax.ragged_dot(xs, wi_1.astype(dtype), group_sizes), "mlpwi_1")
+    out = checkpoint_name(jax.lax.ragged_dot(activation(gate) * up, wo.astype(dtype), group_sizes), "mlpwo")
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    out = out[inverse].reshape(tokens, k, -1).astype(jnp.float32)
+    weights = jnp.where(valid, combine.astype(jnp.float32), 0.0)
+    return jnp.einsum("tkd,tk->td", out, weights)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def dispatch(
+    x: jax.Array,
+    indices: jax.Array,
+    combine: jax.Array,
+    keep: jax.Array,
+    in_scale: jax.Array | None,
+    wi_0: jax.Array,
+    wi_1: jax.Array,
+    wo: jax.Array,
+    *,
+    activation: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """Routed output ``[B, S, D]`` float32 for ``x [B, S, D]`` and routing ``[B, S, k]``."""
+    kw = dict(activation=activation)
+    active = active_mesh()
+    if active is None:
+        batch, seq, dim = x.shape
+        flat = lambda a: None if a is None else a.reshape(batch * seq, -1)  # noqa: E731
+        y = expert_ffn(x.reshape(batch * seq, dim), *map(flat, (indices, combine, keep, in_scale)), wi_0, wi_1, wo, **kw)
+        return y.reshape(batch, seq, dim)
+    mesh, rules = active
+    token_spec = logical_to_spec((*TOKEN_NAMES, None), rules, mesh)
+    token_axes = {a for entry in token_spec for a in _axes(entry)}
+    ep_axes = _axes(logical_to_spec(("exp",), rules, mesh)[0])
+    mlp_axes = tuple(a for a in _axes(logical_to_spec(("mlp",), rules, mesh)[0]) if a not in token_axes and a not in ep_axes)
+    num_experts = wi_0.shape[0]
+    ep = math.prod(mesh.shape[a] for a in ep_axes)
+    if num_experts % ep:
+        raise ValueError(f"num_experts={num_experts} does not divide over the expert mesh axes {ep_axes} ({ep} ways)")
+    gather_dims = [d for d, entry in enumerate(token_spec[:2]) if set(_axes(entry)) & set(ep_axes)]
+    if gather_dims and (len(gather_dims) > 1 or not set(ep_axes) <= set(_axes(token_spec[gather_dims[0]]))):
+        raise ValueError(f"expert axes {ep_axes} must all shard one token dimension (got token spec {token_spec})")
+    gather = gather_dims[0] if gather_dims else None
+    ep_name = ep_axes if len(ep_axes) > 1 else (ep_axes[0] if ep_axes else None)
+    mlp_name = mlp_axes if len(mlp_axes) > 1 else (mlp_axes[0] if mlp_axes else None)
+
+    has_scale = in_scale is not None
+
+    def body(x, indices, combine, keep, wi_0, wi_1, wo, *scale):
+        routing = (indices, combine, keep, *scale)
+        if gather is not None:
+            x, *routing = (jax.lax.all_gather(a, ep_name, axis=gather, tiled=True) for a in (x, *routing))
+        offset = jax.lax.axis_index(ep_name) * wi_0.shape[0] if ep_name is not None else 0
+        batch, seq, dim = x.shape
+        indices, combine, keep, *scale = (a.reshape(batch * seq, -1) for a in routing)
+        local_scale = scale[0] if scale else None
+        y = expert_ffn(x.reshape(batch * seq, dim), indices, combine, keep, local_scale, wi_0, wi_1, wo, expert_offset=offset, **kw)
+        y = y.reshape(batch, seq, dim)
+        if mlp_name is not None:
+            y = jax.lax.psum(y, mlp_name)
+        if gather is not None:
+            return jax.lax.psum_scatter(y, ep_name, scatter_dimension=gather, tiled=True)
+        return jax.lax.psum(y, ep_name) if ep_name is not None else y
+
+    wi_spec, wo_spec = P(ep_name, None, mlp_name), P(ep_name, mlp_name, None)
+    route_spec = P(*token_spec[:2], None)
+    in_specs = (token_spec, route_spec, route_spec, route_spec, wi_spec, wi_spec, wo_spec) + ((route_spec,) if has_scale else ())
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=token_spec, axis_names=set(mesh.axis_names), check_vma=False)
+    return fn(x, indices, combine, keep, wi_0, wi_1, wo, *((in_scale,) if has_scale else ()))
