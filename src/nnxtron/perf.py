@@ -26,16 +26,49 @@ KNOWN_PEAK_TFLOPS = {
 }
 
 
+def _attention_params(cfg: Config) -> tuple[int, int, int]:
+    """(matmul params of one attention layer, query heads, q.k + p.v width per head)."""
+    d, h = cfg.base_emb_dim, cfg.base_num_query_heads
+    if cfg.attention_type == "mla":
+        qk, v, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
+        lora = cfg.q_lora_rank
+        query = d * lora + lora * h * qk if lora else d * h * qk
+        kv = d * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + v)
+        return query + kv + h * v * d, h, qk + v
+    k, hd = cfg.base_num_kv_heads, cfg.resolved_head_dim
+    return d * (h + 2 * k) * hd + h * hd * d, h, 2 * hd
+
+
+def _ffn_params(cfg: Config, moe: bool) -> int:
+    """Matmul params one token goes through in a feed-forward layer (active experts only)."""
+    d = cfg.base_emb_dim
+    if not moe:
+        return 3 * d * cfg.base_mlp_dim
+    experts = cfg.num_experts_per_tok + cfg.shared_experts
+    return d * cfg.num_experts + 3 * d * cfg.base_moe_mlp_dim * experts
+
+
 def training_flops_per_token(cfg: Config) -> float:
-    """Model FLOPs per trained token: 6 x matmul params + causal attention (fwd + bwd)."""
-    d, h, k, hd, f = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.resolved_head_dim, cfg.base_mlp_dim
-    per_layer = d * (h + 2 * k) * hd + h * hd * d + 3 * d * f
-    matmul_params = cfg.base_num_decoder_layers * per_layer + d * cfg.vocab_size
+    """Model FLOPs per trained token: 6 x active matmul params + causal attention (fwd + bwd).
+
+    MoE layers count the router, the ``num_experts_per_tok`` routed and the shared
+    experts a token actually uses; MTP depths count as one more layer each plus their
+    [2D -> D] projection and output head.
+    """
+    from nnxtron.models.registry import layer_stacks  # (registry imports the config only)
+
+    d = cfg.base_emb_dim
+    attn_params, heads, width = _attention_params(cfg)
+    layers = [(stack.num_layers, stack.moe) for stack in layer_stacks(cfg)]
+    if cfg.mtp_num_layers:
+        layers.append((cfg.mtp_num_layers, layers[-1][1]))
+    matmul_params = sum(n * (attn_params + _ffn_params(cfg, moe)) for n, moe in layers)
+    matmul_params += (1 + cfg.mtp_num_layers) * d * cfg.vocab_size + cfg.mtp_num_layers * 2 * d * d
     seq = cfg.max_target_length
     window = min(cfg.sliding_window_size or seq, seq)
-    # q.k and p.v: 2 matmuls x 2 flops x (keys seen on average) per head dim; causal -> about half.
+    # q.k and p.v: 2 flops per multiply-add over (keys seen on average) per head; causal -> about half.
     keys_seen = window - (window * window) / (2 * seq) if window < seq else seq / 2
-    attention = cfg.base_num_decoder_layers * 2 * 2 * h * hd * keys_seen
+    attention = sum(n for n, _ in layers) * 2 * heads * width * keys_seen
     return 6.0 * matmul_params + 3.0 * attention
 
 

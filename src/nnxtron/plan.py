@@ -158,7 +158,7 @@ def _param_counts(cfg: Config, model: nnx.Module, rows: list[dict[str, Any]]) ->
         "output_head": head,
         "output_head_tied": bool(cfg.logits_via_embedding),
         "stacks": stacks,
-        "other": total - embedding - head - sum(s["total"] for s in stacks),  # final norm
+        "other": total - embedding - head - sum(s["total"] for s in stacks),  # final norm, MTP depths
     }
 
 
@@ -361,7 +361,7 @@ def format_plan(plan: dict[str, Any]) -> str:
             ]
         )
         count_rows.append(["  per layer", _count(per) if isinstance(per, int) else ", ".join(map(str, per)), ""])
-    count_rows.append(["other (final norm)", _count(p["other"]), f"{100 * p['other'] / total:.1f}%"])
+    count_rows.append(["other (final norm, MTP)", _count(p["other"]), f"{100 * p['other'] / total:.1f}%"])
     out += ["  " + line for line in _table(["group", "parameters", "share"], count_rows, {1, 2})[2:]]
 
     u = plan["unsharded"]

@@ -90,6 +90,9 @@ def _result(out) -> GradResult:
 @pytest.mark.parametrize("case,mesh_name", RUNS)
 def test_expert_parallel_matches_unsharded(case, mesh_name):
     cfg, moe, x, cot = _setup(case, mesh_name)
+    if cfg.capacity_factor > 0:  # the routing must overflow, or capacity under EP is untested
+        counts = np.bincount(np.asarray(moe.route(x)[1]).ravel(), minlength=cfg.num_experts)
+        assert counts.max() > np.ceil(cfg.capacity_factor * counts.sum() / cfg.num_experts), counts
     ref = _run(cfg, moe, x, cot, None)
     got = _run(cfg, moe, x, cot, _mesh(mesh_name))
     y_ref, y_got = np.asarray(ref[0][1][0]), np.asarray(got[0][1][0])
@@ -147,7 +150,9 @@ def test_capacity_and_bias_state_under_ep_with_layer_stack_remat():
             y, aux = self.moe(x)
             return x + y, aux
 
-    cfg = tiny_config("llama2-tiny", **BASE, **CASES["deepseek"], capacity_factor=1.0, ici_expert_parallelism=2, ici_fsdp_parallelism=4)
+    cfg = tiny_config(
+        "llama2-tiny", **BASE, **CASES["deepseek"], capacity_factor=1.0, ici_expert_parallelism=2, ici_fsdp_parallelism=4
+    )
     with nnx.use_eager_sharding(False):
         stack = LayerStack(lambda r: Block(cfg, r), 2, key=jax.random.key(0), scan=True, remat=RematSpec("save_dot_except_mlp"))
     x = jax.random.normal(jax.random.key(1), (8, 4, 64))

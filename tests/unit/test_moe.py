@@ -106,12 +106,12 @@ def test_dropless_matches_dense_reference(case):
     y, aux = forward(moe, x)
     assert aux == {} and y.dtype == jnp.float32
     ref = _values(lambda m, x: dense_reference(m, cfg, x), moe, x)
-    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=2e-6)  # measured max abs ~5e-7
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=2e-6)  # measured max abs <= 2.4e-7 (|y| ~ 1-3)
     cot = jax.random.normal(jax.random.key(3), y.shape)
     got = _grads(lambda m, x: m(x)[0], moe, x, cot)
     want = _grads(lambda m, x: dense_reference(m, cfg, x), moe, x, cot)
     errs = assert_grad_parity(got, want, loss_rtol=1e-5, rel=1e-5, abs_frac=1e-6, aggregate_rel=1e-5)
-    assert errs["aggregate"] < 1e-5  # measured ~1e-7 in float32
+    assert errs["aggregate"] < 1e-5  # measured <= 1.6e-7 (input cotangent <= 1.9e-7) in float32
 
 
 def test_shared_expert_is_applied():
@@ -143,7 +143,7 @@ def test_capacity_drops_exactly_the_overflow_known_routing():
     y = np.asarray(forward(moe, x)[0]).reshape(16, -1)
     full = _values(lambda m, x: dense_reference(m, cfg, x), moe, x).reshape(16, -1)
     np.testing.assert_allclose(y[:4], full[:4], rtol=1e-5, atol=1e-6)
-    assert np.abs(full[4:]).min() > 0 or np.abs(full[4:]).max() > 1e-3
+    assert np.abs(full[4:]).max() > 1e-2  # without the capacity these tokens would get output
     np.testing.assert_array_equal(y[4:], 0.0)
 
 
@@ -252,37 +252,39 @@ class _Block(nnx.Module):
         return x + y, aux
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "save_dot_except_mlp"])
+def _stack_run(cfg, x, scan: bool, remat: str):
+    """Output, gradients and per-layer expert load ([L, E]) of a 2-layer MoE stack."""
+    with nnx.use_eager_sharding(False):
+        stack = LayerStack(lambda r: _Block(cfg, r), 2, key=jax.random.key(0), scan=scan, remat=RematSpec(remat))
+    graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
+    params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+    def loss(params, rest, x):
+        s = nnx.merge(graphdef, params, rest)
+        y, aux = s(x)
+        return jnp.sum(y**2) + aux["moe_lb_loss"], (y, nnx.to_pure_dict(nnx.state(s, nnx.Not(nnx.Param))))
+
+    (_, (y, new_rest)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, rest, x)
+    layers = new_rest["layers"]
+    load = layers["moe"]["expert_load"] if scan else np.stack([layers[i]["moe"]["expert_load"] for i in range(2)])
+    grads = g["layers"] if not scan else [jax.tree.map(lambda a, i=i: a[i], g["layers"]) for i in range(2)]
+    return np.asarray(y), grads, np.asarray(load)
+
+
+@pytest.mark.parametrize("remat", ["none", "save_dot_except_mlp"])
 def test_layer_stack_scan_equals_unrolled_and_carries_load(remat):
     cfg = tiny_config(
         "llama2-tiny", **BASE, routed_score_func="sigmoid", routed_bias=True, routed_bias_update_rate=0.1,
         load_balance_loss_weight=0.1,
     )  # fmt: skip
     x = inputs()
-    outs, loads = [], []
-    for scan in (True, False):
-        with nnx.use_eager_sharding(False):
-            stack = LayerStack(lambda r: _Block(cfg, r), 2, key=jax.random.key(0), scan=scan, remat=RematSpec(remat))
-        graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
-        params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-
-        def loss(params, rest, x):
-            s = nnx.merge(graphdef, params, rest)
-            y, aux = s(x)
-            return jnp.sum(y**2) + aux["moe_lb_loss"], (y, nnx.to_pure_dict(nnx.state(s, nnx.Not(nnx.Param))))
-
-        (_, (y, new_rest)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, rest, x)
-        pure = new_rest["layers"]
-        load = pure["moe"]["expert_load"] if scan else np.stack([pure[i]["moe"]["expert_load"] for i in range(2)])
-        outs.append((np.asarray(y), g))
-        loads.append(np.asarray(load))
-    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(loads[0], loads[1])
-    np.testing.assert_array_equal(loads[0].sum(-1), [32, 32])  # each layer counted its own B*S*k assignments
-    g_scan, g_list = outs[0][1]["layers"], outs[1][1]["layers"]
+    y_scan, g_scan, load_scan = _stack_run(cfg, x, True, remat)
+    y_list, g_list, load_list = _stack_run(cfg, x, False, remat)
+    np.testing.assert_allclose(y_scan, y_list, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(load_scan, load_list)
+    np.testing.assert_array_equal(load_scan.sum(-1), [32, 32])  # each layer counted its own B*S*k assignments
     for i in range(2):
-        flat_scan = jax.tree.map(lambda a: a[i], g_scan)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), flat_scan, g_list[i])
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g_scan[i], g_list[i])
 
 
 def test_bfloat16_close_to_float32():
@@ -293,6 +295,6 @@ def test_bfloat16_close_to_float32():
     y16, y32 = forward(moe16, x.astype(jnp.bfloat16))[0], forward(moe32, x)[0]
     assert y16.dtype == jnp.bfloat16
     err = np.linalg.norm(np.asarray(y16, np.float32) - np.asarray(y32)) / np.linalg.norm(np.asarray(y32))
-    assert err < 2e-2, err  # measured ~5e-3 (bf16 activations, same routing)
+    assert err < 2e-2, err  # measured 6.4e-3 (bf16 activations, same routing)
     g = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0].astype(jnp.float32)), argnums=1))(moe16, x.astype(jnp.bfloat16))
     assert g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()

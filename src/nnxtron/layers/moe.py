@@ -51,7 +51,9 @@ class ExpertLoad(nnx.Variable):
     """(token, slot) assignments per expert, summed over forward calls until ``update_router_bias``."""
 
 
-def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, weight_dtype: jnp.dtype, axes: tuple[str, ...]) -> nnx.Param:
+def _expert_weight(
+    rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, weight_dtype: jnp.dtype, axes: tuple[str, ...]
+) -> nnx.Param:
     init = jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
     return nnx.Param(init(rngs.params(), shape, jnp.float32).astype(weight_dtype), out_sharding=axes)
 

@@ -134,7 +134,9 @@ def dispatch(
         batch, seq, dim = x.shape
         indices, combine, keep, *scale = (a.reshape(batch * seq, -1) for a in routing)
         local_scale = scale[0] if scale else None
-        y = expert_ffn(x.reshape(batch * seq, dim), indices, combine, keep, local_scale, wi_0, wi_1, wo, expert_offset=offset, **kw)
+        y = expert_ffn(
+            x.reshape(batch * seq, dim), indices, combine, keep, local_scale, wi_0, wi_1, wo, expert_offset=offset, **kw
+        )
         y = y.reshape(batch, seq, dim)
         if mlp_name is not None:
             y = jax.lax.psum(y, mlp_name)

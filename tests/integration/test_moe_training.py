@@ -1,0 +1,79 @@
+"""End-to-end MoE training (deepseek3-test: MLA, dense + MoE stacks, MTP) through the
+Trainer: aux losses logged, loss-free bias updated outside the gradient and saved in the
+checkpoint, exact resume, MTP acceptance reported in eval."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nnxtron.config import load_config
+from nnxtron.params import flatten
+from nnxtron.train.loop import Trainer
+from tests.integration.conftest import train_overrides
+
+RATE = 0.01
+MOE = dict(
+    model_name="deepseek3-test",
+    vocab_size=320,
+    mtp_num_layers=1,
+    mtp_eval_target_module=1,
+    load_balance_loss_weight=0.01,
+    routed_bias_update_rate=RATE,
+    ici_fsdp_parallelism=4,
+    ici_expert_parallelism=2,
+    per_device_batch_size=1,
+)
+
+
+def _train(corpus, base, run, **extra):
+    cfg = load_config(overrides=train_overrides(corpus, base, run, **{**MOE, **extra}))
+    return Trainer(cfg, progress=False).run()
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("moe_runs"))
+    straight = _train(corpus, base, "straight", steps=4, eval_interval=2, checkpoint_period=2)
+    first = _train(corpus, base, "resumed", steps=2, eval_interval=2, checkpoint_period=2, learning_rate_schedule_steps=4)
+    second = _train(corpus, base, "resumed", steps=4, eval_interval=2, checkpoint_period=2, learning_rate_schedule_steps=4)
+    return base, straight, first, second
+
+
+def test_aux_losses_are_logged_next_to_the_loss(runs):
+    base, *_ = runs
+    records = [json.loads(line) for line in (Path(base) / "straight" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 4
+    for record in steps:
+        assert record["aux/mtp"] > 0.01 and record["aux/moe_lb_loss"] > 0
+    evals = [r for r in records if "eval_loss" in r]
+    assert evals and all(0.0 <= r["eval_mtp_acceptance"] <= 1.0 for r in evals)
+
+
+def test_router_bias_moves_by_the_update_rule_and_is_checkpointed(runs):
+    _, straight, *_ = runs
+    rest = flatten(straight.state["rest"])
+    biases = {k: np.asarray(v) for k, v in rest.items() if k.endswith("router_bias")}
+    loads = {k: np.asarray(v) for k, v in rest.items() if k.endswith("expert_load")}
+    assert biases and len(biases) == len(loads)
+    for key, bias in biases.items():
+        # four updates of +-RATE (or 0 at exact balance) per expert
+        steps = np.round(bias / RATE)
+        assert np.allclose(bias, steps * RATE, atol=1e-6) and np.abs(steps).max() <= 4 and np.abs(bias).sum() > 0, key
+        assert np.all(loads[key.replace("router_bias", "expert_load")] == 0), "load must be reset after each update"
+    assert not any("router_bias" in k for k in flatten(straight.state["params"])), "the bias is not a parameter"
+
+
+def test_resume_is_exact_with_moe_state(runs):
+    _, straight, first, second = runs
+    assert first.end_step == 2 and second.start_step == 2
+    a, b = flatten(straight.state), flatten(second.state)
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
+    assert straight.losses[2:] == second.losses
+    assert straight.eval_mtp_acceptance == {**first.eval_mtp_acceptance, **second.eval_mtp_acceptance}
