@@ -226,9 +226,7 @@ def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any)
     weight_dtype = jnp.dtype(cfg.weight_dtype)
     graphdef, state = nnx.split(abstract_model(cfg))
     params = dict(nnx.to_flat_state(state))
-    filled: dict[ParamPath, Any] = {
-        path: v.replace(jnp.zeros(v.shape, v.dtype)) for path, v in params.items() if _is_counter(v)
-    }
+    filled: dict[ParamPath, Any] = {path: v.replace(jnp.zeros(v.shape, v.dtype)) for path, v in params.items() if _is_counter(v)}
     with contextlib.ExitStack() as stack:
         handles = _open_all(stack, _weight_files(root))
         reader = _Reader(root, handles, weight_dtype)

@@ -85,9 +85,15 @@ def test_convert_round_trip_through_the_cli(tmp_path, capsys):
         (["generate", "/nonexistent-run"], "not an nnxtron run directory"),
         # mixture of experts and multi-token prediction
         (["train", "model_name=mixtral-tiny", "num_experts_per_tok=5"], "num_experts_per_tok (5) is larger than num_experts (4)"),
-        (["train", "model_name=deepseek3-test", "n_routing_groups=3", "topk_routing_group=1"], "n_routing_groups=3 does not divide"),
+        (
+            ["train", "model_name=deepseek3-test", "n_routing_groups=3", "topk_routing_group=1"],
+            "n_routing_groups=3 does not divide",
+        ),
         (["train", "model_name=deepseek3-test", "n_routing_groups=4"], "set both n_routing_groups and topk_routing_group"),
-        (["train", "model_name=mixtral-tiny", "ici_expert_parallelism=3"], "ici_expert_parallelism=3 does not divide num_experts=4"),
+        (
+            ["train", "model_name=mixtral-tiny", "ici_expert_parallelism=3"],
+            "ici_expert_parallelism=3 does not divide num_experts=4",
+        ),
         (["train", "ici_expert_parallelism=2"], "needs num_experts > 1"),
         (["train", "model_name=deepseek3-test", "mtp_num_layers=1", "mtp_loss_scaling_factor=0"], "mtp_loss_scaling_factor=0"),
         (["train", "model_name=deepseek3-test", "mtp_eval_target_module=1"], "beyond mtp_num_layers=0"),

@@ -96,10 +96,10 @@ def test_expert_parallel_matches_unsharded(case, mesh_name):
     ref = _run(cfg, moe, x, cot, None)
     got = _run(cfg, moe, x, cot, _mesh(mesh_name))
     y_ref, y_got = np.asarray(ref[0][1][0]), np.asarray(got[0][1][0])
-    # measured: max |dy| <= 1e-6 (sharded router/expert contractions re-associate float32 sums)
+    # measured: max |dy| <= 6e-7 (sharded contractions re-associate float32 sums); loss rel <= 8e-7
     np.testing.assert_allclose(y_got, y_ref, rtol=1e-5, atol=5e-6)
     errs = assert_grad_parity(_result(got), _result(ref), loss_rtol=1e-5, rel=1e-5, abs_frac=1e-6, aggregate_rel=1e-5)
-    assert errs["aggregate"] < 1e-5, errs  # measured <= ~3e-7
+    assert errs["aggregate"] < 1e-5, errs  # measured <= 1.4e-7 (input cotangent <= 1.7e-7)
     rest_ref, rest_got = ref[0][1][2], got[0][1][2]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), rest_got, rest_ref)
     if "expert_load" in rest_ref:

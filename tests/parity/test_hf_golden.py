@@ -19,12 +19,11 @@ cases also load the transformers>=5 fused expert layout (``fused.safetensors``).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import shutil
-
 import numpy as np
 import pytest
 from safetensors.numpy import load_file

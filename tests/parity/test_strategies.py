@@ -15,9 +15,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnxtron.decoder import build_model
+from nnxtron.models.registry import layer_counts
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.sharding import logical_to_spec, state_shardings
-from nnxtron.models.registry import layer_counts
 from nnxtron.params import flatten, layer_list_layout
 from nnxtron.testing import assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config

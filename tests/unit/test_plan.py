@@ -78,7 +78,13 @@ def test_table_logical_axes_and_specs(plan):
 
 def test_per_device_bytes_from_shardings(plan):
     devices = jax.device_count()
-    assert plan["devices"]["count"] == devices == 8 and plan["mesh"] == {"data": 1, "fsdp": 4, "context": 1, "expert": 1, "tensor": 2}
+    assert plan["devices"]["count"] == devices == 8 and plan["mesh"] == {
+        "data": 1,
+        "fsdp": 4,
+        "context": 1,
+        "expert": 1,
+        "tensor": 2,
+    }
     for row in plan["table"]:
         full = math.prod(row["shape"]) * np.dtype(row["dtype"]).itemsize
         split = {a for e in row["spec"] if e for a in ([e] if isinstance(e, str) else e)}

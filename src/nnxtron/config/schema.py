@@ -58,7 +58,7 @@ class Config(BaseModel):
     rope_low_freq_factor: float = Field(gt=0)
     rope_high_freq_factor: float = Field(gt=0)
     rope_original_max_position_embeddings: int = Field(gt=0)
-    max_position_embeddings: int = Field(gt=0)  # yarn: mscale applies only above rope_original_max_position_embeddings
+    max_position_embeddings: int = Field(gt=0)  # HF max_position_embeddings (context the RoPE scaling targets)
     beta_fast: float = Field(gt=0)  # yarn ramp (HF rope_scaling beta_fast)
     beta_slow: float = Field(gt=0)  # yarn ramp (HF rope_scaling beta_slow)
     mscale: float = Field(ge=0)  # yarn (HF mscale; 0 = unset): cos/sin x m(mscale)/m(mscale_all_dim) when both set, else m(1)
@@ -264,10 +264,14 @@ class Config(BaseModel):
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
             if self.base_num_kv_heads != self.base_num_query_heads:
-                raise ValueError("attention_type=mla has one key/value head per query head: set base_num_kv_heads = base_num_query_heads")
+                raise ValueError(
+                    "attention_type=mla has one key/value head per query head: set base_num_kv_heads = base_num_query_heads"
+                )
         if self.mtp_num_layers:
             if self.mtp_loss_scaling_factor == 0:
-                raise ValueError("mtp_num_layers > 0 with mtp_loss_scaling_factor=0 trains MTP layers on nothing; set a factor > 0")
+                raise ValueError(
+                    "mtp_num_layers > 0 with mtp_loss_scaling_factor=0 trains MTP layers on nothing; set a factor > 0"
+                )
             if self.mtp_num_layers >= self.max_target_length - 1:
                 raise ValueError(f"mtp_num_layers={self.mtp_num_layers} needs max_target_length > mtp_num_layers + 1")
         if self.mtp_eval_target_module > self.mtp_num_layers:

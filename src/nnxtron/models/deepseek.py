@@ -17,15 +17,14 @@ from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 from nnxtron.models.llama import (
     NORM_WEIGHTS,
-    LlamaBlock,
     check_exportable,
     common_config_from_hf,
     common_config_to_hf,
     gated_mlp_weights,
-    top_weights,
+    register_pre_norm_family,
 )
 from nnxtron.models.mixtral import routed_expert_weights
-from nnxtron.models.registry import Family, WeightMap, register
+from nnxtron.models.registry import WeightMap
 
 
 def mla_weights(cfg: Config) -> tuple[WeightMap, ...]:
@@ -116,16 +115,4 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-register(
-    ("deepseek",),
-    Family(
-        name="deepseek",
-        hf_model_type="deepseek_v3",
-        hf_architecture="DeepseekV3ForCausalLM",
-        make_block=LlamaBlock,
-        layer_weights=layer_weights,
-        top_weights=top_weights,
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-    ),
-)
+register_pre_norm_family("deepseek", "deepseek_v3", "DeepseekV3ForCausalLM", layer_weights, config_from_hf, config_to_hf)

@@ -14,6 +14,7 @@ DeepSeek). MoE blocks return ``(y, aux)`` with the MoE's auxiliary losses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -257,13 +258,21 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-for _name, _type, _arch in (("llama2", "llama", "LlamaForCausalLM"), ("mistral", "mistral", "MistralForCausalLM")):
+def register_pre_norm_family(
+    name: str,
+    hf_model_type: str,
+    hf_architecture: str,
+    layer_weights: Callable[[Config, bool], tuple[WeightMap, ...]],
+    config_from_hf: Callable[[dict[str, Any]], dict[str, Any]],
+    config_to_hf: Callable[[Config], dict[str, Any]],
+) -> None:
+    """Register a family built from ``LlamaBlock`` with the Llama top-level weights."""
     register(
-        (_name,),
+        (name,),
         Family(
-            name=_name,
-            hf_model_type=_type,
-            hf_architecture=_arch,
+            name=name,
+            hf_model_type=hf_model_type,
+            hf_architecture=hf_architecture,
             make_block=LlamaBlock,
             layer_weights=layer_weights,
             top_weights=top_weights,
@@ -271,3 +280,7 @@ for _name, _type, _arch in (("llama2", "llama", "LlamaForCausalLM"), ("mistral",
             config_to_hf=config_to_hf,
         ),
     )
+
+
+register_pre_norm_family("llama2", "llama", "LlamaForCausalLM", layer_weights, config_from_hf, config_to_hf)
+register_pre_norm_family("mistral", "mistral", "MistralForCausalLM", layer_weights, config_from_hf, config_to_hf)

@@ -15,16 +15,17 @@ from nnxtron.errors import ConfigError
 from nnxtron.models.llama import (
     GQA_WEIGHTS,
     NORM_WEIGHTS,
-    LlamaBlock,
     check_exportable,
     common_config_from_hf,
     common_config_to_hf,
-    top_weights,
+    register_pre_norm_family,
 )
-from nnxtron.models.registry import Family, WeightMap, register
+from nnxtron.models.registry import WeightMap
 
 
-def routed_expert_weights(router: str, experts: str, names: tuple[str, str, str], fused_router: str = "") -> tuple[WeightMap, ...]:
+def routed_expert_weights(
+    router: str, experts: str, names: tuple[str, str, str], fused_router: str = ""
+) -> tuple[WeightMap, ...]:
     """The MoE router and experts <-> HF: ``{experts}.{e}.{gate,up,down name}.weight`` per
     expert (hub layout) or the fused ``mlp.experts.gate_up_proj`` / ``down_proj``."""
     gate, up, down = names
@@ -75,16 +76,4 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-register(
-    ("mixtral",),
-    Family(
-        name="mixtral",
-        hf_model_type="mixtral",
-        hf_architecture="MixtralForCausalLM",
-        make_block=LlamaBlock,
-        layer_weights=layer_weights,
-        top_weights=top_weights,
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-    ),
-)
+register_pre_norm_family("mixtral", "mixtral", "MixtralForCausalLM", layer_weights, config_from_hf, config_to_hf)

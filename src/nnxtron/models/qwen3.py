@@ -18,14 +18,13 @@ from nnxtron.models.llama import (
     LAYER_WEIGHTS,
     NORM_WEIGHTS,
     QK_NORM_WEIGHTS,
-    LlamaBlock,
     check_exportable,
     common_config_from_hf,
     common_config_to_hf,
-    top_weights,
+    register_pre_norm_family,
 )
 from nnxtron.models.mixtral import routed_expert_weights
-from nnxtron.models.registry import Family, WeightMap, register
+from nnxtron.models.registry import WeightMap
 
 MOE_WEIGHTS = routed_expert_weights("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"))
 
@@ -81,17 +80,5 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-for _name, _arch in (("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")):
-    register(
-        (_name,),
-        Family(
-            name=_name,
-            hf_model_type=_name,
-            hf_architecture=_arch,
-            make_block=LlamaBlock,
-            layer_weights=layer_weights,
-            top_weights=top_weights,
-            config_from_hf=config_from_hf,
-            config_to_hf=config_to_hf,
-        ),
-    )
+register_pre_norm_family("qwen3", "qwen3", "Qwen3ForCausalLM", layer_weights, config_from_hf, config_to_hf)
+register_pre_norm_family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", layer_weights, config_from_hf, config_to_hf)

@@ -229,7 +229,9 @@ def _abstract_relayout(target: dict[str, jax.ShapeDtypeStruct], num_layers: Laye
     return out
 
 
-def _relayout(stored: dict[str, jax.Array], target: dict[str, jax.ShapeDtypeStruct], num_layers: LayerCounts, scanned: bool) -> dict:
+def _relayout(
+    stored: dict[str, jax.Array], target: dict[str, jax.ShapeDtypeStruct], num_layers: LayerCounts, scanned: bool
+) -> dict:
     """Restored arrays of the other layout -> the current one, placed on the target shardings.
 
     One layer group at a time, each source dropped once converted, so at most one group's

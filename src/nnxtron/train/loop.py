@@ -151,6 +151,8 @@ class Trainer:
             bar.log(f"run {self.run_dir} | {'resumed at step ' + str(start) if start else 'new run'} | "
                     f"mesh {self.derived.mesh_shape} | global batch {self.derived.global_batch_size} x {cfg.max_target_length}")  # fmt: skip
             bar.log(f"data: {self.train_source.describe()}")
+            bar.log(f"parameters unsharded over model axes: {100 * self.setup.unsharded_fraction:.3f}% "
+                    f"(sharding_tolerance {100 * cfg.sharding_tolerance:g}%)")  # fmt: skip
             bar.log(f"peak {peak / 1e12:.3f} TFLOP/s from {peak_source}")
             recorder = _Recorder(self, peak, writer, bar, result)
             for step in range(start, cfg.steps):

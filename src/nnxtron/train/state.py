@@ -43,6 +43,7 @@ class ModelSetup:
     state_shardings: TrainState
     abstract_state: TrainState
     compute_shardings: TrainState | None = None
+    unsharded_fraction: float = 0.0  # parameter elements split over no model axis (checked against sharding_tolerance)
 
     def to_compute(self, state: TrainState) -> TrainState:
         """Inside the step: bring host-offloaded parts of the state into device memory."""
@@ -118,7 +119,7 @@ def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSet
     """Trace the model abstractly and compute the shardings of the whole train state."""
     check_offload_supported(RematSpec.from_config(cfg))
     graphdef, params, rest, param_sh, rest_sh = model_shardings(cfg, mesh)
-    check_unsharded(params, param_sh, mesh, cfg.sharding_tolerance)
+    unsharded = check_unsharded(params, param_sh, mesh, cfg.sharding_tolerance)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_abstract = jax.eval_shape(tx.init, params)
     shardings = {
@@ -129,7 +130,7 @@ def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSet
     }
     abstract_state = {"params": params, "rest": rest, "opt_state": opt_abstract, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     storage, compute = _host_offload(cfg, shardings)
-    return ModelSetup(graphdef, mesh, storage, abstract_state, compute)
+    return ModelSetup(graphdef, mesh, storage, abstract_state, compute, unsharded)
 
 
 def init_state(cfg: Config, model_setup: ModelSetup, tx: optax.GradientTransformation, params: dict | None = None) -> TrainState:
