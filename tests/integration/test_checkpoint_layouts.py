@@ -247,3 +247,23 @@ def test_layer_conversions_work_under_any_prefix():
         stack_layers({k: v for k, v in unrolled.items() if "/1/" not in k}, 2, np.stack)
     with pytest.raises(ValueError, match="leading axis 2 is not the layer count 3"):
         unstack_layers(scanned, 3)
+
+
+def test_layer_conversions_with_two_stacks_of_different_depths():
+    """DeepSeek layout: dense_layers (1 layer) and moe_layers (3 layers), each with its count."""
+    counts = {"dense_layers": 1, "moe_layers": 3}
+    scanned = {
+        "dense_layers/layers/mlp/wo/kernel": np.arange(4.0).reshape(1, 2, 2),
+        "moe_layers/layers/mlp/wo": np.arange(24.0).reshape(3, 2, 2, 2),
+        "opt_state/0/mu/moe_layers/layers/mlp/wo": -np.arange(24.0).reshape(3, 2, 2, 2),
+        "mtp/depths/0/projection/kernel": np.ones((4, 2)),
+    }
+    unrolled = unstack_layers(scanned, counts)
+    assert sorted(k for k in unrolled if k.startswith("moe_layers")) == [f"moe_layers/layers/{i}/mlp/wo" for i in range(3)]
+    assert "dense_layers/layers/0/mlp/wo/kernel" in unrolled and "mtp/depths/0/projection/kernel" in unrolled
+    np.testing.assert_array_equal(unrolled["opt_state/0/mu/moe_layers/layers/2/mlp/wo"], -np.arange(16.0, 24.0).reshape(2, 2, 2))
+    assert detect_layout(scanned) == (True, counts) and detect_layout(unrolled) == (False, counts)
+    back = stack_layers(unrolled, counts, np.stack)
+    assert back.keys() == scanned.keys() and all(np.array_equal(back[k], scanned[k]) for k in scanned)
+    with pytest.raises(ValueError, match="no layer count for stack 'moe_layers'"):
+        unstack_layers(scanned, {"dense_layers": 1})

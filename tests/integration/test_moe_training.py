@@ -77,3 +77,39 @@ def test_resume_is_exact_with_moe_state(runs):
         np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
     assert straight.losses[2:] == second.losses
     assert straight.eval_mtp_acceptance == {**first.eval_mtp_acceptance, **second.eval_mtp_acceptance}
+
+
+def test_two_stack_checkpoint_restores_into_the_other_layer_layout(tmp_path):
+    """A scanned DeepSeek checkpoint (dense_layers + moe_layers, MTP, router bias) restores
+    into the unrolled model: parameters and non-parameter state equal layer by layer."""
+    import jax
+    from flax import nnx
+
+    from nnxtron.decoder import abstract_model, build_model
+    from nnxtron.models.registry import layer_counts
+    from nnxtron.params import layer_list_layout
+    from nnxtron.train.checkpoint import Checkpointer
+    from tests.conftest import tiny_config
+
+    values = dict(mtp_num_layers=1, routed_bias_update_rate=RATE)
+    scanned = build_model(tiny_config("deepseek3-test", **values), seed=7)
+    rest = nnx.to_pure_dict(nnx.state(scanned, nnx.Not(nnx.Param)))
+    rest = jax.tree.map(lambda x: x + 0.5, rest)  # non-zero bias / load so the check is not vacuous
+    state = {"params": nnx.to_pure_dict(nnx.state(scanned, nnx.Param)), "rest": rest}
+    ckpt = Checkpointer(tmp_path / "ckpt", 2)
+    ckpt.save(1, state, {"data_position": 1})
+    ckpt.wait()
+    target_cfg = tiny_config("deepseek3-test", scan_layers=False, **values)
+    target = abstract_model(target_cfg)
+    abstract = {
+        "params": nnx.to_pure_dict(nnx.state(target, nnx.Param)),
+        "rest": nnx.to_pure_dict(nnx.state(target, nnx.Not(nnx.Param))),
+    }
+    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+    restored, _ = ckpt.restore(1, abstract, shardings)
+    counts = layer_counts(target_cfg)
+    for part in ("params", "rest"):
+        want, got = layer_list_layout(state[part], counts), layer_list_layout(restored[part], counts)
+        assert want.keys() == got.keys() and any("moe_layers/layers/1/" in k for k in got), part
+        for key in want:
+            np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
