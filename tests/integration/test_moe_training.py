@@ -1,6 +1,9 @@
 """End-to-end MoE training (deepseek3-test: MLA, dense + MoE stacks, MTP) through the
-Trainer: aux losses logged, loss-free bias updated outside the gradient and saved in the
-checkpoint, exact resume, MTP acceptance reported in eval."""
+Trainer on an expert-parallel mesh: aux losses logged, loss-free bias updated outside the
+gradient and kept out of the parameters, MTP acceptance reported in eval, and the
+two-stack state (router bias included) restored from a checkpoint in the other layout.
+(Exact resume through the Trainer is tested on the dense model in test_train.py; the
+restore path it uses is the one checked here.)"""
 
 from __future__ import annotations
 
@@ -37,10 +40,7 @@ def _train(corpus, base, run, **extra):
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     base = str(tmp_path_factory.mktemp("moe_runs"))
-    straight = _train(corpus, base, "straight", steps=4, eval_interval=2, checkpoint_period=2)
-    first = _train(corpus, base, "resumed", steps=2, eval_interval=2, checkpoint_period=2, learning_rate_schedule_steps=4)
-    second = _train(corpus, base, "resumed", steps=4, eval_interval=2, checkpoint_period=2, learning_rate_schedule_steps=4)
-    return base, straight, first, second
+    return base, _train(corpus, base, "straight", steps=4, eval_interval=2, checkpoint_period=2)
 
 
 def test_aux_losses_are_logged_next_to_the_loss(runs):
@@ -66,17 +66,6 @@ def test_router_bias_moves_by_the_update_rule_and_is_checkpointed(runs):
         assert np.allclose(bias, steps * RATE, atol=1e-6) and np.abs(steps).max() <= 4 and np.abs(bias).sum() > 0, key
         assert np.all(loads[key.replace("router_bias", "expert_load")] == 0), "load must be reset after each update"
     assert not any("router_bias" in k for k in flatten(straight.state["params"])), "the bias is not a parameter"
-
-
-def test_resume_is_exact_with_moe_state(runs):
-    _, straight, first, second = runs
-    assert first.end_step == 2 and second.start_step == 2
-    a, b = flatten(straight.state), flatten(second.state)
-    assert a.keys() == b.keys()
-    for key in a:
-        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
-    assert straight.losses[2:] == second.losses
-    assert straight.eval_mtp_acceptance == {**first.eval_mtp_acceptance, **second.eval_mtp_acceptance}
 
 
 def test_two_stack_checkpoint_restores_into_the_other_layer_layout(tmp_path):

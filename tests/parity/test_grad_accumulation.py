@@ -98,8 +98,8 @@ class ToyAuxDecoder(Decoder):
         super().__init__(cfg, rngs)
         self.rows_seen = nnx.BatchStat(jnp.zeros((), jnp.float32))
 
-    def from_embeddings(self, x, positions=None, segment_ids=None):
-        out = super().from_embeddings(x, positions, segment_ids)
+    def from_embeddings(self, x, positions=None, segment_ids=None, targets=None, loss_mask=None):
+        out = super().from_embeddings(x, positions, segment_ids, targets, loss_mask)
         self.rows_seen[...] = self.rows_seen[...] + x.shape[0]
         return out.replace(aux={"losses": {"toy": toy_aux_loss(out.logits, segment_ids)}})
 
@@ -133,7 +133,7 @@ def test_aux_losses_are_weighted_by_token_share_and_state_is_carried(case, toy):
     # the aux loss is in the objective: the same weights without it give other gradients
     np.testing.assert_allclose(ref.loss, plain.loss, rtol=BOUNDS["loss_rtol"])
     assert ref.aux["toy"] > 0 and not plain.aux
-    without_aux = type(plain)(plain.loss, plain.input_grad, plain.param_grads, ref.aux)
+    without_aux = type(plain)(plain.loss, plain.input_grad, plain.param_grads, ref.aux, ref.rest)
     with pytest.raises(AssertionError, match="input cotangent"):
         assert_grad_parity(without_aux, ref, **BOUNDS)
 

@@ -101,9 +101,8 @@ MOE_ROWS = [
     Strategy(True, "none", "1dev"),
     Strategy(True, "full", "expert2_fsdp4"),
     Strategy(False, "minimal", "data2_expert4"),
+    Strategy(True, "full", "fsdp2_context4", 2),
     Strategy(True, "save_dot_except_mlp", "fsdp4_tensor2"),
-    Strategy(True, "full", "fsdp2_context4"),
-    Strategy(True, "full", "1dev", 4),
     Strategy(True, "none", "expert2_fsdp4", 2),
     Strategy(False, "full", "data2_expert4", 2),
 ]
