@@ -127,8 +127,8 @@ class _Reader:
     """Reads one layer's value of a weight map from open safetensors handles, in either
     expert layout (hub per-expert keys or the transformers>=5 fused tensor)."""
 
-    def __init__(self, root: Path, handles: dict[str, Any], dtype: np.dtype):
-        self.root, self.handles, self.dtype = root, handles, dtype
+    def __init__(self, root: Path, handles: dict[str, Any]):
+        self.root, self.handles = root, handles
         self.used: set[str] = set()
 
     def _get(self, key: str, want: tuple[int, ...]) -> np.ndarray:
@@ -144,8 +144,8 @@ class _Reader:
     def _missing(self, key: str) -> CheckpointError:
         return CheckpointError(f"tensor '{key}' is missing from '{self.root}'; the weights do not match its config.json")
 
-    def read(self, prefix: str, wm: WeightMap, shape: tuple[int, ...]) -> np.ndarray:
-        """The nnxtron value (``shape``: one layer) of ``wm`` for the layer at HF ``prefix``."""
+    def read(self, prefix: str, wm: WeightMap, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The nnxtron value (``shape``: one layer, cast once to ``dtype``) of ``wm`` for the layer at HF ``prefix``."""
         in_dims = wm.linear_in_dims
         if not wm.per_expert:
             key = prefix + wm.hf_key
@@ -153,19 +153,19 @@ class _Reader:
                 key = prefix + wm.fused_key  # the same tensor under its transformers>=5 name
             if key not in self.handles:
                 raise self._missing(prefix + wm.hf_key)
-            return _from_hf_tensor(self._get(key, _hf_shape(shape, in_dims)), shape, in_dims).astype(self.dtype, copy=False)
+            return _from_hf_tensor(self._get(key, _hf_shape(shape, in_dims)), shape, in_dims).astype(dtype, copy=False)
         experts, one = shape[0], tuple(shape[1:])
         keys = [prefix + wm.hf_key.format(e=e) for e in range(experts)]
         if wm.fused_key and keys[0] not in self.handles and prefix + wm.fused_key in self.handles:
             out_size, in_size = _hf_shape(one, in_dims)
             fused = self._get(prefix + wm.fused_key, (experts, wm.fused_parts * out_size, in_size))
             part = fused[:, wm.fused_part * out_size : (wm.fused_part + 1) * out_size]
-            return np.stack([_from_hf_tensor(t, one, in_dims) for t in part]).astype(self.dtype, copy=False)
+            return np.stack([_from_hf_tensor(t, one, in_dims) for t in part]).astype(dtype, copy=False)
         missing = [k for k in keys if k not in self.handles]
         if missing:
             raise self._missing(missing[0])
         parts = [_from_hf_tensor(self._get(k, _hf_shape(one, in_dims)), one, in_dims) for k in keys]
-        return np.stack(parts).astype(self.dtype, copy=False)
+        return np.stack(parts).astype(dtype, copy=False)
 
 
 def _hf_tensors(value: np.ndarray, prefix: str, wm: WeightMap) -> dict[str, np.ndarray]:
@@ -229,14 +229,15 @@ def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any)
     filled: dict[ParamPath, Any] = {path: v.replace(jnp.zeros(v.shape, v.dtype)) for path, v in params.items() if _is_counter(v)}
     with contextlib.ExitStack() as stack:
         handles = _open_all(stack, _weight_files(root))
-        reader = _Reader(root, handles, weight_dtype)
+        reader = _Reader(root, handles)
         for mapped in _weight_maps(cfg):
             variable = params.get(mapped.path)
             if variable is None:  # a family bug, not a user error
                 raise RuntimeError(f"decoder_block {cfg.decoder_block}: weight map path {mapped.wm.path} is not in the model")
             shape = tuple(variable.shape[1:] if mapped.stacked else variable.shape)
-            dtype = variable.dtype if not isinstance(variable, nnx.Param) else weight_dtype
-            parts = [reader.read(prefix, mapped.wm, shape).astype(dtype, copy=False) for prefix in mapped.layer_prefixes]
+            # parameters take weight_dtype; other variables (the float32 router bias) keep their own dtype
+            dtype = weight_dtype if isinstance(variable, nnx.Param) else variable.dtype
+            parts = [reader.read(prefix, mapped.wm, shape, dtype) for prefix in mapped.layer_prefixes]
             filled[mapped.path] = variable.replace(jnp.asarray(np.stack(parts) if mapped.stacked else parts[0]))
         ignored = {"lm_head.weight"} if cfg.logits_via_embedding else set()  # HF ties it to the embedding
         extra = sorted(k for k in handles if k not in reader.used and k not in ignored and not k.endswith(IGNORED_SUFFIXES))

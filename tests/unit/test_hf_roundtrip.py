@@ -163,3 +163,15 @@ def test_to_hf_refuses_to_overwrite(models, tmp_path: Path) -> None:
     to_hf(models["llama2", True], out, overwrite=True)
     assert read_hf_config(out)["model_type"] == "llama"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_router_bias_keeps_float32_when_weights_load_as_bfloat16() -> None:
+    """The correction bias is not a parameter: it is read straight into float32, never
+    rounded through weight_dtype."""
+    model = from_hf(GOLDEN / "deepseek3", dtype="bfloat16")
+    stored = load_file(str(GOLDEN / "deepseek3" / "model.safetensors"))
+    bias = np.asarray(model.moe_layers.layers.mlp.router_bias[...])
+    assert bias.dtype == np.float32
+    for i in range(bias.shape[0]):
+        np.testing.assert_array_equal(bias[i], stored[f"model.layers.{i + 1}.mlp.gate.e_score_correction_bias"])
+    assert model.moe_layers.layers.mlp.wi_0[...].dtype == ml_dtypes.bfloat16

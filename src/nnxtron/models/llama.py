@@ -36,10 +36,6 @@ from nnxtron.parallel.sharding import constrain
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
 
-def rope_spec(cfg: Config) -> RopeSpec:
-    return RopeSpec.from_config(cfg, cfg.resolved_head_dim)
-
-
 class LlamaBlock(nnx.Module):
     """Pre-norm attention + pre-norm feed-forward; ``moe`` selects the routed MoE feed-forward."""
 
@@ -55,7 +51,7 @@ class LlamaBlock(nnx.Module):
                 cfg.base_num_query_heads,
                 cfg.base_num_kv_heads,
                 cfg.resolved_head_dim,
-                rope_spec(cfg),
+                RopeSpec.from_config(cfg, cfg.resolved_head_dim),
                 sliding_window=cfg.sliding_window_size,
                 qk_norm=cfg.use_qk_norm,
                 norm_eps=cfg.normalization_layer_epsilon,
