@@ -40,6 +40,10 @@ Cases:
                  experts saved fused ([E, D, 2F]), so no fused.safetensors.
 * ``deepseek4`` -- DeepseekV4ForCausalLM (S=160): sliding / CSA / HCA layers, hash + top-k MoE,
                  mHC, sinks, no YaRN; model.safetensors uses upstream names (reverse mapping).
+* ``gpt2``    -- GPT2LMHeadModel: pre-LayerNorm (with bias), fused QKV Conv1D ([in, out]) with bias,
+                 ``gelu_new`` (tanh) MLP with bias, learned positions, tied head, final LayerNorm;
+                 LayerNorm weights / all biases / ``wpe`` / ``mlp.c_fc`` weights redrawn so that they
+                 matter. Reference for nnxtron's ``gpt3`` decoder block.
 
 Regenerate (CPU only, takes well under a minute)::
 
@@ -76,6 +80,8 @@ from transformers import (  # noqa: E402
     DeepseekV4ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
     Llama4ForCausalLM,
     Llama4TextConfig,
     LlamaConfig,
@@ -117,6 +123,15 @@ ZERO_CENTERED_NORM_CASES = ("gemma3",)
 NORM_STD = 0.1
 # DeepSeek-V4 parameters / buffers that HF initialises to constants (0 or 1): redrawn from this seed.
 DS4_EXTRA_SEED = 5678
+# GPT-2: HF initialises LayerNorms to (1, 0), Conv1D biases to 0 and `wpe` with std 0.02. From this
+# seed (parameter by parameter, in `named_parameters()` order) every LayerNorm weight is redrawn as
+# 1 + GPT2_STD * randn, every bias as GPT2_STD * randn and `wpe.weight` as GPT2_STD * randn; then
+# (same generator, second pass) every `mlp.c_fc.weight` as GPT2_FC_STD * randn, so that the MLP
+# pre-activations are O(1) and tanh-gelu (`gelu_new`) vs exact gelu is visible in the logits.
+# Not recorded in versions.json (kept unchanged for the older cases); documented in the README.
+GPT2_EXTRA_SEED = 2468
+GPT2_STD = 0.1
+GPT2_FC_STD = 0.3
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -377,6 +392,27 @@ def _cases() -> dict[str, tuple[type, type, dict]]:
                 tie_word_embeddings=False,
             ),
         ),
+        "gpt2": (
+            GPT2Config,
+            GPT2LMHeadModel,
+            dict(
+                vocab_size=VOCAB,
+                n_embd=64,
+                n_head=4,  # head_dim 16
+                n_layer=3,
+                n_inner=256,  # explicit (= 4 * n_embd)
+                n_positions=64,
+                layer_norm_epsilon=1e-5,
+                activation_function="gelu_new",  # tanh approximation
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                scale_attn_weights=True,
+                scale_attn_by_inverse_layer_idx=False,
+                reorder_and_upcast_attn=False,
+                tie_word_embeddings=True,
+            ),
+        ),
     }
 
 
@@ -406,6 +442,8 @@ def _build(config_cls, model_cls, kwargs, case: str = "") -> torch.nn.Module:
                 p.copy_(ROUTER_STD * torch.randn_like(p))
         if case == "deepseek4":
             _ds4_randomize(model)
+        if case == "gpt2":
+            _gpt2_randomize(model)
         # DeepSeek-V3 routers: HF initialises the (persistent) correction-bias buffer to zeros.
         gen = torch.Generator().manual_seed(BIAS_SEED)
         for name, b in model.named_buffers():
@@ -439,6 +477,35 @@ def _ds4_randomize(model) -> None:
             n_exp = model.config.n_routed_experts
             rows = [torch.randperm(n_exp, generator=gen)[: b.shape[1]] for _ in range(b.shape[0])]
             b.copy_(torch.stack(rows).to(b.dtype))
+
+
+@torch.no_grad()
+def _gpt2_randomize(model) -> None:
+    """GPT-2: LayerNorm weights 1 + 0.1*randn, every bias 0.1*randn, wpe 0.1*randn, then (second pass,
+    same generator) every mlp.c_fc.weight GPT2_FC_STD*randn (seed GPT2_EXTRA_SEED)."""
+    gen = torch.Generator().manual_seed(GPT2_EXTRA_SEED)
+
+    def randn(t):
+        return torch.randn(t.shape, generator=gen, dtype=torch.float32)
+
+    n_ln = n_bias = 0
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):  # ln_1/ln_2/ln_f, attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+            p.copy_(GPT2_STD * randn(p))
+            n_bias += 1
+        elif name.split(".")[-2] in ("ln_1", "ln_2", "ln_f") and name.endswith(".weight"):
+            p.copy_(1.0 + GPT2_STD * randn(p))
+            n_ln += 1
+        elif name == "transformer.wpe.weight":
+            p.copy_(GPT2_STD * randn(p))
+    # Second pass, after the redraws above (which it leaves unchanged): larger MLP input weights.
+    n_fc = 0
+    for name, p in model.named_parameters():
+        if name.endswith(".mlp.c_fc.weight"):
+            p.copy_(GPT2_FC_STD * randn(p))
+            n_fc += 1
+    n_layer = model.config.n_layer
+    assert n_ln == 2 * n_layer + 1 and n_bias == 6 * n_layer + 1 and n_fc == n_layer, (n_ln, n_bias, n_fc)
 
 
 def _variant_logits(model, config_cls, model_cls, kwargs, case, input_ids, **overrides) -> torch.Tensor:
@@ -806,6 +873,82 @@ _DS4_RENAMES = [  # HF module key fragment -> key fragment written by save_pretr
 ]
 
 
+def _gpt2_reference_logits(w: dict, input_ids: torch.Tensor, cfg) -> torch.Tensor:
+    """Plain-torch GPT-2 forward from the saved weights (documents the layout the README describes)."""
+    f = torch.nn.functional
+    nh, eps = cfg.n_head, cfg.layer_norm_epsilon
+    b, s = input_ids.shape
+    x = w["transformer.wte.weight"][input_ids.long()] + w["transformer.wpe.weight"][:s]
+    mask = torch.ones(s, s, dtype=torch.bool).tril()
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        h = f.layer_norm(x, (x.shape[-1],), w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
+        qkv = h @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]  # Conv1D: x @ W[in, out] + b
+        q, k, v = (t.reshape(b, s, nh, -1).transpose(1, 2) for t in qkv.split(x.shape[-1], dim=-1))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        att = att.transpose(1, 2).reshape(b, s, -1)
+        x = x + att @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+        h = f.layer_norm(x, (x.shape[-1],), w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
+        h = f.gelu(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"], approximate="tanh")
+        x = x + h @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
+    x = f.layer_norm(x, (x.shape[-1],), w["transformer.ln_f.weight"], w["transformer.ln_f.bias"], eps)
+    return x @ w["transformer.wte.weight"].T  # tied head
+
+
+@torch.no_grad()
+def _gpt2_check(model, config_cls, model_cls, kwargs, case, input_ids, logits, d: Path) -> None:
+    cfg = model.config
+    hub = load_file(str(d / "model.safetensors"))
+    sd = model.state_dict()
+    assert "lm_head.weight" not in hub and model.lm_head.weight is model.transformer.wte.weight
+    assert set(sd) == set(hub) | {"lm_head.weight"} and all(torch.equal(hub[k], sd[k]) for k in hub)
+    assert not any(k.endswith((".attn.bias", ".masked_bias")) for k in hub), "causal-mask buffers saved"
+    buffers = [n for n, _ in model.named_buffers()]
+    print(f"  model buffers: {buffers}  (no attn.bias / masked_bias causal-mask buffers)")
+    print(f"  model.safetensors == model.state_dict() minus tied lm_head.weight ({len(hub)} tensors):")
+    for key in sorted(hub):
+        if ".h." not in key or ".h.0." in key:
+            print(f"    {key:40s} {list(hub[key].shape)}")
+    print("    ... same for transformer.h.1. and transformer.h.2.")
+    scales = {float(layer.attn.scaling) for layer in model.transformer.h}
+    assert scales == {0.25}, scales
+    print(
+        f"  attention scale: {scales.pop()} (= 1/sqrt(head_dim 16)); activation {type(model.transformer.h[0].mlp.act).__name__}"
+    )
+    ref = _gpt2_reference_logits(hub, input_ids, cfg)
+    d_ref = float((ref - logits).abs().max())
+    print(f"  plain-torch re-implementation from model.safetensors (Conv1D [in, out], q|k|v, tanh gelu): max diff {d_ref:.3e}")
+    assert d_ref < 1e-4
+    for name, keep in (
+        ("all biases = 0", lambda k: not k.endswith(".bias")),
+        ("wpe = 0", lambda k: k != "transformer.wpe.weight"),
+    ):
+        other = model_cls(config_cls(**kwargs, **_impl(case), dtype="float32"))
+        other.load_state_dict({k: v if keep(k) else torch.zeros_like(v) for k, v in sd.items()}, strict=True)
+        other.to(torch.float32).eval()
+        diff = float((_logits(other, input_ids) - logits).abs().max())
+        print(f"  max|logits - logits({name})| = {diff:.3e}")
+        assert diff > 1e-3, name
+    ref = _variant_logits(model, config_cls, model_cls, kwargs, case, input_ids, activation_function="gelu")
+    diff = float((ref - logits).abs().max())
+    pre = []
+    hooks = [layer.mlp.act.register_forward_hook(lambda m, a, out: pre.append(a[0])) for layer in model.transformer.h]
+    try:
+        _logits(model, input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    pre = torch.cat([t.flatten() for t in pre])
+    gap = float((torch.nn.functional.gelu(pre, approximate="tanh") - torch.nn.functional.gelu(pre)).abs().max())
+    print(
+        f"  max|logits - logits(activation_function='gelu', exact erf)| = {diff:.3e} "
+        f"(MLP pre-activations in [{float(pre.min()):.3f}, {float(pre.max()):.3f}], std {float(pre.std()):.3f}; "
+        f"max|gelu_new - gelu| on them {gap:.3e})"
+    )
+    assert diff > 1e-5, "gelu vs gelu_new not resolved (parity TOL is 2e-6)"
+
+
 def _ds4_hub_name(key: str) -> str:
     if key == "lm_head.weight":
         return "head.weight"
@@ -993,6 +1136,8 @@ def main(argv: list[str] | None = None) -> int:
             _gemma3_check(model, config_cls, model_cls, kwargs, case, input_ids, logits)
         if case == "llama4":
             _llama4_check(model, config_cls, model_cls, kwargs, case, input_ids, logits, d)
+        if case == "gpt2":
+            _gpt2_check(model, config_cls, model_cls, kwargs, case, input_ids, logits, d)
         if case == "deepseek4":
             _ds4_check(model, config_cls, model_cls, kwargs, case, input_ids, logits)
             _write_and_check_fused_ds4(model, config_cls, model_cls, kwargs, case, d, input_ids, logits)

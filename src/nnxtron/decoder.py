@@ -1,8 +1,11 @@
 """The decoder: embed -> layer stacks -> final norm -> logits (+ multi-token prediction).
 
-The layer stacks come from ``models.registry.layer_stacks``: one ``layers`` stack, or
-for MoE models with a dense prefix ``dense_layers`` then ``moe_layers`` (each scanned
-with its own stack axis name). Auxiliary outputs are explicit: ``DecoderOutput.aux``
+The layer stacks come from ``models.pattern.layer_stacks``: one ``layers`` stack; for MoE
+models with a dense prefix ``dense_layers`` then ``moe_layers``; for layer patterns
+(Gemma 3, Llama 4) ``layers`` of whole cycles then ``remainder_layers`` — each scanned
+with its own stack axis name. Token embeddings are scaled by ``sqrt(emb_dim)`` for
+families that do (Gemma) and learned position embeddings are added when
+``trainable_position_size`` > 0 (GPT-3). Auxiliary outputs are explicit: ``DecoderOutput.aux``
 holds ``"losses"`` (already weighted, added to the training objective by the step:
 MoE load balancing, MTP) and diagnostics such as ``"mtp_loss"`` and
 ``"mtp_acceptance"``.
@@ -19,8 +22,8 @@ from flax import nnx, struct
 from nnxtron.config.schema import Config
 from nnxtron.layers.embed import Embed
 from nnxtron.layers.linear import Linear
-from nnxtron.layers.norms import RMSNorm
-from nnxtron.models.registry import family_for, layer_stacks
+from nnxtron.models.pattern import layer_stacks, make_stack_block
+from nnxtron.models.registry import family_for
 from nnxtron.mtp import MultiTokenPrediction
 from nnxtron.parallel.remat import RematSpec
 from nnxtron.parallel.scan import LayerStack, sum_aux
@@ -41,10 +44,24 @@ class Decoder(nnx.Module):
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         k_embed, k_layers, k_head = jax.random.split(rngs.params(), 3)
         self.embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=nnx.Rngs(k_embed))
+        if cfg.trainable_position_size:
+            self.position_embed = Embed(
+                cfg.trainable_position_size,
+                cfg.base_emb_dim,
+                dtype=dtype,
+                weight_dtype=weight_dtype,
+                rngs=nnx.Rngs(jax.random.fold_in(k_embed, 1)),
+                axes=(None, "embed"),
+            )
+        self.embed_scale = cfg.base_emb_dim**0.5 if family.scale_embeddings else 0.0
         stacks = layer_stacks(cfg)
+
+        def make_layer(r: nnx.Rngs, kind) -> nnx.Module:
+            return family.make_block(cfg, r, kind)
+
         for i, layout in enumerate(stacks):
             stack = LayerStack(
-                lambda r, moe=layout.moe: family.make_block(cfg, r, moe),
+                make_stack_block(make_layer, layout),
                 layout.num_layers,
                 key=k_layers if i == 0 else jax.random.fold_in(k_layers, i),
                 scan=cfg.scan_layers,
@@ -53,10 +70,10 @@ class Decoder(nnx.Module):
             )
             setattr(self, layout.name, stack)
         self.stack_names = tuple(layout.name for layout in stacks)
-        if cfg.mtp_num_layers:
-            last_moe = stacks[-1].moe
-            self.mtp = MultiTokenPrediction(cfg, lambda r: family.make_block(cfg, r, last_moe), jax.random.fold_in(k_head, 1))
-        self.final_norm = RMSNorm(cfg.base_emb_dim, eps=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype)
+        if cfg.mtp_num_layers:  # MTP blocks are of the last layer's kind
+            last_kind = stacks[-1].kinds[-1]
+            self.mtp = MultiTokenPrediction(cfg, lambda r: family.make_block(cfg, r, last_kind), jax.random.fold_in(k_head, 1))
+        self.final_norm = family.make_final_norm(cfg)
         if not cfg.logits_via_embedding:
             self.logits = Linear(
                 [cfg.base_emb_dim],
@@ -85,6 +102,15 @@ class Decoder(nnx.Module):
         """
         return self.from_embeddings(self.embed(tokens), positions, segment_ids, targets, loss_mask)
 
+    def embed_scale_and_positions(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Token embeddings -> decoder input: the Gemma ``sqrt(emb_dim)`` scale (HF rounds it to
+        the table's dtype first) and learned position embeddings (GPT-3)."""
+        if self.embed_scale:
+            x = x * jnp.asarray(self.embed_scale, self.embed.embedding.dtype).astype(x.dtype)
+        if hasattr(self, "position_embed"):
+            x = x + self.position_embed(positions)
+        return x
+
     def from_embeddings(
         self,
         x: jax.Array,
@@ -99,6 +125,7 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
         if segment_ids is None:
             segment_ids = jnp.ones(shape, jnp.int32)
+        x = self.embed_scale_and_positions(x, positions)
         embedded = x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
         stack_aux = []
         for name in self.stack_names:

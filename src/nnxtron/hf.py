@@ -29,14 +29,19 @@ from nnxtron.config.schema import Config
 from nnxtron.decoder import Decoder, abstract_model
 from nnxtron.errors import CheckpointError
 from nnxtron.layers.moe import ExpertLoad
-from nnxtron.models.registry import WeightMap, family_for, family_for_hf, layer_stacks
+from nnxtron.models.pattern import layer_stacks
+from nnxtron.models.registry import WeightMap, family_for, family_for_hf
 
 __all__ = ["from_hf", "to_hf", "read_hf_config", "hf_config_to_nnxtron"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some HF versions save; recomputed from the config
+IGNORED_SUFFIXES = (
+    "rotary_emb.inv_freq",
+    ".attn.bias",
+    ".attn.masked_bias",
+)  # buffers some HF versions save (RoPE frequencies, GPT-2 causal masks); recomputed
 
 ParamPath = tuple[Any, ...]
 
@@ -91,14 +96,17 @@ def _weight_maps(cfg: Config) -> Iterator[_Mapped]:
     for wm in family.top_weights(cfg):
         yield _Mapped(tuple(wm.path.split("/")), ("",), wm, False)
     for stack in layer_stacks(cfg):
-        prefixes = tuple(f"model.layers.{stack.first_layer + i}." for i in range(stack.num_layers))
-        for wm in family.layer_weights(cfg, stack.moe):
-            sub = tuple(wm.path.split("/"))
-            if cfg.scan_layers:
-                yield _Mapped((stack.name, "layers", *sub), prefixes, wm, True)
-            else:
-                for i, prefix in enumerate(prefixes):
-                    yield _Mapped((stack.name, "layers", i, *sub), (prefix,), wm, False)
+        for position, kind in enumerate(stack.kinds):
+            prefixes = tuple(
+                family.hf_layer_prefix.format(i=stack.hf_layer(block, position)) for block in range(stack.num_layers)
+            )
+            for wm in family.layer_weights(cfg, kind):
+                sub = (*stack.sub_path(position), *wm.path.split("/"))
+                if cfg.scan_layers:
+                    yield _Mapped((stack.name, "layers", *sub), prefixes, wm, True)
+                else:
+                    for i, prefix in enumerate(prefixes):
+                        yield _Mapped((stack.name, "layers", i, *sub), (prefix,), wm, False)
 
 
 def _check_covered(params: dict[ParamPath, Any], mapped: set[ParamPath], family: str) -> None:
@@ -107,17 +115,25 @@ def _check_covered(params: dict[ParamPath, Any], mapped: set[ParamPath], family:
         raise RuntimeError(f"decoder_block {family}: parameters without an HF weight map: {unmapped}")
 
 
-def _hf_shape(kernel_shape: tuple[int, ...], in_dims: int) -> tuple[int, ...]:
+def _hf_shape(kernel_shape: tuple[int, ...], in_dims: int, conv1d: bool = False) -> tuple[int, ...]:
+    if conv1d:
+        if not in_dims:
+            return (math.prod(kernel_shape),)
+        return (math.prod(kernel_shape[:in_dims]), math.prod(kernel_shape[in_dims:]))
     if not in_dims:
         return tuple(kernel_shape)
     return (math.prod(kernel_shape[in_dims:]), math.prod(kernel_shape[:in_dims]))
 
 
-def _from_hf_tensor(tensor: np.ndarray, kernel_shape: tuple[int, ...], in_dims: int) -> np.ndarray:
+def _from_hf_tensor(tensor: np.ndarray, kernel_shape: tuple[int, ...], in_dims: int, conv1d: bool = False) -> np.ndarray:
+    if conv1d:
+        return tensor.reshape(kernel_shape)
     return tensor.T.reshape(kernel_shape) if in_dims else tensor
 
 
-def _to_hf_tensor(kernel: np.ndarray, in_dims: int) -> np.ndarray:
+def _to_hf_tensor(kernel: np.ndarray, in_dims: int, conv1d: bool = False) -> np.ndarray:
+    if conv1d:
+        return np.ascontiguousarray(kernel.reshape(_hf_shape(kernel.shape, in_dims, conv1d=True)))
     if not in_dims:
         return np.ascontiguousarray(kernel)
     return np.ascontiguousarray(kernel.reshape(math.prod(kernel.shape[:in_dims]), -1).T)
@@ -153,7 +169,12 @@ class _Reader:
                 key = prefix + wm.fused_key  # the same tensor under its transformers>=5 name
             if key not in self.handles:
                 raise self._missing(prefix + wm.hf_key)
-            return _from_hf_tensor(self._get(key, _hf_shape(shape, in_dims)), shape, in_dims).astype(dtype, copy=False)
+            if wm.split_parts > 1:  # one chunk of a tensor concatenated along its last axis
+                size = shape[-1]
+                full = self._get(key, (*shape[:-1], wm.split_parts * size))
+                return full[..., wm.split_part * size : (wm.split_part + 1) * size].astype(dtype)
+            want = _hf_shape(shape, in_dims, wm.conv1d)
+            return _from_hf_tensor(self._get(key, want), shape, in_dims, wm.conv1d).astype(dtype, copy=False)
         experts, one = shape[0], tuple(shape[1:])
         keys = [prefix + wm.hf_key.format(e=e) for e in range(experts)]
         if wm.fused_key and keys[0] not in self.handles and prefix + wm.fused_key in self.handles:
@@ -169,10 +190,25 @@ class _Reader:
 
 
 def _hf_tensors(value: np.ndarray, prefix: str, wm: WeightMap) -> dict[str, np.ndarray]:
-    """HF tensors (hub layout) of one layer's nnxtron ``value`` of ``wm``."""
+    """HF tensors (hub layout) of one layer's nnxtron ``value`` of ``wm``; a ``split_parts``
+    chunk is returned under ``(key, part)`` for ``_join_split`` to concatenate."""
+    if wm.split_parts > 1:
+        return {(prefix + wm.hf_key, wm.split_part): value}
     if not wm.per_expert:
-        return {prefix + wm.hf_key: _to_hf_tensor(value, wm.linear_in_dims)}
+        return {prefix + wm.hf_key: _to_hf_tensor(value, wm.linear_in_dims, wm.conv1d)}
     return {prefix + wm.hf_key.format(e=e): _to_hf_tensor(value[e], wm.linear_in_dims) for e in range(value.shape[0])}
+
+
+def _join_split(tensors: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
+    """Concatenate the ``(key, part)`` chunks of split tensors along their last axis."""
+    out = {k: v for k, v in tensors.items() if isinstance(k, str)}
+    parts: dict[str, dict[int, np.ndarray]] = {}
+    for k, v in tensors.items():
+        if not isinstance(k, str):
+            parts.setdefault(k[0], {})[k[1]] = v
+    for key, chunks in parts.items():
+        out[key] = np.ascontiguousarray(np.concatenate([chunks[i] for i in range(len(chunks))], axis=-1))
+    return out
 
 
 def _is_counter(variable: Any) -> bool:
@@ -256,7 +292,7 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
     cfg: Config = model.config
     hf_config = family_for(cfg.decoder_block).config_to_hf(cfg)
     params = {p: v for p, v in nnx.to_flat_state(nnx.state(model)) if not _is_counter(v)}
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[Any, np.ndarray] = {}
     mapped: set[ParamPath] = set()
     for m in _weight_maps(cfg):
         value = np.asarray(params[m.path][...])
@@ -264,6 +300,7 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
         for i, prefix in enumerate(m.layer_prefixes):
             tensors.update(_hf_tensors(value[i] if m.stacked else value, prefix, m.wm))
     _check_covered(params, mapped, cfg.decoder_block)
+    tensors = _join_split(tensors)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from nnxtron.config.schema import Config
+from nnxtron.models.pattern import LayerKind
 
 # Dense peak TFLOP/s per chip for bf16 matmuls (vendor figures, without sparsity).
 KNOWN_PEAK_TFLOPS = {
@@ -43,32 +44,39 @@ def _ffn_params(cfg: Config, moe: bool) -> int:
     """Matmul params one token goes through in a feed-forward layer (active experts only)."""
     d = cfg.base_emb_dim
     if not moe:
-        return 3 * d * cfg.base_mlp_dim
+        return len(cfg.mlp_activations) * d * cfg.base_mlp_dim + d * cfg.base_mlp_dim  # gated: 3 matrices, plain: 2
     experts = cfg.num_experts_per_tok + cfg.shared_experts
     return d * cfg.num_experts + 3 * d * cfg.base_moe_mlp_dim * experts
+
+
+def _keys_seen(cfg: Config, kind: LayerKind) -> float:
+    """Keys a query attends to, on average over a causal sequence of ``max_target_length``."""
+    seq = cfg.max_target_length
+    if kind.attention == "chunked":
+        chunk = min(cfg.chunk_attn_window_size, seq)
+        return (chunk + 1) / 2
+    window = min(cfg.sliding_window_size, seq) if kind.attention == "sliding" else seq
+    return window - (window * window) / (2 * seq) if window < seq else seq / 2
 
 
 def training_flops_per_token(cfg: Config) -> float:
     """Model FLOPs per trained token: 6 x active matmul params + causal attention (fwd + bwd).
 
+    Every layer counts by its kind (MoE or dense; global, sliding or chunked attention).
     MoE layers count the router, the ``num_experts_per_tok`` routed and the shared
-    experts a token actually uses; MTP depths count as one more layer each plus their
-    [2D -> D] projection and output head.
+    experts a token actually uses; MTP depths count as one more layer each (of the last
+    layer's kind) plus their [2D -> D] projection and output head.
     """
-    from nnxtron.models.registry import layer_stacks  # (registry imports the config only)
+    from nnxtron.models.pattern import layer_kinds  # (imports the config only)
 
     d = cfg.base_emb_dim
     attn_params, heads, width = _attention_params(cfg)
-    layers = [(stack.num_layers, stack.moe) for stack in layer_stacks(cfg)]
-    if cfg.mtp_num_layers:
-        layers.append((cfg.mtp_num_layers, layers[-1][1]))
-    matmul_params = sum(n * (attn_params + _ffn_params(cfg, moe)) for n, moe in layers)
+    kinds = list(layer_kinds(cfg))
+    kinds += [kinds[-1]] * cfg.mtp_num_layers
+    matmul_params = sum(attn_params + _ffn_params(cfg, kind.moe) for kind in kinds)
     matmul_params += (1 + cfg.mtp_num_layers) * d * cfg.vocab_size + cfg.mtp_num_layers * 2 * d * d
-    seq = cfg.max_target_length
-    window = min(cfg.sliding_window_size or seq, seq)
-    # q.k and p.v: 2 flops per multiply-add over (keys seen on average) per head; causal -> about half.
-    keys_seen = window - (window * window) / (2 * seq) if window < seq else seq / 2
-    attention = sum(n for n, _ in layers) * 2 * heads * width * keys_seen
+    # q.k and p.v: 2 flops per multiply-add over the keys each query sees, per head
+    attention = sum(2 * heads * width * _keys_seen(cfg, kind) for kind in kinds)
     return 6.0 * matmul_params + 3.0 * attention
 
 

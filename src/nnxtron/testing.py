@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from nnxtron.models.registry import layer_counts
+from nnxtron.models.pattern import layer_counts
 from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
 from nnxtron.params import layer_list_layout
 from nnxtron.train.step import compute_gradients

@@ -75,7 +75,7 @@ def test_two_stack_checkpoint_restores_into_the_other_layer_layout(tmp_path):
     from flax import nnx
 
     from nnxtron.decoder import abstract_model, build_model
-    from nnxtron.models.registry import layer_counts
+    from nnxtron.models.pattern import layer_counts
     from nnxtron.params import layer_list_layout
     from nnxtron.train.checkpoint import Checkpointer
     from tests.conftest import tiny_config

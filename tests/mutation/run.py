@@ -85,7 +85,7 @@ MUTATIONS = [
              ("tests/parity/test_hf_golden.py",)),
     Mutation("qk-norm-skipped", "layers/attention.py", "q, k = self.query_norm(q), self.key_norm(k)", "q, k = q, k",
              ("tests/parity/test_hf_golden.py",)),
-    Mutation("dense-prefix-uses-moe", "models/registry.py", 'StackLayout("dense_layers", 0, dense, False)', 'StackLayout("dense_layers", 0, dense, True)',
+    Mutation("dense-prefix-uses-moe", "models/pattern.py", "moe = cfg.num_experts > 1 and i >= cfg.first_num_dense_layers and", "moe = cfg.num_experts > 1 and",
              ("tests/parity/test_hf_golden.py",)),
 ]  # fmt: skip
 

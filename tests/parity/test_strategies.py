@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnxtron.decoder import build_model
-from nnxtron.models.registry import layer_counts
+from nnxtron.models.pattern import layer_counts
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.sharding import logical_to_spec, state_shardings
 from nnxtron.params import flatten, layer_list_layout

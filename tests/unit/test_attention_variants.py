@@ -29,7 +29,7 @@ def make(qk_norm: bool, seed: int = 0, eps: float = EPS) -> Attention:
             HD,
             SPEC,
             sliding_window=0,
-            qk_norm=qk_norm,
+            qk_norm="rms" if qk_norm else "none",
             norm_eps=eps,
             dtype=jnp.float32,
             weight_dtype=jnp.float32,

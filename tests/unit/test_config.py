@@ -79,7 +79,7 @@ def test_derived_values():
         (["base_num_kv_heads=3"], "base_num_query_heads (4) must be a multiple of base_num_kv_heads (3)"),
         (["eval_split_fraction=0", "eval_interval=5"], "eval_interval > 0 with dataset_type=text needs eval_split_fraction"),
         (["model_name=llama3-7b"], "did you mean 'llama3-70b'"),
-        (["mlp_activations=[gelu, linear]"], "mlp_activations"),
+        (["mlp_activations=[relu, linear]"], "mlp_activations"),
         (["logical_axis_rules=3"], "logical_axis_rules"),
         (["novalue"], "key=value"),
     ],

@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.decoder import build_model
-from nnxtron.models.registry import layer_stacks
+from nnxtron.models.pattern import layer_stacks
 from tests.conftest import random_batch, tiny_config
 
 WEIGHT = 0.05

@@ -153,8 +153,27 @@ def test_default_and_llama3_frequencies_unchanged():
 
 
 def test_unknown_scaling_raises():
-    with pytest.raises(ValueError, match="unknown RoPE scaling 'linear'"):
-        inverse_frequencies(RopeSpec(head_dim=8, theta=1e4, scaling="linear"))
+    with pytest.raises(ValueError, match="unknown RoPE scaling 'dynamic'"):
+        inverse_frequencies(RopeSpec(head_dim=8, theta=1e4, scaling="dynamic"))
+
+
+def test_linear_scaling_divides_every_frequency():
+    """HF "linear" (Gemma 3 global layers): inv_freq / factor, i.e. positions / factor."""
+    plain = inverse_frequencies(RopeSpec(head_dim=16, theta=1e6))
+    scaled = inverse_frequencies(RopeSpec(head_dim=16, theta=1e6, scaling="linear", factor=8.0))
+    np.testing.assert_array_equal(scaled, (plain / np.float32(8)).astype(np.float32))
+
+
+def test_llama3_scaling_with_equal_factors_has_no_medium_band():
+    """Llama 4 Scout's rope_scaling has low_freq_factor == high_freq_factor == 1: frequencies
+    with wavelength above original_max_position are divided by the factor, the rest kept."""
+    spec = RopeSpec(head_dim=16, theta=5e5, scaling="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
+                    original_max_position=64)  # fmt: skip
+    plain = inverse_frequencies(RopeSpec(head_dim=16, theta=5e5))
+    got = inverse_frequencies(spec)
+    long = 2 * np.pi / plain > 64
+    assert long.any() and (~long).any() and np.isfinite(got).all()
+    np.testing.assert_array_equal(got, np.where(long, plain / np.float32(16), plain).astype(np.float32))
 
 
 def test_from_config_reads_every_rope_field():

@@ -27,7 +27,7 @@ RematPolicy = Literal[
     "custom",
 ]
 RematChoice = Literal["remat", "device", "offload"]  # per named activation, for remat_policy=custom
-SUPPORTED_MLP_ACTIVATIONS = (("silu", "linear"),)
+SUPPORTED_MLP_ACTIVATIONS = (("silu", "linear"), ("gelu", "linear"), ("gelu",))  # two = gated (GLU), one = plain MLP
 
 
 class Config(BaseModel):
@@ -41,7 +41,7 @@ class Config(BaseModel):
     model_name: str  # preset chosen from config/presets/<model_name>.yml
 
     # --- model ----------------------------------------------------------------
-    decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek"]
+    decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek", "gemma3", "llama4", "gpt3"]
     base_emb_dim: int = Field(gt=0)
     base_num_query_heads: int = Field(gt=0)
     base_num_kv_heads: int = Field(gt=0)
@@ -51,7 +51,7 @@ class Config(BaseModel):
     vocab_size: int = Field(gt=0)
     normalization_layer_epsilon: float = Field(gt=0)
     mlp_activations: tuple[str, ...]
-    rope_type: Literal["default", "llama3", "yarn"]
+    rope_type: Literal["default", "llama3", "yarn", "linear"]  # linear: positions / rope_scaling_factor
     rope_max_timescale: float = Field(gt=0)
     rope_interleave: bool  # False: rotate-half pairs (i, i+d/2) as HF Llama; True: (2i, 2i+1)
     rope_scaling_factor: float = Field(gt=0)
@@ -64,8 +64,22 @@ class Config(BaseModel):
     mscale: float = Field(ge=0)  # yarn (HF mscale; 0 = unset): cos/sin x m(mscale)/m(mscale_all_dim) when both set, else m(1)
     mscale_all_dim: float = Field(ge=0)  # yarn (HF rope_scaling mscale_all_dim): softmax scale x m(mscale_all_dim)^2
     sliding_window_size: int = Field(ge=0)  # 0 = full causal attention
+    # --- layer patterns (Gemma 3, Llama 4): layer i is 0-based; see models/pattern.py ---
+    sliding_window_pattern: int = Field(ge=0)  # > 0: layer i is global iff (i+1) % pattern == 0, else sliding (Gemma 3: 6)
+    local_rope_max_timescale: float = Field(
+        ge=0
+    )  # RoPE theta of sliding layers under a pattern (0 = rope_max_timescale, unscaled)
+    query_pre_attn_scalar: float = Field(ge=0)  # attention logits x query_pre_attn_scalar^-0.5 (0 = head_dim)
+    nope_layer_interval: int = Field(ge=0)  # > 0: layer i has no RoPE iff (i+1) % interval == 0 (Llama 4: 4)
+    chunk_attn_window_size: int = Field(ge=0)  # > 0: RoPE layers attend within aligned chunks of this size (Llama 4)
+    temperature_tuning: bool  # Llama 4: NoPE layers scale q by log1p(floor((pos+1)/floor_scale))*scale + 1
+    temperature_tuning_floor_scale: float = Field(gt=0)
+    temperature_tuning_scale: float = Field(ge=0)
+    interleave_moe_layer_step: int = Field(gt=0)  # MoE models: layer i is MoE iff (i+1) % step == 0 (Llama 4 Maverick: 2)
+    inhomogeneous_layer_cycle_interval: int = Field(ge=0)  # layers per scanned block (0 = the pattern's period)
+    trainable_position_size: int = Field(ge=0)  # > 0: learned absolute position embeddings (GPT-3), no RoPE
     attention_type: Literal["global", "mla"]  # mla: DeepSeek multi-head latent attention
-    use_qk_norm: bool  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    use_qk_norm: bool  # q/k norm over head_dim: RMSNorm before RoPE (Qwen3, Gemma 3 (1+w)); weightless L2 after RoPE (Llama 4)
     q_lora_rank: int = Field(ge=0)  # mla: 0 = plain query projection
     kv_lora_rank: int = Field(gt=0)  # mla
     qk_nope_head_dim: int = Field(gt=0)  # mla
@@ -207,12 +221,15 @@ class Config(BaseModel):
         if tuple(self.mlp_activations) not in SUPPORTED_MLP_ACTIVATIONS:
             raise ValueError(
                 f"mlp_activations {list(self.mlp_activations)} is not supported by decoder_block "
-                f"{self.decoder_block}; use [silu, linear]"
+                f"{self.decoder_block}; use one of {[list(a) for a in SUPPORTED_MLP_ACTIVATIONS]}"
             )
         self._check_moe()
         self._check_mla_and_mtp()
-        if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
-            raise ValueError("rope_high_freq_factor must exceed rope_low_freq_factor for rope_type=llama3")
+        self._check_layer_pattern()
+        if self.rope_type == "linear" and self.rope_scaling_factor < 1:
+            raise ValueError(f"rope_type=linear needs rope_scaling_factor >= 1, got {self.rope_scaling_factor}")
+        if self.rope_type == "llama3" and self.rope_high_freq_factor < self.rope_low_freq_factor:
+            raise ValueError("rope_high_freq_factor must be at least rope_low_freq_factor for rope_type=llama3")
         if self.dataset_type == "text" and not self.dataset_path:
             raise ValueError("dataset_type=text needs dataset_path (files, directories or globs)")
         if self.eval_interval > 0 and self.dataset_type == "text" and self.eval_split_fraction == 0:
@@ -279,6 +296,42 @@ class Config(BaseModel):
                 f"mtp_eval_target_module={self.mtp_eval_target_module} names an MTP depth beyond "
                 f"mtp_num_layers={self.mtp_num_layers}"
             )
+
+    def _check_layer_pattern(self) -> None:
+        """Window, chunk and pattern sizes; whether a cycle fits the pattern is checked by
+        ``models.pattern.layer_stacks`` (it needs the family)."""
+        for name in ("sliding_window_size", "chunk_attn_window_size"):
+            size = getattr(self, name)
+            if size > self.max_position_embeddings:
+                raise ValueError(
+                    f"{name}={size} is larger than max_position_embeddings={self.max_position_embeddings}: the window "
+                    f"could never apply; choose at most {self.max_position_embeddings} (or 0 for no window)"
+                )
+        if self.sliding_window_pattern and not self.sliding_window_size:
+            raise ValueError(
+                f"sliding_window_pattern={self.sliding_window_pattern} makes sliding layers but sliding_window_size=0; "
+                "set sliding_window_size > 0 (or sliding_window_pattern=0 for all-global layers)"
+            )
+        if self.sliding_window_pattern and self.chunk_attn_window_size:
+            raise ValueError("sliding_window_pattern and chunk_attn_window_size cannot be combined; set one of them to 0")
+        if self.trainable_position_size:
+            if self.trainable_position_size < self.max_target_length:
+                raise ValueError(
+                    f"trainable_position_size={self.trainable_position_size} is smaller than max_target_length="
+                    f"{self.max_target_length}: later positions would have no embedding; raise it or shorten sequences"
+                )
+            if self.nope_layer_interval:
+                raise ValueError(
+                    "trainable_position_size (learned positions, no RoPE) and nope_layer_interval cannot be combined"
+                )
+        if self.temperature_tuning and not self.nope_layer_interval:
+            raise ValueError(
+                "temperature_tuning scales queries on NoPE layers; set nope_layer_interval > 0 (or temperature_tuning=false)"
+            )
+        if self.interleave_moe_layer_step > 1 and self.num_experts == 1:
+            raise ValueError(f"interleave_moe_layer_step={self.interleave_moe_layer_step} needs num_experts > 1")
+        if self.interleave_moe_layer_step > 1 and self.first_num_dense_layers:
+            raise ValueError("interleave_moe_layer_step > 1 and first_num_dense_layers > 0 cannot be combined; use one of them")
 
     @property
     def resolved_head_dim(self) -> int:

@@ -1,4 +1,4 @@
-"""Token embedding table, also usable as a tied output head."""
+"""Embedding tables (tokens, also usable as a tied output head; learned positions)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,19 @@ from flax import nnx
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab_size: int, emb_dim: int, *, dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        vocab_size: int,
+        emb_dim: int,
+        *,
+        dtype: jnp.dtype,
+        weight_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        axes: tuple[str | None, str] = ("vocab", "embed"),
+    ):
         init = jax.nn.initializers.normal(stddev=1.0)
         table = init(rngs.params(), (vocab_size, emb_dim), jnp.float32).astype(weight_dtype)  # same draw for any dtype
-        self.embedding = nnx.Param(table, out_sharding=("vocab", "embed"))
+        self.embedding = nnx.Param(table, out_sharding=axes)
         self.dtype = dtype
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

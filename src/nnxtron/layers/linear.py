@@ -11,7 +11,7 @@ from flax import nnx
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel`` contracting the last ``len(in_shape)`` axes of ``x``.
+    """``y = x @ kernel (+ bias)`` contracting the last ``len(in_shape)`` axes of ``x``.
 
     ``axes`` are the logical sharding names of the kernel (one per kernel dimension).
     Weights are stored in ``weight_dtype``; the matmul runs in ``dtype``.
@@ -26,6 +26,7 @@ class Linear(nnx.Module):
         dtype: jnp.dtype,
         weight_dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        use_bias: bool = False,
     ):
         self.in_shape = tuple(in_shape)
         self.out_shape = tuple(out_shape)
@@ -36,9 +37,13 @@ class Linear(nnx.Module):
         init = jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
         # drawn in float32 then cast: the same seed gives the same model for any weight_dtype
         self.kernel = nnx.Param(init(rngs.params(), shape, jnp.float32).astype(weight_dtype), out_sharding=tuple(axes))
+        if use_bias:  # zeros, sharded like the output dims
+            self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), out_sharding=tuple(axes[len(self.in_shape) :]))
+        self.use_bias = use_bias
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         n_in = len(self.in_shape)
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        return jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ())))
+        y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ())))
+        return y + self.bias[...].astype(self.dtype) if self.use_bias else y

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: frequencies (default, llama3, YaRN) and both pair layouts.
+"""Rotary position embeddings: frequencies (default, linear, llama3, YaRN) and both pair layouts.
 
 Everything here follows HuggingFace transformers (``modeling_rope_utils.py``,
 ``DeepseekV3Attention``) to the float32 rounding of each step.
@@ -25,7 +25,7 @@ import numpy as np
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
 
-SCALINGS = ("default", "llama3", "yarn")
+SCALINGS = ("default", "llama3", "yarn", "linear")
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,8 @@ def inverse_frequencies(spec: RopeSpec) -> np.ndarray:
         return _llama3_scaling(inv, spec)
     if spec.scaling == "yarn":
         return _yarn_scaling(pos_freqs, spec)
+    if spec.scaling == "linear":  # HF "linear": positions / factor (Gemma 3 global layers)
+        return (inv / np.float32(spec.factor)).astype(np.float32)
     return inv
 
 
@@ -94,7 +96,8 @@ def _llama3_scaling(inv: np.ndarray, spec: RopeSpec) -> np.ndarray:
     high_wavelen = spec.original_max_position / spec.high_freq_factor
     wavelen = np.float32(2 * math.pi) / inv
     scaled = np.where(wavelen > low_wavelen, inv / np.float32(spec.factor), inv).astype(np.float32)
-    smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (spec.high_freq_factor - spec.low_freq_factor)
+    with np.errstate(divide="ignore", invalid="ignore"):  # low == high (Llama 4 Scout): no medium band, smooth unused
+        smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (spec.high_freq_factor - spec.low_freq_factor)
     smoothed = (1 - smooth) * scaled / np.float32(spec.factor) + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)

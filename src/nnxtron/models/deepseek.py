@@ -24,6 +24,7 @@ from nnxtron.models.llama import (
     register_pre_norm_family,
 )
 from nnxtron.models.mixtral import routed_expert_weights
+from nnxtron.models.pattern import LayerKind
 from nnxtron.models.registry import WeightMap
 
 
@@ -44,9 +45,9 @@ def mla_weights(cfg: Config) -> tuple[WeightMap, ...]:
     )
 
 
-def layer_weights(cfg: Config, moe: bool) -> tuple[WeightMap, ...]:
+def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
     common = NORM_WEIGHTS + mla_weights(cfg)
-    if not moe:
+    if not kind.moe:
         return common + gated_mlp_weights("mlp", "mlp")
     maps = common + routed_expert_weights("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"))
     if cfg.routed_bias:

@@ -30,43 +30,69 @@ from nnxtron.layers.mlp import GatedMLP
 from nnxtron.layers.moe import MoE
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.layers.rope import RopeSpec
+from nnxtron.models.pattern import PLAIN, LayerKind
 from nnxtron.models.registry import Family, WeightMap, register
 from nnxtron.parallel.sharding import constrain
 
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
 
-class LlamaBlock(nnx.Module):
-    """Pre-norm attention + pre-norm feed-forward; ``moe`` selects the routed MoE feed-forward."""
+def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "rms") -> Attention:
+    """The GQA attention of a layer of ``kind``.
 
-    def __init__(self, cfg: Config, rngs: nnx.Rngs, moe: bool = False):
+    ``qk_norm`` is what ``use_qk_norm`` means for the family (``rms``, ``gemma`` or
+    ``l2``; ``l2`` applies on RoPE layers only, as in Llama 4). Sliding layers of a
+    ``sliding_window_pattern`` use ``local_rope_max_timescale`` (unscaled) when set;
+    NoPE layers take ``temperature_tuning``.
+    """
+    head_dim = cfg.resolved_head_dim
+    rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None
+    if rope is not None and kind.attention == "sliding" and cfg.sliding_window_pattern and cfg.local_rope_max_timescale:
+        rope = RopeSpec(head_dim=head_dim, theta=cfg.local_rope_max_timescale, interleave=cfg.rope_interleave)
+    norm = qk_norm if cfg.use_qk_norm and (kind.rope or qk_norm != "l2") else "none"
+    tuning = (
+        (cfg.temperature_tuning_floor_scale, cfg.temperature_tuning_scale) if cfg.temperature_tuning and not kind.rope else None
+    )
+    return Attention(
+        cfg.base_emb_dim,
+        cfg.base_num_query_heads,
+        cfg.base_num_kv_heads,
+        head_dim,
+        rope,
+        sliding_window=cfg.sliding_window_size if kind.attention == "sliding" else 0,
+        chunk_size=cfg.chunk_attn_window_size if kind.attention == "chunked" else 0,
+        qk_norm=norm,
+        norm_eps=cfg.normalization_layer_epsilon,
+        scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
+        temperature_tuning=tuning,
+        dtype=jnp.dtype(cfg.dtype),
+        weight_dtype=jnp.dtype(cfg.weight_dtype),
+        rngs=rngs,
+    )
+
+
+class LlamaBlock(nnx.Module):
+    """Pre-norm attention + pre-norm feed-forward; ``kind.moe`` selects the routed MoE feed-forward.
+
+    ``qk_norm``: what ``use_qk_norm`` means for the family (see ``gqa_attention``).
+    """
+
+    def __init__(self, cfg: Config, rngs: nnx.Rngs, kind: LayerKind = PLAIN, qk_norm: str = "rms"):
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         norm = dict(eps=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype)
         self.pre_attention_norm = RMSNorm(cfg.base_emb_dim, **norm)
         if cfg.attention_type == "mla":
             self.attention = MLA(cfg, rngs)
         else:
-            self.attention = Attention(
-                cfg.base_emb_dim,
-                cfg.base_num_query_heads,
-                cfg.base_num_kv_heads,
-                cfg.resolved_head_dim,
-                RopeSpec.from_config(cfg, cfg.resolved_head_dim),
-                sliding_window=cfg.sliding_window_size,
-                qk_norm=cfg.use_qk_norm,
-                norm_eps=cfg.normalization_layer_epsilon,
-                dtype=dtype,
-                weight_dtype=weight_dtype,
-                rngs=rngs,
-            )
+            self.attention = gqa_attention(cfg, rngs, kind, qk_norm)
         self.post_attention_norm = RMSNorm(cfg.base_emb_dim, **norm)
-        if moe:
+        if kind.moe:
             self.mlp = MoE(cfg, rngs)
         else:
             self.mlp = GatedMLP(
                 cfg.base_emb_dim, cfg.base_mlp_dim, cfg.mlp_activations[0], dtype=dtype, weight_dtype=weight_dtype, rngs=rngs
             )
-        self.moe = moe
+        self.moe = kind.moe
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
         x = checkpoint_name(constrain(x, RESIDUAL), "decoder_layer_input")
@@ -105,7 +131,7 @@ def gated_mlp_weights(prefix: str, hf_prefix: str) -> tuple[WeightMap, ...]:
 LAYER_WEIGHTS = NORM_WEIGHTS + GQA_WEIGHTS + gated_mlp_weights("mlp", "mlp")
 
 
-def layer_weights(cfg: Config, moe: bool) -> tuple[WeightMap, ...]:
+def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
     return LAYER_WEIGHTS
 
 
@@ -228,8 +254,26 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return common_config_from_hf(hf, "mistral" if hf["model_type"] == "mistral" else "llama2")
 
 
+PATTERN_FIELDS = (
+    "sliding_window_pattern",
+    "nope_layer_interval",
+    "chunk_attn_window_size",
+    "temperature_tuning",
+    "trainable_position_size",
+    "query_pre_attn_scalar",
+    "local_rope_max_timescale",
+)
+
+
 def check_exportable(cfg: Config, family: str, *, moe: bool = False, qk_norm: bool = False, mla: bool = False) -> None:
-    """Raise when ``cfg`` uses a feature the HF class of ``family`` lacks."""
+    """Raise when ``cfg`` uses a feature the HF class of ``family`` lacks (a Llama-style one)."""
+    for name in PATTERN_FIELDS:
+        if getattr(cfg, name):
+            raise ConfigError(f"{name} has no HF {family} equivalent; export needs {name}=0/false (or a family that has it)")
+    if cfg.interleave_moe_layer_step != 1:
+        raise ConfigError(f"interleave_moe_layer_step has no HF {family} equivalent; export needs 1")
+    if cfg.rope_type == "linear":
+        raise ConfigError(f"rope_type=linear is not exported for HF {family}; use default, llama3 or yarn")
     if cfg.num_experts > 1 and not moe:
         raise ConfigError(f"num_experts > 1 has no HF {family} equivalent; export a MoE family (mixtral, qwen3_moe, deepseek)")
     if cfg.use_qk_norm != qk_norm:
@@ -258,7 +302,7 @@ def register_pre_norm_family(
     name: str,
     hf_model_type: str,
     hf_architecture: str,
-    layer_weights: Callable[[Config, bool], tuple[WeightMap, ...]],
+    layer_weights: Callable[[Config, LayerKind], tuple[WeightMap, ...]],
     config_from_hf: Callable[[dict[str, Any]], dict[str, Any]],
     config_to_hf: Callable[[Config], dict[str, Any]],
 ) -> None:

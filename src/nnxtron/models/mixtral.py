@@ -20,6 +20,7 @@ from nnxtron.models.llama import (
     common_config_to_hf,
     register_pre_norm_family,
 )
+from nnxtron.models.pattern import LayerKind
 from nnxtron.models.registry import WeightMap
 
 
@@ -40,8 +41,8 @@ def routed_expert_weights(
 MOE_WEIGHTS = routed_expert_weights("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2"), "mlp.gate")
 
 
-def layer_weights(cfg: Config, moe: bool) -> tuple[WeightMap, ...]:
-    if not moe:
+def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
+    if not kind.moe:
         raise ConfigError("decoder_block mixtral has only MoE layers; set num_experts > 1 and first_num_dense_layers=0")
     return NORM_WEIGHTS + GQA_WEIGHTS + MOE_WEIGHTS
 

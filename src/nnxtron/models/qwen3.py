@@ -24,13 +24,14 @@ from nnxtron.models.llama import (
     register_pre_norm_family,
 )
 from nnxtron.models.mixtral import routed_expert_weights
+from nnxtron.models.pattern import LayerKind
 from nnxtron.models.registry import WeightMap
 
 MOE_WEIGHTS = routed_expert_weights("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"))
 
 
-def layer_weights(cfg: Config, moe: bool) -> tuple[WeightMap, ...]:
-    if moe:
+def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
+    if kind.moe:
         return NORM_WEIGHTS + GQA_WEIGHTS + QK_NORM_WEIGHTS + MOE_WEIGHTS
     return LAYER_WEIGHTS + QK_NORM_WEIGHTS
 

@@ -6,10 +6,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import jax.numpy as jnp
 from flax import nnx
 
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.layers.norms import RMSNorm
+from nnxtron.models.pattern import LayerKind
+
+
+def rms_norm(cfg: Config, dim: int | None = None) -> RMSNorm:
+    """The standard RMSNorm over ``dim`` (default ``base_emb_dim``) with the config's eps and dtypes."""
+    return RMSNorm(
+        dim or cfg.base_emb_dim,
+        eps=cfg.normalization_layer_epsilon,
+        dtype=jnp.dtype(cfg.dtype),
+        weight_dtype=jnp.dtype(cfg.weight_dtype),
+    )
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,12 @@ class WeightMap:
     leading axis and ``linear_in_dims`` describes one expert. ``fused_key`` is the
     transformers>=5 in-memory layout holding all experts in one tensor
     ``[E, fused_parts * out, in]``; this weight is chunk ``fused_part`` along dim 1.
+
+    Other layouts: ``conv1d`` marks a tensor with the nnxtron element order, only
+    reshaped — HF ``Conv1D.weight`` ``[in, out]`` (GPT-2) is ``[prod(in dims), prod(out
+    dims)]`` with ``linear_in_dims`` input dims, a fused bias is flat. ``split_parts`` > 1
+    marks an HF tensor that concatenates that many variables along its last axis (Llama 4
+    ``experts.gate_up_proj [E, D, 2F]``); this variable is chunk ``split_part``.
     """
 
     path: str
@@ -34,6 +53,9 @@ class WeightMap:
     fused_key: str = ""
     fused_part: int = 0
     fused_parts: int = 1
+    conv1d: bool = False
+    split_part: int = 0
+    split_parts: int = 1
 
     @property
     def per_expert(self) -> bool:
@@ -44,40 +66,24 @@ class WeightMap:
 class Family:
     """A decoder family: its block (dense or MoE kind), weight maps and HF config maps.
 
-    ``make_block(cfg, rngs, moe)`` and ``layer_weights(cfg, moe)`` take the layer kind:
-    ``moe=True`` for layers whose feed-forward is the routed MoE.
+    ``make_block(cfg, rngs, kind)`` and ``layer_weights(cfg, kind)`` take the layer's
+    ``LayerKind`` (MoE or dense feed-forward, attention mask kind, RoPE or NoPE).
+    ``hf_layer_prefix`` is the HF name prefix of layer ``{i}``; ``make_final_norm(cfg)``
+    builds the norm before the output head; ``scale_embeddings`` multiplies the token
+    embeddings by ``sqrt(emb_dim)`` (Gemma).
     """
 
     name: str
     hf_model_type: str
     hf_architecture: str
-    make_block: Callable[[Config, nnx.Rngs, bool], nnx.Module]
-    layer_weights: Callable[[Config, bool], tuple[WeightMap, ...]]
+    make_block: Callable[[Config, nnx.Rngs, LayerKind], nnx.Module]
+    layer_weights: Callable[[Config, LayerKind], tuple[WeightMap, ...]]
     top_weights: Callable[[Config], tuple[WeightMap, ...]]
     config_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
     config_to_hf: Callable[[Config], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class StackLayout:
-    """One scanned stack of identical layers: the Decoder attribute (also the stack axis
-    name), the HF index of its first layer, its layer count and its layer kind."""
-
-    name: str
-    first_layer: int
-    num_layers: int
-    moe: bool
-
-
-def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
-    """The decoder's layer stacks, in order: one ``layers`` stack, or with MoE and
-    ``first_num_dense_layers`` > 0 a ``dense_layers`` prefix then ``moe_layers``."""
-    moe = cfg.num_experts > 1
-    dense = cfg.first_num_dense_layers if moe else 0
-    total = cfg.base_num_decoder_layers
-    if not dense:
-        return (StackLayout("layers", 0, total, moe),)
-    return (StackLayout("dense_layers", 0, dense, False), StackLayout("moe_layers", dense, total - dense, True))
+    make_final_norm: Callable[[Config], nnx.Module] = rms_norm
+    hf_layer_prefix: str = "model.layers.{i}."
+    scale_embeddings: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -107,11 +113,6 @@ def family_for_hf(model_type: str) -> tuple[str, Family]:
     raise ConfigError(f"HF model_type '{model_type}' is not supported; supported: {', '.join(supported)}")
 
 
-def layer_counts(cfg: Config) -> dict[str, int]:
-    """Layer count of each stack, by stack name (what ``params`` layout conversions take)."""
-    return {stack.name: stack.num_layers for stack in layer_stacks(cfg)}
-
-
 def _load_builtin() -> None:
     if not _FAMILIES:
-        from nnxtron.models import deepseek, llama, mixtral, qwen3  # noqa: F401  (each registers itself)
+        from nnxtron.models import deepseek, gemma3, gpt3, llama, llama4, mixtral, qwen3  # noqa: F401  (each registers itself)

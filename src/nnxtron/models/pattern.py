@@ -1,0 +1,181 @@
+"""Layer patterns: which kind each layer is, and how the layers are grouped for scanning.
+
+A decoder whose layers are not all alike (Gemma 3's five sliding-window layers per
+global one, Llama 4's NoPE and MoE layers every few layers, DeepSeek's dense prefix) is
+described by one ``LayerKind`` per layer. ``layer_stacks`` groups the layers into
+scanned stacks of identical *blocks*: a block is one layer, or — for a repeating pattern —
+one cycle of ``inhomogeneous_layer_cycle_interval`` layers (a ``CycleBlock``) so that every
+block in a stack has the same structure and one compiled body scans them all. Layers
+left over after the last full cycle form a ``remainder_layers`` stack holding one
+shorter block; no layer is ever dropped.
+
+Layer ``i`` (0-based) of a config:
+
+* MoE iff ``num_experts > 1``, ``i >= first_num_dense_layers`` and
+  ``(i + 1) % interleave_moe_layer_step == 0``;
+* no RoPE (NoPE) iff ``nope_layer_interval > 0`` and ``(i + 1) % nope_layer_interval == 0``;
+* attention: with ``sliding_window_pattern`` P > 0, ``global`` iff ``(i + 1) % P == 0``
+  else ``sliding``; with ``chunk_attn_window_size`` > 0, ``chunked`` on RoPE layers and
+  ``global`` on NoPE layers; otherwise ``sliding`` when ``sliding_window_size`` > 0
+  (Mistral: every layer) else ``global``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+from flax import nnx
+
+from nnxtron.config.schema import Config
+from nnxtron.errors import ConfigError
+from nnxtron.parallel.scan import sum_aux
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What distinguishes one layer from another in a patterned decoder."""
+
+    moe: bool = False
+    attention: Literal["global", "sliding", "chunked"] = "global"
+    rope: bool = True
+
+    @property
+    def label(self) -> str:
+        return f"{self.attention}{'' if self.rope else '+nope'}{'+moe' if self.moe else ''}"
+
+
+PLAIN = LayerKind()  # dense feed-forward, global attention, RoPE
+
+
+def layer_kind(cfg: Config, i: int) -> LayerKind:
+    """The kind of layer ``i`` (0-based); see the module docstring."""
+    moe = cfg.num_experts > 1 and i >= cfg.first_num_dense_layers and (i + 1) % cfg.interleave_moe_layer_step == 0
+    rope = not (cfg.nope_layer_interval and (i + 1) % cfg.nope_layer_interval == 0)
+    if cfg.sliding_window_pattern:
+        attention = "global" if (i + 1) % cfg.sliding_window_pattern == 0 else "sliding"
+    elif cfg.chunk_attn_window_size:
+        attention = "chunked" if rope else "global"
+    else:
+        attention = "sliding" if cfg.sliding_window_size else "global"
+    return LayerKind(moe=moe, attention=attention, rope=rope)
+
+
+def layer_kinds(cfg: Config) -> tuple[LayerKind, ...]:
+    return tuple(layer_kind(cfg, i) for i in range(cfg.base_num_decoder_layers))
+
+
+def pattern_period(cfg: Config) -> int:
+    """The smallest cycle that repeats the layer pattern (1 for identical layers)."""
+    periods = [cfg.sliding_window_pattern or 1, cfg.nope_layer_interval or 1]
+    if cfg.num_experts > 1:
+        periods.append(cfg.interleave_moe_layer_step)
+    return math.lcm(*periods)
+
+
+def cycle_length(cfg: Config) -> int:
+    """Layers per scanned block: ``inhomogeneous_layer_cycle_interval``, or the pattern period."""
+    period = pattern_period(cfg)
+    cycle = cfg.inhomogeneous_layer_cycle_interval or period
+    if cycle % period:
+        raise ConfigError(
+            f"inhomogeneous_layer_cycle_interval={cycle} does not fit the layer pattern, which repeats every "
+            f"{period} layers; set it to a multiple of {period} (or 0 to use {period})"
+        )
+    return cycle
+
+
+@dataclass(frozen=True)
+class StackLayout:
+    """One scanned stack of identical blocks.
+
+    ``name`` is the Decoder attribute and the stack axis name, ``first_layer`` the HF index
+    of its first layer, ``num_layers`` the number of blocks (the scan length) and
+    ``kinds`` the kinds of the layers in one block (one entry: a block is one layer).
+    """
+
+    name: str
+    first_layer: int
+    num_layers: int
+    kinds: tuple[LayerKind, ...]
+
+    @property
+    def layers_per_block(self) -> int:
+        return len(self.kinds)
+
+    @property
+    def total_layers(self) -> int:
+        return self.num_layers * len(self.kinds)
+
+    def hf_layer(self, block: int, position: int) -> int:
+        """The 0-based model layer of ``position`` in ``block``."""
+        return self.first_layer + block * len(self.kinds) + position
+
+    def sub_path(self, position: int) -> tuple[Any, ...]:
+        """Path of the layer at ``position`` inside a block (empty for one-layer blocks)."""
+        return ("cycle", position) if len(self.kinds) > 1 else ()
+
+
+def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
+    """The decoder's stacks, in layer order.
+
+    * identical layers: one ``layers`` stack;
+    * a dense prefix (``first_num_dense_layers``): ``dense_layers`` then ``moe_layers``;
+    * a pattern with period > 1: ``layers`` of whole cycles, then ``remainder_layers``
+      (one block of the leftover layers) when the layer count is not a multiple of the cycle.
+    """
+    kinds = layer_kinds(cfg)
+    total = len(kinds)
+    stacks: list[StackLayout] = []
+    start = 0
+    if cfg.num_experts > 1 and cfg.first_num_dense_layers:
+        start = cfg.first_num_dense_layers
+        if len(set(kinds[:start])) != 1:
+            raise ConfigError("first_num_dense_layers cannot be combined with a layer pattern inside the dense prefix")
+        stacks.append(StackLayout("dense_layers", 0, start, (kinds[0],)))
+    cycle = cycle_length(cfg)
+    blocks, leftover = divmod(total - start, cycle)
+    name = "moe_layers" if stacks else "layers"
+    if blocks:
+        block_kinds = kinds[start : start + cycle]
+        for b in range(blocks):  # the pattern must repeat (guaranteed by cycle_length; checked, never assumed)
+            if kinds[start + b * cycle : start + (b + 1) * cycle] != block_kinds:
+                raise ConfigError(f"layer pattern does not repeat every {cycle} layers; set inhomogeneous_layer_cycle_interval")
+        stacks.append(StackLayout(name, start, blocks, block_kinds))
+    if leftover:
+        first = start + blocks * cycle
+        stacks.append(StackLayout("remainder_layers", first, 1, kinds[first:]))
+    return tuple(stacks)
+
+
+def layer_counts(cfg: Config) -> dict[str, int]:
+    """Block count of each stack, by stack name (what ``params`` layout conversions take)."""
+    return {stack.name: stack.num_layers for stack in layer_stacks(cfg)}
+
+
+class CycleBlock(nnx.Module):
+    """One cycle of differently-kinded layers applied in order; returns ``(y, aux)`` summed."""
+
+    def __init__(self, make_layer: Callable[[nnx.Rngs, LayerKind], nnx.Module], kinds: tuple[LayerKind, ...], rngs: nnx.Rngs):
+        key = rngs.params()
+        self.cycle = nnx.List([make_layer(nnx.Rngs(jax.random.fold_in(key, j)), kind) for j, kind in enumerate(kinds)])
+
+    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        parts = []
+        for layer in self.cycle:
+            out = layer(x, *args)
+            x, aux = out if isinstance(out, tuple) else (out, {})
+            parts.append(aux)
+        return x, sum_aux(*parts)
+
+
+def make_stack_block(
+    make_layer: Callable[[nnx.Rngs, LayerKind], nnx.Module], layout: StackLayout
+) -> Callable[[nnx.Rngs], nnx.Module]:
+    """The block factory of a stack: the layer itself, or a ``CycleBlock`` of its kinds."""
+    if layout.layers_per_block == 1:
+        return lambda rngs: make_layer(rngs, layout.kinds[0])
+    return lambda rngs: CycleBlock(make_layer, layout.kinds, rngs)
