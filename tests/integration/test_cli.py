@@ -100,6 +100,9 @@ def test_convert_round_trip_through_the_cli(tmp_path, capsys):
         (["train", "model_name=mixtral-tiny", "capacity_factor=0"], "capacity_factor=0.0 must be -1"),
         (["train", "model_name=mixtral-tiny", "routed_bias_update_rate=0.01"], "needs routed_bias=true"),
         (["train", "model_name=mixtral-tiny", "first_num_dense_layers=2"], "leaves no MoE layer"),
+        # layer patterns
+        (["train", "model_name=llama4-tiny", "inhomogeneous_layer_cycle_interval=6"], "does not fit the layer pattern"),
+        (["train", "model_name=gemma3-tiny", "sliding_window_size=100000"], "larger than max_position_embeddings"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
@@ -120,6 +123,30 @@ def test_unsupported_hf_family(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
     code, _, err = _run(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
     _assert_user_error(code, err, "bert")
+
+
+GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
+
+
+@pytest.mark.parametrize(
+    "case, edit, fragment",
+    [
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("gemma3", {"layer_types": ["full_attention"] + ["sliding_attention"] * 7}, "layer_types"),
+        ("gemma3", {"hidden_activation": "relu"}, "hidden_activation"),
+        ("llama4", {"no_rope_layers": [1, 0, 1, 1]}, "no_rope_layers"),
+        ("llama4", {"num_experts_per_tok": 2}, "num_experts_per_tok"),
+        ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ],
+)
+def test_hf_config_fields_not_understood(tmp_path, capsys, case, edit, fragment):
+    """An HF config value the family cannot reproduce: one line naming it, exit 2, nothing written."""
+    hf = json.loads((GOLDEN / case / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **edit}))
+    (tmp_path / "model.safetensors").symlink_to(GOLDEN / case / "model.safetensors")
+    code, _, err = _run(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
+    _assert_user_error(code, err, fragment)
+    assert not (tmp_path / "out").exists()
 
 
 def _snapshot(path: Path) -> dict:

@@ -87,6 +87,24 @@ MUTATIONS = [
              ("tests/parity/test_hf_golden.py",)),
     Mutation("dense-prefix-uses-moe", "models/pattern.py", "moe = cfg.num_experts > 1 and i >= cfg.first_num_dense_layers and", "moe = cfg.num_experts > 1 and",
              ("tests/parity/test_hf_golden.py",)),
+    # layer patterns (Gemma 3, Llama 4, GPT-3)
+    Mutation("swap-local-global", "models/pattern.py", 'attention = "global" if (i + 1) % cfg.sliding_window_pattern == 0 else "sliding"',
+             'attention = "sliding" if (i + 1) % cfg.sliding_window_pattern == 0 else "global"', ("tests/parity/test_hf_golden.py::test_logits_match_hf[gemma3-scan]",)),
+    Mutation("drop-remainder-block", "models/pattern.py", "    if leftover:", "    if False:", ("tests/parity/test_hf_golden.py::test_logits_match_hf[gemma3-scan]",)),
+    Mutation("rope-on-nope-layers", "models/llama.py", "rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None",
+             "rope = RopeSpec.from_config(cfg, head_dim)", ("tests/parity/test_hf_golden.py::test_logits_match_hf[llama4-scan]",)),
+    Mutation("gemma-norm-forgets-one", "layers/norms.py", "(normed * (1.0 + self.scale[...].astype(jnp.float32)))",
+             "(normed * self.scale[...].astype(jnp.float32))", ("tests/parity/test_hf_golden.py::test_logits_match_hf[gemma3-scan]",)),
+    Mutation("ignore-chunks", "layers/attention.py", "if chunk_size > 0:", "if False:", ("tests/parity/test_hf_golden.py::test_logits_match_hf[llama4-scan]",)),
+    Mutation("drop-l2-qk-norm", "layers/attention.py", "        if self.qk_norm == \"l2\":\n            q, k = l2_norm(q, self.norm_eps), l2_norm(k, self.norm_eps)\n",
+             "", ("tests/parity/test_hf_golden.py::test_logits_match_hf[llama4-scan]",)),
+    Mutation("no-temperature-tuning", "layers/attention.py", "        if self.temperature_tuning is not None:", "        if False:",
+             ("tests/parity/test_hf_golden.py::test_logits_match_hf[llama4-scan]",)),
+    Mutation("no-embedding-scale", "decoder.py", "        if self.embed_scale:", "        if False:", ("tests/parity/test_hf_golden.py::test_logits_match_hf[gemma3-scan]",)),
+    Mutation("no-position-embeddings", "decoder.py", '        if hasattr(self, "position_embed"):', "        if False:",
+             ("tests/parity/test_hf_golden.py::test_logits_match_hf[gpt2-scan]",)),
+    Mutation("router-scales-output-not-input", "layers/moe.py", "combine, in_scale = jnp.ones_like(weights), weights",
+             "combine, in_scale = weights, None", ("tests/parity/test_hf_golden.py::test_logits_match_hf[llama4-scan]",)),
 ]  # fmt: skip
 
 

@@ -12,6 +12,9 @@ logits from transformers 5.24. Measured max |logits - golden| (float32, CPU, jax
     qwen3_moe            2.4e-7
     qwen3_moe_norenorm   2.1e-7
     deepseek3            1.8e-7   (MLA + YaRN, dense prefix + MoE stacks, groups + bias)
+    gemma3               7.7e-7            8.2e-7   (6-layer pattern block + 2-layer remainder)
+    llama4               3.4e-7            3.3e-7   (one 4-layer cycle: chunked, MoE, NoPE)
+    gpt2                 2.7e-7            2.5e-7   (decoder_block gpt3 through the GPT-2 adaptor)
 
 (logits are O(1): max |golden| is 0.66-1.24). TOL below leaves ~5x headroom. The MoE
 cases also load the transformers>=5 fused expert layout (``fused.safetensors``).
@@ -31,7 +34,19 @@ from safetensors.numpy import load_file
 from nnxtron.hf import from_hf
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
-CASES = ("llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "qwen3_moe_norenorm", "deepseek3")
+CASES = (
+    "llama2",
+    "llama31",
+    "mistral",
+    "mixtral",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_moe_norenorm",
+    "deepseek3",
+    "gemma3",
+    "llama4",
+    "gpt2",
+)
 MOE_CASES = ("mixtral", "qwen3_moe", "deepseek3")
 TOL = 2e-6
 
@@ -95,3 +110,32 @@ def test_deepseek_routing_details_are_checked(goldens) -> None:
 def test_qwen3_moe_renormalisation_is_checked(goldens) -> None:
     diff = float(_abs_diff(goldens["qwen3_moe_norenorm"], "qwen3_moe_norenorm", norm_topk_prob=True).max())
     assert diff > 100 * TOL
+
+
+@pytest.mark.parametrize(
+    "case, overrides",
+    [
+        ("gemma3", dict(final_logits_soft_cap=0.0)),  # measured 7.9e-2
+        ("gemma3", dict(local_rope_max_timescale=0.0)),  # sliding layers on the global (scaled) RoPE
+        ("gemma3", dict(sliding_window_pattern=3)),  # global every 3rd layer instead of every 6th
+        ("gemma3", dict(sliding_window_pattern=1)),  # every layer global
+        ("llama4", dict(temperature_tuning=False)),
+        ("llama4", dict(chunk_attn_window_size=0)),
+        ("llama4", dict(use_qk_norm=False)),
+        ("llama4", dict(nope_layer_interval=0, temperature_tuning=False)),  # RoPE on the NoPE layer
+        ("llama4", dict(rope_interleave=False)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else ",".join(v),
+)
+def test_pattern_features_are_checked(goldens, case: str, overrides: dict) -> None:
+    """Each family feature the goldens exercise moves the logits far beyond the tolerance."""
+    diff = float(_abs_diff(goldens[case], case, **overrides).max())
+    assert diff > 100 * TOL, f"{case} {overrides}: {diff:.3g}"
+
+
+def test_temperature_tuning_starts_at_position_7(goldens) -> None:
+    """floor_scale 8: the factor is 1 for positions 0..6, so logits up to position 6 are
+    unchanged without it, and differ from position 7 on (NoPE layer 3)."""
+    diff = _abs_diff(goldens["llama4"], "llama4", temperature_tuning=False).max(axis=(0, 2))
+    assert diff[:7].max() <= TOL
+    assert diff[7:].min() > 10 * TOL

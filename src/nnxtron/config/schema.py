@@ -7,6 +7,7 @@ Key names follow MaxText's where MaxText has one.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -328,10 +329,24 @@ class Config(BaseModel):
             raise ValueError(
                 "temperature_tuning scales queries on NoPE layers; set nope_layer_interval > 0 (or temperature_tuning=false)"
             )
+        period, cycle = self.layer_pattern_period, self.inhomogeneous_layer_cycle_interval
+        if cycle and cycle % period:
+            raise ValueError(
+                f"inhomogeneous_layer_cycle_interval={cycle} does not fit the layer pattern, which repeats every "
+                f"{period} layers; set it to a multiple of {period} (or 0 to use {period})"
+            )
         if self.interleave_moe_layer_step > 1 and self.num_experts == 1:
             raise ValueError(f"interleave_moe_layer_step={self.interleave_moe_layer_step} needs num_experts > 1")
         if self.interleave_moe_layer_step > 1 and self.first_num_dense_layers:
             raise ValueError("interleave_moe_layer_step > 1 and first_num_dense_layers > 0 cannot be combined; use one of them")
+
+    @property
+    def layer_pattern_period(self) -> int:
+        """The smallest number of layers after which the layer kinds repeat (1: all alike)."""
+        periods = [self.sliding_window_pattern or 1, self.nope_layer_interval or 1]
+        if self.num_experts > 1:
+            periods.append(self.interleave_moe_layer_step)
+        return math.lcm(*periods)
 
     @property
     def resolved_head_dim(self) -> int:

@@ -22,7 +22,6 @@ Layer ``i`` (0-based) of a config:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -68,24 +67,10 @@ def layer_kinds(cfg: Config) -> tuple[LayerKind, ...]:
     return tuple(layer_kind(cfg, i) for i in range(cfg.base_num_decoder_layers))
 
 
-def pattern_period(cfg: Config) -> int:
-    """The smallest cycle that repeats the layer pattern (1 for identical layers)."""
-    periods = [cfg.sliding_window_pattern or 1, cfg.nope_layer_interval or 1]
-    if cfg.num_experts > 1:
-        periods.append(cfg.interleave_moe_layer_step)
-    return math.lcm(*periods)
-
-
 def cycle_length(cfg: Config) -> int:
-    """Layers per scanned block: ``inhomogeneous_layer_cycle_interval``, or the pattern period."""
-    period = pattern_period(cfg)
-    cycle = cfg.inhomogeneous_layer_cycle_interval or period
-    if cycle % period:
-        raise ConfigError(
-            f"inhomogeneous_layer_cycle_interval={cycle} does not fit the layer pattern, which repeats every "
-            f"{period} layers; set it to a multiple of {period} (or 0 to use {period})"
-        )
-    return cycle
+    """Layers per scanned block: ``inhomogeneous_layer_cycle_interval``, or the pattern period
+    (the config validates that the interval is a multiple of the period)."""
+    return cfg.inhomogeneous_layer_cycle_interval or cfg.layer_pattern_period
 
 
 @dataclass(frozen=True)
