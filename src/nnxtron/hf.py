@@ -65,7 +65,41 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     return hf
 
 
+# Multimodal hub wrappers whose text decoder nnxtron reads: model_type -> key prefixes of the
+# vision parts (not imported). The text keys are ``language_model.<text model key>`` (what
+# save_pretrained writes) or ``model.language_model.<key without "model.">`` (transformers>=5
+# in-memory names); the text config is ``text_config``.
+MULTIMODAL = {
+    "gemma3": ("vision_tower.", "multi_modal_projector."),
+    "llama4": ("vision_model.", "multi_modal_projector."),
+}
+
+
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's config: ``hf`` itself, or a multimodal wrapper's ``text_config``."""
+    if hf.get("model_type") not in MULTIMODAL:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict) or "model_type" not in text:
+        raise CheckpointError(f"HF {hf['model_type']} config has no text_config with a model_type; re-save the model")
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+        text = {**text, "tie_word_embeddings": hf["tie_word_embeddings"]}
+    return text
+
+
+def _text_key(key: str, model_type: str) -> str | None:
+    """The text-decoder name of a multimodal checkpoint key (None: a vision key, not imported)."""
+    if key.startswith(MULTIMODAL[model_type]):
+        return None
+    if key.startswith("language_model."):
+        return key[len("language_model.") :]
+    if key.startswith("model.language_model."):
+        return "model." + key[len("model.language_model.") :]
+    return key
+
+
 def _map_config(hf: dict[str, Any], origin: Path) -> dict[str, Any]:
+    hf = _text_config(hf)
     _, family = family_for_hf(str(hf["model_type"]))  # ConfigError naming unsupported types
     try:
         return family.config_from_hf(hf)
@@ -143,12 +177,13 @@ class _Reader:
     """Reads one layer's value of a weight map from open safetensors handles, in either
     expert layout (hub per-expert keys or the transformers>=5 fused tensor)."""
 
-    def __init__(self, root: Path, handles: dict[str, Any]):
+    def __init__(self, root: Path, handles: dict[str, Any], file_keys: dict[str, str] | None = None):
         self.root, self.handles = root, handles
+        self.file_keys = file_keys or {}  # key -> its name in the file, where they differ (multimodal wrappers)
         self.used: set[str] = set()
 
     def _get(self, key: str, want: tuple[int, ...]) -> np.ndarray:
-        tensor = self.handles[key].get_tensor(key)
+        tensor = self.handles[key].get_tensor(self.file_keys.get(key, key))
         if tuple(tensor.shape) != want:
             raise CheckpointError(
                 f"tensor '{key}' in '{self.root}' has shape {list(tensor.shape)}, expected {list(want)} from "
@@ -265,7 +300,12 @@ def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any)
     filled: dict[ParamPath, Any] = {path: v.replace(jnp.zeros(v.shape, v.dtype)) for path, v in params.items() if _is_counter(v)}
     with contextlib.ExitStack() as stack:
         handles = _open_all(stack, _weight_files(root))
-        reader = _Reader(root, handles)
+        file_keys: dict[str, str] = {}
+        if hf["model_type"] in MULTIMODAL:  # read the text decoder; the vision tower is not imported
+            renamed = {key: _text_key(key, hf["model_type"]) for key in handles}
+            file_keys = {new: old for old, new in renamed.items() if new is not None}
+            handles = {new: handles[old] for new, old in file_keys.items()}
+        reader = _Reader(root, handles, file_keys)
         for mapped in _weight_maps(cfg):
             variable = params.get(mapped.path)
             if variable is None:  # a family bug, not a user error
