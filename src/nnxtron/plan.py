@@ -28,6 +28,7 @@ from nnxtron.config.derived import derive
 from nnxtron.config.schema import Config
 from nnxtron.data.packing import BATCH_KEYS
 from nnxtron.decoder import abstract_model
+from nnxtron.models.pattern import CycleBlock
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.scan import LayerStack
 from nnxtron.parallel.sharding import unsharded_report, variable_names
@@ -113,6 +114,13 @@ def _param_table(model: nnx.Module, param_shardings: dict) -> list[dict[str, Any
     return rows
 
 
+def _block_count(stack: dict[str, Any]) -> str:
+    """``"32 layers"`` or, for cycle blocks, ``"5 blocks of 6 layers"``."""
+    if stack["layers_per_block"] == 1:
+        return f"{stack['num_layers']} layers"
+    return f"{stack['num_layers']} block{'s' if stack['num_layers'] > 1 else ''} of {stack['layers_per_block']} layers"
+
+
 def _stacks(model: nnx.Module, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every LayerStack in the model: its parameters in total and per layer.
 
@@ -126,6 +134,8 @@ def _stacks(model: nnx.Module, rows: list[dict[str, Any]]) -> list[dict[str, Any
         prefix = "/".join(map(str, path)) + "/layers/" if path else "layers/"
         mine = [r for r in rows if r["path"].startswith(prefix)]
         n = module.num_layers
+        block = module.layers if module.scan else module.layers[0]
+        per_block = len(block.cycle) if isinstance(block, CycleBlock) else 1  # layers in one scanned block
         per_layer = [0] * n
         for r in mine:
             if module.scan:
@@ -138,6 +148,7 @@ def _stacks(model: nnx.Module, rows: list[dict[str, Any]]) -> list[dict[str, Any
                 "name": prefix.rstrip("/"),
                 "axis_name": module.axis_name,
                 "num_layers": n,
+                "layers_per_block": per_block,
                 "scanned": bool(module.scan),
                 "total": sum(r["params"] for r in mine),
                 "per_layer": per_layer[0] if len(set(per_layer)) <= 1 else per_layer,
@@ -355,12 +366,18 @@ def format_plan(plan: dict[str, Any]) -> str:
         per = s["per_layer"]
         count_rows.append(
             [
-                f"stack {s['name']} ({s['num_layers']} layers{', scanned' if s['scanned'] else ''})",
+                f"stack {s['name']} ({_block_count(s)}{', scanned' if s['scanned'] else ''})",
                 _count(s["total"]),
                 f"{100 * s['total'] / total:.1f}%",
             ]
         )
-        count_rows.append(["  per layer", _count(per) if isinstance(per, int) else ", ".join(map(str, per)), ""])
+        count_rows.append(
+            [
+                "  per layer" if s["layers_per_block"] == 1 else "  per block",
+                _count(per) if isinstance(per, int) else ", ".join(map(str, per)),
+                "",
+            ]
+        )
     count_rows.append(["other (final norm, MTP)", _count(p["other"]), f"{100 * p['other'] / total:.1f}%"])
     out += ["  " + line for line in _table(["group", "parameters", "share"], count_rows, {1, 2})[2:]]
 

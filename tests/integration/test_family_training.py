@@ -18,7 +18,7 @@ from tests.integration.conftest import train_overrides
 
 @pytest.mark.parametrize(
     "model, layers",
-    [("gemma3-tiny", 8), ("llama4-tiny", 4), ("gpt3-52k", 2)],
+    [("gemma3-tiny", 8), ("llama4-tiny", 4), ("gpt3-52k", 2)],  # gemma3: pattern block + remainder
 )
 def test_family_trains_and_the_loss_falls(corpus, tmp_path, model, layers):
     extra = dict(

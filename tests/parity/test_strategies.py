@@ -31,6 +31,8 @@ CASES = {
     "llama4-tiny": {},
     "gpt3-52k": dict(base_num_decoder_layers=3),
 }
+# remat policies and meshes run on these; the patterned families get them in test_matrix's family rows
+DENSE = ["llama3.1-tiny", "mistral-tiny"]
 
 
 def _result(model_name, batch, mesh=None, **overrides):
@@ -69,6 +71,7 @@ def test_scanned_vs_unrolled(reference):
     assert_grad_parity(unrolled_result, ref, **BOUNDS)
 
 
+@pytest.mark.parametrize("reference", DENSE, indirect=True)
 @pytest.mark.parametrize("policy", ["none", "minimal"])
 def test_remat_policies_compute_the_same_function(reference, policy):
     name, batch, ref, _ = reference
@@ -76,6 +79,7 @@ def test_remat_policies_compute_the_same_function(reference, policy):
     assert_grad_parity(result, ref, **BOUNDS)
 
 
+@pytest.mark.parametrize("reference", DENSE, indirect=True)
 @pytest.mark.parametrize(
     "mesh", [dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2), dict(ici_data_parallelism=2, ici_fsdp_parallelism=4)]
 )

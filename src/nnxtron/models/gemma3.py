@@ -30,19 +30,13 @@ from nnxtron.layers.mlp import GatedMLP
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.models.llama import RESIDUAL, common_config_to_hf, gated_mlp_weights, gqa_attention, top_weights
 from nnxtron.models.pattern import PLAIN, LayerKind
-from nnxtron.models.registry import Family, WeightMap, register
+from nnxtron.models.registry import Family, WeightMap, register, rms_norm
 from nnxtron.parallel.sharding import constrain
 
 
 def gemma_norm(cfg: Config, dim: int | None = None) -> RMSNorm:
     """Gemma's zero-centred RMSNorm (``1 + w``, float32)."""
-    return RMSNorm(
-        dim or cfg.base_emb_dim,
-        eps=cfg.normalization_layer_epsilon,
-        dtype=jnp.dtype(cfg.dtype),
-        weight_dtype=jnp.dtype(cfg.weight_dtype),
-        zero_centered=True,
-    )
+    return rms_norm(cfg, dim, zero_centered=True)
 
 
 class Gemma3Block(nnx.Module):

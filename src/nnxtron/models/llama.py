@@ -28,10 +28,9 @@ from nnxtron.layers.attention import Attention
 from nnxtron.layers.mla import MLA
 from nnxtron.layers.mlp import GatedMLP
 from nnxtron.layers.moe import MoE
-from nnxtron.layers.norms import RMSNorm
 from nnxtron.layers.rope import RopeSpec
 from nnxtron.models.pattern import PLAIN, LayerKind
-from nnxtron.models.registry import Family, WeightMap, register
+from nnxtron.models.registry import Family, WeightMap, register, rms_norm
 from nnxtron.parallel.sharding import constrain
 
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
@@ -79,13 +78,12 @@ class LlamaBlock(nnx.Module):
 
     def __init__(self, cfg: Config, rngs: nnx.Rngs, kind: LayerKind = PLAIN, qk_norm: str = "rms"):
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
-        norm = dict(eps=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype)
-        self.pre_attention_norm = RMSNorm(cfg.base_emb_dim, **norm)
+        self.pre_attention_norm = rms_norm(cfg)
         if cfg.attention_type == "mla":
             self.attention = MLA(cfg, rngs)
         else:
             self.attention = gqa_attention(cfg, rngs, kind, qk_norm)
-        self.post_attention_norm = RMSNorm(cfg.base_emb_dim, **norm)
+        self.post_attention_norm = rms_norm(cfg)
         if kind.moe:
             self.mlp = MoE(cfg, rngs)
         else:

@@ -15,13 +15,15 @@ from nnxtron.layers.norms import RMSNorm
 from nnxtron.models.pattern import LayerKind
 
 
-def rms_norm(cfg: Config, dim: int | None = None) -> RMSNorm:
-    """The standard RMSNorm over ``dim`` (default ``base_emb_dim``) with the config's eps and dtypes."""
+def rms_norm(cfg: Config, dim: int | None = None, zero_centered: bool = False) -> RMSNorm:
+    """An RMSNorm over ``dim`` (default ``base_emb_dim``) with the config's eps and dtypes
+    (``zero_centered``: Gemma's ``1 + w``)."""
     return RMSNorm(
         dim or cfg.base_emb_dim,
         eps=cfg.normalization_layer_epsilon,
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
+        zero_centered=zero_centered,
     )
 
 
