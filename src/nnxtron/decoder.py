@@ -22,6 +22,7 @@ from flax import nnx, struct
 from nnxtron.config.schema import Config
 from nnxtron.layers.embed import Embed
 from nnxtron.layers.linear import Linear
+from nnxtron.layers.mhc import HyperHead
 from nnxtron.models.pattern import layer_stacks, make_stack_block
 from nnxtron.models.registry import family_for
 from nnxtron.mtp import MultiTokenPrediction
@@ -54,6 +55,16 @@ class Decoder(nnx.Module):
                 axes=(None, "embed"),
             )
         self.embed_scale = cfg.base_emb_dim**0.5 if family.scale_embeddings else 0.0
+        self.streams = cfg.mhc_expansion_rate if family.hyper_connections else 0
+        if self.streams:
+            self.hyper_head = HyperHead(
+                cfg.base_emb_dim,
+                self.streams,
+                eps=cfg.mhc_eps,
+                norm_eps=cfg.normalization_layer_epsilon,
+                rngs=nnx.Rngs(jax.random.fold_in(k_head, 2)),
+            )
+        self.takes_tokens = family.block_takes_tokens
         stacks = layer_stacks(cfg)
 
         def make_layer(r: nnx.Rngs, kind) -> nnx.Module:
@@ -100,7 +111,7 @@ class Decoder(nnx.Module):
         ``targets`` (and ``loss_mask``) are only needed by multi-token prediction, whose
         losses are computed when targets are given.
         """
-        return self.from_embeddings(self.embed(tokens), positions, segment_ids, targets, loss_mask)
+        return self.from_embeddings(self.embed(tokens), positions, segment_ids, targets, loss_mask, tokens)
 
     def embed_scale_and_positions(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Token embeddings -> decoder input: the Gemma ``sqrt(emb_dim)`` scale (HF rounds it to
@@ -118,8 +129,11 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,
         targets: jax.Array | None = None,
         loss_mask: jax.Array | None = None,
+        tokens: jax.Array | None = None,
     ) -> DecoderOutput:
-        """Everything after the embedding lookup (x [B, S, D]); lets tests take the input cotangent."""
+        """Everything after the embedding lookup (x [B, S, D]); lets tests take the input cotangent.
+
+        ``tokens`` are needed by families whose blocks route by token id (DeepSeek-V4)."""
         shape = x.shape[:2]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
@@ -127,10 +141,19 @@ class Decoder(nnx.Module):
             segment_ids = jnp.ones(shape, jnp.int32)
         x = self.embed_scale_and_positions(x, positions)
         embedded = x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+        args = (positions, segment_ids)
+        if self.takes_tokens:
+            if tokens is None:
+                raise ValueError(f"decoder_block {self.config.decoder_block} routes by token id: pass tokens=")
+            args += (tokens,)
+        if self.streams:  # hyper-connections: k copies of the residual stream
+            x = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.streams, x.shape[-1]))
         stack_aux = []
         for name in self.stack_names:
-            x, aux = getattr(self, name)(x, positions, segment_ids)
+            x, aux = getattr(self, name)(x, *args)
             stack_aux.append(aux)
+        if self.streams:
+            x = self.hyper_head(x)
         logits = self.head(x)
         out_aux: dict[str, Any] = {"losses": sum_aux(*stack_aux)}
         if self.config.mtp_num_layers and targets is not None:

@@ -230,6 +230,8 @@ def _hf_tensors(value: np.ndarray, prefix: str, wm: WeightMap) -> dict[str, np.n
     if wm.split_parts > 1:
         return {(prefix + wm.hf_key, wm.split_part): value}
     if not wm.per_expert:
+        if np.issubdtype(value.dtype, np.integer):  # index tables (DeepSeek-V4 tid2eid) are int64 in HF
+            value = value.astype(np.int64)
         return {prefix + wm.hf_key: _to_hf_tensor(value, wm.linear_in_dims, wm.conv1d)}
     return {prefix + wm.hf_key.format(e=e): _to_hf_tensor(value[e], wm.linear_in_dims) for e in range(value.shape[0])}
 

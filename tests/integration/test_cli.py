@@ -103,6 +103,8 @@ def test_convert_round_trip_through_the_cli(tmp_path, capsys):
         # layer patterns
         (["train", "model_name=llama4-tiny", "inhomogeneous_layer_cycle_interval=6"], "does not fit the layer pattern"),
         (["train", "model_name=gemma3-tiny", "sliding_window_size=100000"], "larger than max_position_embeddings"),
+        (["train", "model_name=deepseek4-test", "compress_ratios=[0,4,8]"], "compress_ratios has 3 entries"),
+        (["train", "model_name=deepseek4-test", "compress_ratios=[0,4,8,4,3]"], "entries [3] are not supported"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
@@ -137,6 +139,8 @@ GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
         ("llama4", {"no_rope_layers": [1, 0, 1, 1]}, "no_rope_layers"),
         ("llama4", {"num_experts_per_tok": 2}, "num_experts_per_tok"),
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ("deepseek4", {"mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]}, "mlp_layer_types"),
+        ("deepseek4", {"layer_types": ["sliding_attention"] * 3 + ["full_attention"]}, "full_attention"),
     ],
 )
 def test_hf_config_fields_not_understood(tmp_path, capsys, case, edit, fragment):
@@ -146,6 +150,19 @@ def test_hf_config_fields_not_understood(tmp_path, capsys, case, edit, fragment)
     (tmp_path / "model.safetensors").symlink_to(GOLDEN / case / "model.safetensors")
     code, _, err = _run(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
     _assert_user_error(code, err, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_hash_layers_without_a_table_are_refused(tmp_path, capsys):
+    """A DeepSeek-V4 checkpoint whose hash-routed layer lacks its tid2eid table: one line, exit 2."""
+    from safetensors.numpy import load_file, save_file
+
+    (tmp_path / "config.json").write_text((GOLDEN / "deepseek4" / "config.json").read_text())
+    weights = load_file(str(GOLDEN / "deepseek4" / "model.safetensors"))
+    del weights["model.layers.0.ffn.gate.tid2eid"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    code, _, err = _run(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
+    _assert_user_error(code, err, "model.layers.0.ffn.gate.tid2eid")
     assert not (tmp_path / "out").exists()
 
 

@@ -105,6 +105,20 @@ MUTATIONS = [
              ("tests/parity/test_hf_golden.py::test_logits_match_hf[gpt2-scan]",)),
     Mutation("router-scales-output-not-input", "layers/moe.py", "combine, in_scale = jnp.ones_like(weights), weights",
              "combine, in_scale = weights, None", ("tests/parity/test_hf_golden.py::test_logits_match_hf[llama4-scan]",)),
+    # DeepSeek-V4
+    Mutation("drop-attention-sink", "layers/compressed.py", "jnp.concatenate([logits, sinks], axis=-1)",
+             "jnp.concatenate([logits, sinks * 0 - jnp.inf], axis=-1)", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
+    Mutation("skip-sinkhorn", "layers/mhc.py", "comb = sinkhorn(comb_logits, self.iterations, self.eps)",
+             "comb = jax.nn.softmax(comb_logits, axis=-1)", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
+    Mutation("optimizer-updates-tid2eid", "layers/moe.py", "class HashTable(nnx.Variable):", "class HashTable(nnx.Param):",
+             ("tests/integration/test_family_training.py::test_deepseek4_trains_on_synthetic_data_and_keeps_its_hash_table",)),
+    Mutation("misplaced-window-position", "layers/compressed.py", "reshape(batch, n, m)[:, :, 0]  # the window's first",
+             "reshape(batch, n, m)[:, :, -1]  # the window's first", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
+    Mutation("hash-routing-ignored", "layers/moe.py", "forced = jnp.take(self.tid2eid[...], tokens.reshape(-1), axis=0)",
+             "forced = None", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
+    Mutation("csa-overlap-dropped", "layers/compressed.py", "kv = jnp.concatenate([prev_kv, kv[..., d:]], axis=2)",
+             "kv = jnp.concatenate([prev_kv * 0, kv[..., d:]], axis=2)", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
+    Mutation("swiglu-clamp-dropped", "layers/mlp.py", "    if limit <= 0:", "    if True:", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
 ]  # fmt: skip
 
 

@@ -15,6 +15,7 @@ logits from transformers 5.24. Measured max |logits - golden| (float32, CPU, jax
     gemma3               7.7e-7            8.2e-7   (6-layer pattern block + 2-layer remainder)
     llama4               3.4e-7            3.3e-7   (one 4-layer cycle: chunked, MoE, NoPE)
     gpt2                 2.7e-7            2.5e-7   (decoder_block gpt3 through the GPT-2 adaptor)
+    deepseek4            3.0e-7            3.3e-7   (S 160: sliding / CSA + indexer / HCA, hash + top-k MoE, mHC)
 
 (logits are O(1): max |golden| is 0.66-1.24). TOL below leaves ~5x headroom. The MoE
 cases also load the transformers>=5 fused expert layout (``fused.safetensors``).
@@ -46,8 +47,9 @@ CASES = (
     "gemma3",
     "llama4",
     "gpt2",
+    "deepseek4",
 )
-MOE_CASES = ("mixtral", "qwen3_moe", "deepseek3")
+MOE_CASES = ("mixtral", "qwen3_moe", "deepseek3", "deepseek4")
 TOL = 2e-6
 
 
@@ -124,6 +126,11 @@ def test_qwen3_moe_renormalisation_is_checked(goldens) -> None:
         ("llama4", dict(use_qk_norm=False)),
         ("llama4", dict(nope_layer_interval=0, temperature_tuning=False)),  # RoPE on the NoPE layer
         ("llama4", dict(rope_interleave=False)),
+        ("deepseek4", dict(indexer_topk=64)),  # every CSA entry visible (measured in HF: 3.4e-1 from position 35)
+        ("deepseek4", dict(mlp_activations_limit=10.0)),  # the SwiGLU clamp at 0.5 is active
+        ("deepseek4", dict(sinkhorn_iterations=1)),
+        ("deepseek4", dict(routed_scaling_factor=1.0)),
+        ("deepseek4", dict(compressed_rope_max_timescale=10000.0)),
     ],
     ids=lambda v: v if isinstance(v, str) else ",".join(v),
 )

@@ -136,15 +136,17 @@ def test_moe_strategy_matches_baseline(strategy, moe_baselines):
     assert_grad_parity(result, baseline, **BOUNDS)
 
 
-# One row per patterned family against its own baseline (unrolled, no remat, one device):
+# One row per patterned family (and DeepSeek-V4) against its own baseline (unrolled, no remat, one device):
 # scanned cycle blocks (+ the remainder block for gemma3-tiny's 8 = 6 + 2 layers) under a
 # remat policy, a sharded mesh and gradient accumulation. Sequences of 16 tokens exceed the
 # sliding window / attention chunk (8), so their masks matter.
-FAMILY_MODELS = {"gemma3-tiny": {}, "llama4-tiny": {}, "gpt3-52k": dict(base_num_decoder_layers=3)}
+FAMILY_MODELS = {"gemma3-tiny": {}, "llama4-tiny": {}, "gpt3-52k": dict(base_num_decoder_layers=3), "deepseek4-test": {}}
 FAMILY_ROWS = [
     ("gemma3-tiny", Strategy(True, "full", "fsdp4_tensor2", 2)),
     ("llama4-tiny", Strategy(True, "save_dot_except_mlp", "data2_fsdp4", 2)),
     ("gpt3-52k", Strategy(True, "minimal", "fsdp2_context4", 2)),
+    # DeepSeek-V4: hash-routed prefix block + (HCA, CSA) block + HCA remainder, mHC streams, expert loads
+    ("deepseek4-test", Strategy(True, "full", "data2_fsdp4", 2)),
 ]
 
 

@@ -16,7 +16,7 @@ from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.hf import from_hf, hf_config_to_nnxtron, read_hf_config, to_hf
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
-CASES = ("llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek3", "gemma3", "llama4", "gpt2")
+CASES = ("llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek3", "gemma3", "llama4", "gpt2", "deepseek4")
 
 
 def _params(model) -> dict[str, np.ndarray]:

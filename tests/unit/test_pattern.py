@@ -38,6 +38,8 @@ def _layers_in_order(cfg) -> list[tuple[int, LayerKind]]:
         ("deepseek3-671b", [("dense_layers", 3, 1), ("moe_layers", 58, 1)]),
         ("gpt3-175b", [("layers", 96, 1)]),
         ("llama3.1-8b", [("layers", 32, 1)]),
+        ("deepseek4-284b", [("hash_layers", 1, 3), ("layers", 20, 2)]),  # 3 hash layers, 20 x (HCA, CSA)
+        ("deepseek4-test", [("hash_layers", 1, 2), ("layers", 1, 2), ("remainder_layers", 1, 1)]),
     ],
 )
 def test_stacks_hold_every_layer_once_in_order(model, stacks):
@@ -106,8 +108,23 @@ def test_llama4_blocks_differ_by_kind():
         (dict(model_name="gpt3-52k", max_target_length=4096), "trainable_position_size=2048 is smaller"),
         (dict(model_name="llama3.1-tiny", interleave_moe_layer_step=2), "needs num_experts > 1"),
         (dict(model_name="gemma3-tiny", chunk_attn_window_size=4), "cannot be combined"),
+        (dict(model_name="deepseek4-test", compress_ratios=(0, 4, 8)), "compress_ratios has 3 entries"),
+        (dict(model_name="deepseek4-test", compress_ratios=(0, 4, 8, 4, 16)), "entries [16] are not supported"),
+        (dict(model_name="deepseek4-test", first_num_hash_layers=9), "exceeds base_num_decoder_layers"),
+        (dict(model_name="deepseek4-test", mtp_num_layers=1), "HF drops its MTP layer"),
+        (dict(model_name="llama3.1-tiny", mhc_expansion_rate=4), "read by decoder_block=deepseek4 only"),
+        (dict(model_name="deepseek4-test", inhomogeneous_layer_cycle_interval=3), "does not fit the layer pattern"),
     ],
 )
 def test_bad_pattern_configs_name_the_key(overrides, fragment):
-    with pytest.raises(ConfigError, match=fragment):
+    with pytest.raises(ConfigError) as err:
         tiny_config(**overrides)
+    assert fragment in str(err.value)
+
+
+def test_deepseek4_kinds_follow_compress_ratios():
+    cfg = tiny_config("deepseek4-284b")
+    kinds = [layer_kind(cfg, i) for i in range(cfg.base_num_decoder_layers)]
+    assert [k.attention for k in kinds[:6]] == ["sliding", "sliding", "csa", "hca", "csa", "hca"]
+    assert [k.hash for k in kinds[:4]] == [True, True, True, False] and all(k.moe for k in kinds)
+    assert kinds[-1].attention == "csa"

@@ -42,7 +42,9 @@ class Config(BaseModel):
     model_name: str  # preset chosen from config/presets/<model_name>.yml
 
     # --- model ----------------------------------------------------------------
-    decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek", "gemma3", "llama4", "gpt3"]
+    decoder_block: Literal[
+        "llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek", "gemma3", "llama4", "gpt3", "deepseek4"
+    ]
     base_emb_dim: int = Field(gt=0)
     base_num_query_heads: int = Field(gt=0)
     base_num_kv_heads: int = Field(gt=0)
@@ -79,13 +81,28 @@ class Config(BaseModel):
     interleave_moe_layer_step: int = Field(gt=0)  # MoE models: layer i is MoE iff (i+1) % step == 0 (Llama 4 Maverick: 2)
     inhomogeneous_layer_cycle_interval: int = Field(ge=0)  # layers per scanned block (0 = the pattern's period)
     trainable_position_size: int = Field(ge=0)  # > 0: learned absolute position embeddings (GPT-3), no RoPE
-    attention_type: Literal["global", "mla"]  # mla: DeepSeek multi-head latent attention
+    attention_type: Literal["global", "mla", "compressed"]  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
     use_qk_norm: bool  # q/k norm over head_dim: RMSNorm before RoPE (Qwen3, Gemma 3 (1+w)); weightless L2 after RoPE (Llama 4)
     q_lora_rank: int = Field(ge=0)  # mla: 0 = plain query projection
     kv_lora_rank: int = Field(gt=0)  # mla
     qk_nope_head_dim: int = Field(gt=0)  # mla
     qk_rope_head_dim: int = Field(gt=0)  # mla
     v_head_dim: int = Field(gt=0)  # mla
+    # --- DeepSeek-V4 (attention_type=compressed, decoder_block=deepseek4) ---
+    compress_ratios: tuple[int, ...]  # per layer: 0 sliding only, csa_compress_ratio (CSA), hca_compress_ratio (HCA)
+    csa_compress_ratio: int = Field(gt=0)  # HF compress_rates.compressed_sparse_attention (overlapping windows + indexer)
+    hca_compress_ratio: int = Field(gt=0)  # HF compress_rates.heavily_compressed_attention (non-overlapping windows)
+    compressed_rope_max_timescale: float = Field(gt=0)  # RoPE theta of CSA/HCA layers (HF compress_rope_theta)
+    o_groups: int = Field(gt=0)  # grouped low-rank output projection: groups
+    o_lora_rank: int = Field(gt=0)  # ... and rank per group
+    indexer_n_heads: int = Field(gt=0)  # lightning indexer (CSA layers)
+    indexer_head_dim: int = Field(gt=0)
+    indexer_topk: int = Field(gt=0)  # compressed entries each query attends to on CSA layers
+    mhc_expansion_rate: int = Field(gt=0)  # residual streams of the hyper-connections (1 = off)
+    sinkhorn_iterations: int = Field(gt=0)
+    mhc_eps: float = Field(gt=0)  # HF hc_eps
+    first_num_hash_layers: int = Field(ge=0)  # leading MoE layers routed by the non-trainable token->expert table
+    mlp_activations_limit: float = Field(ge=0)  # SwiGLU clamp (HF swiglu_limit): gate <= L, |up| <= L; 0 = off
 
     # --- mixture of experts -------------------------------------------------------
     num_experts: int = Field(gt=0)  # 1 = dense MLP layers
@@ -227,6 +244,7 @@ class Config(BaseModel):
         self._check_moe()
         self._check_mla_and_mtp()
         self._check_layer_pattern()
+        self._check_deepseek4()
         if self.rope_type == "linear" and self.rope_scaling_factor < 1:
             raise ValueError(f"rope_type=linear needs rope_scaling_factor >= 1, got {self.rope_scaling_factor}")
         if self.rope_type == "llama3" and self.rope_high_freq_factor < self.rope_low_freq_factor:
@@ -340,12 +358,63 @@ class Config(BaseModel):
         if self.interleave_moe_layer_step > 1 and self.first_num_dense_layers:
             raise ValueError("interleave_moe_layer_step > 1 and first_num_dense_layers > 0 cannot be combined; use one of them")
 
+    def _check_deepseek4(self) -> None:
+        v4 = self.decoder_block == "deepseek4"
+        if v4 != (self.attention_type == "compressed"):
+            raise ValueError("decoder_block=deepseek4 and attention_type=compressed go together; set both or neither")
+        for name, off in (("mhc_expansion_rate", 1), ("first_num_hash_layers", 0), ("mlp_activations_limit", 0)):
+            if not v4 and getattr(self, name) != off:
+                raise ValueError(f"{name} is read by decoder_block=deepseek4 only; leave it at {off} for {self.decoder_block}")
+        if not v4:
+            if self.compress_ratios:
+                raise ValueError("compress_ratios is read by decoder_block=deepseek4 only; leave it empty")
+            return
+        layers = self.base_num_decoder_layers
+        if len(self.compress_ratios) != layers:
+            raise ValueError(
+                f"compress_ratios has {len(self.compress_ratios)} entries but base_num_decoder_layers={layers}; "
+                "give one ratio per layer"
+            )
+        allowed = (0, self.csa_compress_ratio, self.hca_compress_ratio)
+        bad = sorted({r for r in self.compress_ratios if r not in allowed})
+        if bad:
+            raise ValueError(
+                f"compress_ratios entries {bad} are not supported: use 0 (sliding), csa_compress_ratio="
+                f"{self.csa_compress_ratio} (CSA) or hca_compress_ratio={self.hca_compress_ratio} (HCA)"
+            )
+        if self.csa_compress_ratio == self.hca_compress_ratio:
+            raise ValueError("csa_compress_ratio and hca_compress_ratio must differ")
+        if self.num_experts == 1:
+            raise ValueError("decoder_block=deepseek4 has MoE layers only; set num_experts > 1")
+        if self.first_num_hash_layers > layers:
+            raise ValueError(f"first_num_hash_layers={self.first_num_hash_layers} exceeds base_num_decoder_layers={layers}")
+        if self.first_num_dense_layers:
+            raise ValueError("decoder_block=deepseek4 has no dense layers; set first_num_dense_layers=0")
+        if self.mtp_num_layers:
+            raise ValueError("mtp_num_layers > 0 is not supported with decoder_block=deepseek4 (HF drops its MTP layer)")
+        if self.qk_rope_head_dim > self.resolved_head_dim or self.qk_rope_head_dim > self.indexer_head_dim:
+            raise ValueError("qk_rope_head_dim must be at most head_dim and indexer_head_dim (RoPE on the last dims)")
+        if self.base_num_kv_heads != 1:
+            raise ValueError("attention_type=compressed shares one key/value head: set base_num_kv_heads=1")
+        if (self.base_num_query_heads * self.resolved_head_dim) % self.o_groups:
+            raise ValueError(f"o_groups={self.o_groups} must divide base_num_query_heads x head_dim")
+        if not self.q_lora_rank or not self.sliding_window_size:
+            raise ValueError("attention_type=compressed needs q_lora_rank > 0 and sliding_window_size > 0")
+
     @property
     def layer_pattern_period(self) -> int:
-        """The smallest number of layers after which the layer kinds repeat (1: all alike)."""
+        """The smallest number of layers after which the layer kinds repeat (1: all alike).
+
+        DeepSeek-V4: the smallest period of ``compress_ratios`` after the hash-routed
+        prefix (a leftover shorter than the period must repeat its start).
+        """
         periods = [self.sliding_window_pattern or 1, self.nope_layer_interval or 1]
         if self.num_experts > 1:
             periods.append(self.interleave_moe_layer_step)
+        if self.compress_ratios:
+            ratios = self.compress_ratios[self.first_num_hash_layers :]
+            periods.append(next((p for p in range(1, len(ratios) + 1) if all(
+                r == ratios[i % p] for i, r in enumerate(ratios))), 1))  # fmt: skip
         return math.lcm(*periods)
 
     @property

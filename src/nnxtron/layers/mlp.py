@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,20 +19,42 @@ ACTIVATIONS = {
 }
 
 
-class GatedMLP(nnx.Module):
-    """``wo(act(wi_0 x) * wi_1 x)`` — HF gate_proj, up_proj, down_proj."""
+def glu(activation: str, limit: float = 0.0) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The gated activation ``act(gate) * up``; with ``limit`` > 0 (DeepSeek-V4
+    ``swiglu_limit``) ``gate`` is clamped above at ``limit`` and ``up`` to ``[-limit, limit]`` first."""
+    act = ACTIVATIONS[activation]
+    if limit <= 0:
+        return lambda gate, up: act(gate) * up
+    return lambda gate, up: act(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
-    def __init__(self, emb_dim: int, mlp_dim: int, activation: str, *, dtype: jnp.dtype, weight_dtype: jnp.dtype, rngs: nnx.Rngs):
+
+class GatedMLP(nnx.Module):
+    """``wo(act(wi_0 x) * wi_1 x)`` — HF gate_proj, up_proj, down_proj (``limit``: see ``glu``)."""
+
+    def __init__(
+        self,
+        emb_dim: int,
+        mlp_dim: int,
+        activation: str,
+        *,
+        dtype: jnp.dtype,
+        weight_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        limit: float = 0.0,
+    ):
         kw = dict(dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
         self.wi_0 = Linear([emb_dim], [mlp_dim], ("embed", "mlp"), **kw)
         self.wi_1 = Linear([emb_dim], [mlp_dim], ("embed", "mlp"), **kw)
         self.wo = Linear([mlp_dim], [emb_dim], ("mlp", "embed"), **kw)
         self.activation = activation
+        self.limit = limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = checkpoint_name(self.wi_0(x), "mlpwi_0")
         up = checkpoint_name(self.wi_1(x), "mlpwi_1")
-        hidden = constrain(ACTIVATIONS[self.activation](gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+        hidden = constrain(
+            glu(self.activation, self.limit)(gate, up), ("activation_batch", "activation_length", "activation_mlp")
+        )
         return checkpoint_name(self.wo(hidden), "mlpwo")
 
 

@@ -18,7 +18,7 @@ Dispatch (``nnxtron.parallel.expert``):
   and dispatched under ``jax.shard_map``; results equal the unsharded layer.
 
 Non-trainable state: ``router_bias`` (``RouterBias``, selection-only bias, when
-``routed_bias``) and ``expert_load`` (``ExpertLoad``, assignments per expert summed over
+``routed_bias``), ``tid2eid`` (``HashTable``, hash-routed layers) and ``expert_load`` (``ExpertLoad``, assignments per expert summed over
 forward calls, when ``routed_bias_update_rate > 0``). ``update_router_bias`` applies
 DeepSeek's loss-free balancing to a pure-dict tree of such state and resets the load.
 """
@@ -35,7 +35,7 @@ from flax import nnx
 
 from nnxtron.config.schema import Config
 from nnxtron.layers.linear import Linear
-from nnxtron.layers.mlp import ACTIVATIONS, GatedMLP
+from nnxtron.layers.mlp import ACTIVATIONS, GatedMLP, glu
 from nnxtron.layers.router import RouterSpec, expert_counts, load_balance_loss, route
 from nnxtron.parallel.expert import capacity_keep, dispatch
 from nnxtron.parallel.sharding import constrain
@@ -51,6 +51,16 @@ class ExpertLoad(nnx.Variable):
     """(token, slot) assignments per expert, summed over forward calls until ``update_router_bias``."""
 
 
+class HashTable(nnx.Variable):
+    """DeepSeek-V4 ``tid2eid``: the experts of each token id ``[vocab, k]`` (int32) on hash-routed
+    layers. Not a parameter: never updated by the optimizer; saved in checkpoints, carried by scan."""
+
+
+def random_hash_table(key: jax.Array, vocab: int, experts: int, k: int) -> jax.Array:
+    """``k`` distinct random experts per token id (a fresh model's table; checkpoints bring their own)."""
+    return jnp.argsort(jax.random.uniform(key, (vocab, experts)), axis=-1)[:, :k].astype(jnp.int32)
+
+
 def _expert_weight(
     rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, weight_dtype: jnp.dtype, axes: tuple[str, ...]
 ) -> nnx.Param:
@@ -61,43 +71,60 @@ def _expert_weight(
 class MoE(nnx.Module):
     """Routed experts (+ optional shared expert); returns ``(y, aux)``."""
 
-    def __init__(self, cfg: Config, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, rngs: nnx.Rngs, hash_routed: bool = False):
         dim, hidden, experts = cfg.base_emb_dim, cfg.base_moe_mlp_dim, cfg.num_experts
         self.dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         self.spec = RouterSpec.from_config(cfg)
         if cfg.mlp_activations[0] not in ACTIVATIONS:
             raise ValueError(f"mlp_activations[0]={cfg.mlp_activations[0]!r} is not one of {sorted(ACTIVATIONS)}")
         self.activation = cfg.mlp_activations[0]
+        self.limit = cfg.mlp_activations_limit
         self.capacity_factor = cfg.capacity_factor
         self.lb_weight = cfg.load_balance_loss_weight
         self.router = Linear([dim], [experts], ("embed", None), dtype=jnp.float32, weight_dtype=weight_dtype, rngs=rngs)
-        if cfg.routed_bias:
+        if hash_routed:  # the table replaces the selection; no correction bias (as HF)
+            table = random_hash_table(rngs.params(), cfg.vocab_size, experts, cfg.num_experts_per_tok)
+            self.tid2eid = HashTable(table, out_sharding=(None, None))
+        elif cfg.routed_bias:
             self.router_bias = RouterBias(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
-        if cfg.routed_bias_update_rate > 0:
+        if cfg.routed_bias_update_rate > 0 and not hash_routed:
             self.expert_load = ExpertLoad(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
         self.wi_0 = _expert_weight(rngs, (experts, dim, hidden), dim, weight_dtype, ("exp", "embed", "mlp"))
         self.wi_1 = _expert_weight(rngs, (experts, dim, hidden), dim, weight_dtype, ("exp", "embed", "mlp"))
         self.wo = _expert_weight(rngs, (experts, hidden, dim), hidden, weight_dtype, ("exp", "mlp", "embed"))
         if cfg.shared_experts > 0:
             self.shared = GatedMLP(
-                dim, cfg.shared_experts * hidden, self.activation, dtype=self.dtype, weight_dtype=weight_dtype, rngs=rngs
+                dim,
+                cfg.shared_experts * hidden,
+                self.activation,
+                dtype=self.dtype,
+                weight_dtype=weight_dtype,
+                rngs=rngs,
+                limit=self.limit,
             )
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Routing of ``x [B, S, D]``: weights ``[B, S, k]``, indices ``[B, S, k]``, probs ``[B, S, E]``."""
+    def route(self, x: jax.Array, tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Routing of ``x [B, S, D]``: weights ``[B, S, k]``, indices ``[B, S, k]``, probs ``[B, S, E]``.
+
+        Hash-routed layers need the token ids ``tokens [B, S]``."""
         batch, seq, dim = x.shape
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router.kernel[...].astype(jnp.float32))
         bias = self.router_bias[...] if hasattr(self, "router_bias") else None
-        weights, indices, probs = route(logits.reshape(batch * seq, -1), bias, self.spec)
+        forced = None
+        if hasattr(self, "tid2eid"):
+            if tokens is None:
+                raise ValueError("a hash-routed MoE layer needs the token ids (tokens=...)")
+            forced = jnp.take(self.tid2eid[...], tokens.reshape(-1), axis=0)
+        weights, indices, probs = route(logits.reshape(batch * seq, -1), bias, self.spec, forced)
         return weights.reshape(batch, seq, -1), indices.reshape(batch, seq, -1), probs.reshape(batch, seq, -1)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, tokens: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``x [B, S, D]`` -> ``(y [B, S, D] in cfg.dtype, aux)``; aux holds ``moe_lb_loss``
         (already multiplied by ``load_balance_loss_weight``) when that weight is > 0."""
         batch, seq, _ = x.shape
         experts, k = self.spec.num_experts, self.spec.k
         x = constrain(x.astype(self.dtype), TOKENS)
-        weights, indices, probs = self.route(x)
+        weights, indices, probs = self.route(x, tokens)
         if hasattr(self, "expert_load"):
             self.expert_load[...] = self.expert_load[...] + expert_counts(indices, experts)
         if self.capacity_factor > 0:
@@ -111,7 +138,7 @@ class MoE(nnx.Module):
             combine, in_scale = weights, None
         routed = dispatch(
             x, indices, combine, keep, in_scale, self.wi_0[...], self.wi_1[...], self.wo[...],
-            activation=ACTIVATIONS[self.activation],
+            glu=glu(self.activation, self.limit),
         )  # fmt: skip
         y = constrain(routed.astype(self.dtype), TOKENS)
         if hasattr(self, "shared"):

@@ -52,6 +52,7 @@ class RopeSpec:
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     truncate: bool = True
+    unit_attention_factor: bool = False  # cos/sin never scaled (HF DeepSeek-V4 forces attention_factor 1)
 
     @classmethod
     def from_config(cls, cfg: Config, head_dim: int) -> RopeSpec:
@@ -140,7 +141,7 @@ def attention_factor(spec: RopeSpec) -> float:
     yarn: ``m(factor, mscale) / m(factor, mscale_all_dim)`` when both are non-zero, else
     ``m(factor)`` (HF ignores ``mscale`` in that branch).
     """
-    if spec.scaling != "yarn":
+    if spec.scaling != "yarn" or spec.unit_attention_factor:
         return 1.0
     if spec.mscale and spec.mscale_all_dim:
         return float(yarn_get_mscale(spec.factor, spec.mscale) / yarn_get_mscale(spec.factor, spec.mscale_all_dim))

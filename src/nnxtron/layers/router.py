@@ -10,6 +10,8 @@ load-balance loss:
   selection on ``s + bias``, optionally group-limited (sum of the top-2 biased scores of
   each group of ``E/G`` consecutive experts; experts outside the kept groups get -inf);
   ``w = s[idx]`` (pre-bias), renormalised ``w / (sum(w) + 1e-20)`` when ``norm_topk_prob``.
+* hash routing (DeepSeek-V4 ``first_num_hash_layers``): the experts come from a fixed
+  token -> expert table instead of the top-k; the weights as above.
 * every score function then multiplies ``w`` by ``routed_scaling_factor``.
 * ``scales_input`` (Llama 4): top-1 of the raw logits (+ bias); ``w = sigmoid(logit)``
   scales the expert *input*; neither renormalisation nor ``routed_scaling_factor`` apply.
@@ -100,12 +102,16 @@ def group_limit(choice: jax.Array, n_groups: int, topk_groups: int) -> jax.Array
     return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)
 
 
-def route(logits: jax.Array, bias: jax.Array | None, spec: RouterSpec) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(
+    logits: jax.Array, bias: jax.Array | None, spec: RouterSpec, indices: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``logits [T, E]`` -> ``(weights [T, k] f32, indices [T, k] int32, probs [T, E] f32)``.
 
     ``bias`` ([E] or None) shifts the selection only, never the weights. ``probs`` are
     the per-token routing probabilities used by the load-balance loss (softmax, or the
-    scores normalised to sum to one).
+    scores normalised to sum to one). ``indices`` ([T, k], DeepSeek-V4 hash routing)
+    replaces the selection: the weights are then those experts' scores, normalised and
+    scaled as usual.
     """
     logits = logits.astype(jnp.float32)
     if spec.scales_input:
@@ -115,10 +121,13 @@ def route(logits: jax.Array, bias: jax.Array | None, spec: RouterSpec) -> tuple[
         weights = jax.nn.sigmoid(jnp.take_along_axis(logits, idx, axis=-1))
         return weights, idx.astype(jnp.int32), s / jnp.sum(s, axis=-1, keepdims=True)
     s = scores(logits, spec.score_func)
-    choice = s if bias is None else s + bias.astype(jnp.float32)
-    if spec.n_groups > 0:
-        choice = group_limit(choice, spec.n_groups, spec.topk_groups)
-    _, idx = top_k(choice, spec.k)
+    if indices is not None:
+        idx = indices.astype(jnp.int32)
+    else:
+        choice = s if bias is None else s + bias.astype(jnp.float32)
+        if spec.n_groups > 0:
+            choice = group_limit(choice, spec.n_groups, spec.topk_groups)
+        _, idx = top_k(choice, spec.k)
     weights = jnp.take_along_axis(s, idx, axis=-1)
     if spec.norm_topk_prob:
         eps = 0.0 if spec.score_func == "softmax" else 1e-20

@@ -14,7 +14,8 @@ Layer ``i`` (0-based) of a config:
 * MoE iff ``num_experts > 1``, ``i >= first_num_dense_layers`` and
   ``(i + 1) % interleave_moe_layer_step == 0``;
 * no RoPE (NoPE) iff ``nope_layer_interval > 0`` and ``(i + 1) % nope_layer_interval == 0``;
-* attention: with ``sliding_window_pattern`` P > 0, ``global`` iff ``(i + 1) % P == 0``
+* attention: DeepSeek-V4 (``compress_ratios``): ``sliding`` (0), ``csa`` or ``hca`` by the
+  layer's ratio, and hash-routed MoE iff ``i < first_num_hash_layers``; with ``sliding_window_pattern`` P > 0, ``global`` iff ``(i + 1) % P == 0``
   else ``sliding``; with ``chunk_attn_window_size`` > 0, ``chunked`` on RoPE layers and
   ``global`` on NoPE layers; otherwise ``sliding`` when ``sliding_window_size`` > 0
   (Mistral: every layer) else ``global``.
@@ -39,12 +40,13 @@ class LayerKind:
     """What distinguishes one layer from another in a patterned decoder."""
 
     moe: bool = False
-    attention: Literal["global", "sliding", "chunked"] = "global"
+    attention: Literal["global", "sliding", "chunked", "csa", "hca"] = "global"
     rope: bool = True
+    hash: bool = False  # DeepSeek-V4: MoE routed by the token -> expert table
 
     @property
     def label(self) -> str:
-        return f"{self.attention}{'' if self.rope else '+nope'}{'+moe' if self.moe else ''}"
+        return f"{self.attention}{'' if self.rope else '+nope'}{'+moe' if self.moe else ''}{'+hash' if self.hash else ''}"
 
 
 PLAIN = LayerKind()  # dense feed-forward, global attention, RoPE
@@ -54,6 +56,10 @@ def layer_kind(cfg: Config, i: int) -> LayerKind:
     """The kind of layer ``i`` (0-based); see the module docstring."""
     moe = cfg.num_experts > 1 and i >= cfg.first_num_dense_layers and (i + 1) % cfg.interleave_moe_layer_step == 0
     rope = not (cfg.nope_layer_interval and (i + 1) % cfg.nope_layer_interval == 0)
+    if cfg.compress_ratios:  # DeepSeek-V4
+        ratio = cfg.compress_ratios[i]
+        attention = "sliding" if ratio == 0 else "csa" if ratio == cfg.csa_compress_ratio else "hca"
+        return LayerKind(moe=moe, attention=attention, hash=i < cfg.first_num_hash_layers)
     if cfg.sliding_window_pattern:
         attention = "global" if (i + 1) % cfg.sliding_window_pattern == 0 else "sliding"
     elif cfg.chunk_attn_window_size:
@@ -109,6 +115,8 @@ def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
 
     * identical layers: one ``layers`` stack;
     * a dense prefix (``first_num_dense_layers``): ``dense_layers`` then ``moe_layers``;
+    * a hash-routed prefix (DeepSeek-V4 ``first_num_hash_layers``): ``hash_layers`` (one
+      block holding the prefix, i.e. applied unrolled), then the patterned stacks;
     * a pattern with period > 1: ``layers`` of whole cycles, then ``remainder_layers``
       (one block of the leftover layers) when the layer count is not a multiple of the cycle.
     """
@@ -121,9 +129,12 @@ def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
         if len(set(kinds[:start])) != 1:
             raise ConfigError("first_num_dense_layers cannot be combined with a layer pattern inside the dense prefix")
         stacks.append(StackLayout("dense_layers", 0, start, (kinds[0],)))
+    elif cfg.first_num_hash_layers:
+        start = cfg.first_num_hash_layers
+        stacks.append(StackLayout("hash_layers", 0, 1, kinds[:start]))
     cycle = cycle_length(cfg)
     blocks, leftover = divmod(total - start, cycle)
-    name = "moe_layers" if stacks else "layers"
+    name = "moe_layers" if stacks and stacks[0].name == "dense_layers" else "layers"
     if blocks:
         block_kinds = kinds[start : start + cycle]
         for b in range(blocks):  # the pattern must repeat (guaranteed by cycle_length; checked, never assumed)

@@ -72,7 +72,10 @@ class Family:
     ``LayerKind`` (MoE or dense feed-forward, attention mask kind, RoPE or NoPE).
     ``hf_layer_prefix`` is the HF name prefix of layer ``{i}``; ``make_final_norm(cfg)``
     builds the norm before the output head; ``scale_embeddings`` multiplies the token
-    embeddings by ``sqrt(emb_dim)`` (Gemma).
+    embeddings by ``sqrt(emb_dim)`` (Gemma). ``hyper_connections``: the residual is
+    ``mhc_expansion_rate`` streams, collapsed by a ``HyperHead`` before the final norm;
+    ``block_takes_tokens``: blocks are called with the token ids as a fourth argument
+    (DeepSeek-V4 hash routing).
     """
 
     name: str
@@ -86,6 +89,8 @@ class Family:
     make_final_norm: Callable[[Config], nnx.Module] = rms_norm
     hf_layer_prefix: str = "model.layers.{i}."
     scale_embeddings: bool = False
+    hyper_connections: bool = False
+    block_takes_tokens: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -117,4 +122,4 @@ def family_for_hf(model_type: str) -> tuple[str, Family]:
 
 def _load_builtin() -> None:
     if not _FAMILIES:
-        from nnxtron.models import deepseek, gemma3, gpt3, llama, llama4, mixtral, qwen3  # noqa: F401  (each registers itself)
+        from nnxtron.models import deepseek, deepseek4, gemma3, gpt3, llama, llama4, mixtral, qwen3  # noqa: F401  (each registers itself)

@@ -55,7 +55,7 @@ def expert_ffn(
     wi_1: jax.Array,
     wo: jax.Array,
     *,
-    activation: Callable[[jax.Array], jax.Array],
+    glu: Callable[[jax.Array, jax.Array], jax.Array],
     expert_offset: jax.Array | int = 0,
 ) -> jax.Array:
     """``sum_j combine[t, j] * FFN_{indices[t, j]}(x[t] * in_scale[t, j])`` in float32.
@@ -77,7 +77,7 @@ def expert_ffn(
     dtype = x.dtype
     gate = checkpoint_name(jax.lax.ragged_dot(xs, wi_0.astype(dtype), group_sizes), "mlpwi_0")
     up = checkpoint_name(jax.lax.ragged_dot(xs, wi_1.astype(dtype), group_sizes), "mlpwi_1")
-    out = checkpoint_name(jax.lax.ragged_dot(activation(gate) * up, wo.astype(dtype), group_sizes), "mlpwo")
+    out = checkpoint_name(jax.lax.ragged_dot(glu(gate, up), wo.astype(dtype), group_sizes), "mlpwo")
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     out = out[inverse].reshape(tokens, k, -1).astype(jnp.float32)
     weights = jnp.where(valid, combine.astype(jnp.float32), 0.0)
@@ -98,10 +98,11 @@ def dispatch(
     wi_1: jax.Array,
     wo: jax.Array,
     *,
-    activation: Callable[[jax.Array], jax.Array],
+    glu: Callable[[jax.Array, jax.Array], jax.Array],
 ) -> jax.Array:
-    """Routed output ``[B, S, D]`` float32 for ``x [B, S, D]`` and routing ``[B, S, k]``."""
-    kw = dict(activation=activation)
+    """Routed output ``[B, S, D]`` float32 for ``x [B, S, D]`` and routing ``[B, S, k]``;
+    ``glu(gate, up)`` is the gated activation (``nnxtron.layers.mlp.glu``)."""
+    kw = dict(glu=glu)
     active = active_mesh()
     if active is None:
         batch, seq, dim = x.shape

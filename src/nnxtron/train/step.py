@@ -96,7 +96,7 @@ def _apply(graphdef: nnx.GraphDef, params: Any, rest: Any, batch: Batch, delta: 
         out = model(batch["inputs"], *extra)
     else:
         x = model.embed(batch["inputs"])
-        out = model.from_embeddings(x + delta.astype(x.dtype), *extra)
+        out = model.from_embeddings(x + delta.astype(x.dtype), *extra, tokens=batch["inputs"])
     return out, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
