@@ -27,6 +27,20 @@ KNOWN_PEAK_TFLOPS = {
 }
 
 
+def _compressed_params(cfg: Config, kind: LayerKind) -> int:
+    """Matmul params one token goes through in a DeepSeek-V4 attention layer of ``kind``
+    (projections, compressor, indexer) plus its two hyper-connection mixes."""
+    d, h, hd, lora = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.resolved_head_dim, cfg.q_lora_rank
+    params = d * lora + lora * h * hd + d * hd + h * hd * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d
+    if kind.attention == "hca":
+        params += 2 * d * hd
+    elif kind.attention == "csa":
+        c, heads = cfg.indexer_head_dim, cfg.indexer_n_heads
+        params += 2 * d * 2 * hd + 2 * d * 2 * c + lora * heads * c + d * heads
+    k = cfg.mhc_expansion_rate
+    return params + 2 * (2 + k) * k * k * d
+
+
 def _attention_params(cfg: Config) -> tuple[int, int, int]:
     """(matmul params of one attention layer, query heads, q.k + p.v width per head)."""
     d, h = cfg.base_emb_dim, cfg.base_num_query_heads
@@ -52,6 +66,13 @@ def _ffn_params(cfg: Config, moe: bool) -> int:
 def _keys_seen(cfg: Config, kind: LayerKind) -> float:
     """Keys a query attends to, on average over a causal sequence of ``max_target_length``."""
     seq = cfg.max_target_length
+    if kind.attention in ("csa", "hca"):  # the sliding window plus the visible compressed entries
+        window = min(cfg.sliding_window_size, seq)
+        ratio = cfg.csa_compress_ratio if kind.attention == "csa" else cfg.hca_compress_ratio
+        entries = seq / ratio / 2  # complete entries, on average over the sequence
+        if kind.attention == "csa":
+            entries = min(entries, cfg.indexer_topk)
+        return window - (window * window) / (2 * seq) + entries
     if kind.attention == "chunked":
         chunk = min(cfg.chunk_attn_window_size, seq)
         return (chunk + 1) / 2
@@ -63,6 +84,7 @@ def training_flops_per_token(cfg: Config) -> float:
     """Model FLOPs per trained token: 6 x active matmul params + causal attention (fwd + bwd).
 
     Every layer counts by its kind (MoE or dense; global, sliding or chunked attention).
+    DeepSeek-V4 layers count their compressors, indexer and hyper-connection mixes.
     MoE layers count the router, the ``num_experts_per_tok`` routed and the shared
     experts a token actually uses; MTP depths count as one more layer each (of the last
     layer's kind) plus their [2D -> D] projection and output head.
@@ -73,7 +95,10 @@ def training_flops_per_token(cfg: Config) -> float:
     attn_params, heads, width = _attention_params(cfg)
     kinds = list(layer_kinds(cfg))
     kinds += [kinds[-1]] * cfg.mtp_num_layers
-    matmul_params = sum(attn_params + _ffn_params(cfg, kind.moe) for kind in kinds)
+    def attention(kind: LayerKind) -> int:
+        return _compressed_params(cfg, kind) if cfg.attention_type == "compressed" else attn_params
+
+    matmul_params = sum(attention(kind) + _ffn_params(cfg, kind.moe) for kind in kinds)
     matmul_params += (1 + cfg.mtp_num_layers) * d * cfg.vocab_size + cfg.mtp_num_layers * 2 * d * d
     # q.k and p.v: 2 flops per multiply-add over the keys each query sees, per head
     attention = sum(2 * heads * width * _keys_seen(cfg, kind) for kind in kinds)
