@@ -40,6 +40,8 @@ Cases:
                  experts saved fused ([E, D, 2F]), so no fused.safetensors.
 * ``deepseek4`` -- DeepseekV4ForCausalLM (S=160): sliding / CSA / HCA layers, hash + top-k MoE,
                  mHC, sinks, no YaRN; model.safetensors uses upstream names (reverse mapping).
+                 Plus a YaRN variant (same weights / input_ids, yarn on the "compress" rope only):
+                 ``config_yarn.json`` and ``golden_yarn.safetensors``.
 * ``gpt2``    -- GPT2LMHeadModel: pre-LayerNorm (with bias), fused QKV Conv1D ([in, out]) with bias,
                  ``gelu_new`` (tanh) MLP with bias, learned positions, tied head, final LayerNorm;
                  LayerNorm weights / all biases / ``wpe`` / ``mlp.c_fc`` weights redrawn so that they
@@ -64,7 +66,9 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -123,6 +127,19 @@ ZERO_CENTERED_NORM_CASES = ("gemma3",)
 NORM_STD = 0.1
 # DeepSeek-V4 parameters / buffers that HF initialises to constants (0 or 1): redrawn from this seed.
 DS4_EXTRA_SEED = 5678
+# DeepSeek-V4 YaRN variant (config_yarn.json / golden_yarn.safetensors): same weights and input_ids, flat
+# yarn dict -> DeepseekV4Config.__post_init__ puts it on the "compress" rope only (CSA / HCA attention,
+# compressor, indexer) with attention_factor forced to 1.0; sliding layers keep the plain "main" rope.
+# original_max_position_embeddings 256 (= max_position_embeddings 4096 / factor 16, so HF does not warn)
+# puts the 4 compress frequencies (theta 1.6e5, 8 rotated dims) at: 0 kept, 1 in the ramp (weight 1/2),
+# 2 and 3 divided by 16. (64 would divide 1..3 by 16 and leave no frequency inside the ramp.)
+DS4_YARN = {
+    "rope_type": "yarn",
+    "factor": 16.0,
+    "original_max_position_embeddings": 256,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
 # GPT-2: HF initialises LayerNorms to (1, 0), Conv1D biases to 0 and `wpe` with std 0.02. From this
 # seed (parameter by parameter, in `named_parameters()` order) every LayerNorm weight is redrawn as
 # 1 + GPT2_STD * randn, every bias as GPT2_STD * randn and `wpe.weight` as GPT2_STD * randn; then
@@ -844,6 +861,85 @@ def _ds4_check(model, config_cls, model_cls, kwargs, case, input_ids, logits) ->
 
 
 @torch.no_grad()
+def _ds4_yarn_variant(model, config_cls, model_cls, kwargs, case, d: Path, input_ids, logits) -> None:
+    """Same weights / input_ids with YaRN on the compress rope: writes config_yarn.json (what
+    ``save_pretrained`` writes for that config) and golden_yarn.safetensors, then checks them."""
+    ykwargs = dict(kwargs, rope_parameters=dict(DS4_YARN))
+    ymodel = model_cls(config_cls(**ykwargs, **_impl(case), dtype="float32"))
+    ymodel.load_state_dict(model.state_dict(), strict=True)
+    ymodel.to(torch.float32).eval()
+    ycfg = ymodel.config
+    comp, main = ycfg.rope_parameters["compress"], ycfg.rope_parameters["main"]
+    print(f"  yarn variant: rope_parameters['compress'] = {comp}")
+    print(f"                rope_parameters['main']     = {main}")
+    assert comp["rope_type"] == "yarn" and comp["attention_factor"] == 1.0
+    assert main == model.config.rope_parameters["main"], "yarn must not touch the main (sliding) rope"
+
+    rot, rot0 = ymodel.model.rotary_emb, model.model.rotary_emb
+    inv, inv0 = rot.compress_inv_freq.float(), rot0.compress_inv_freq.float()
+    dim, theta, factor = ycfg.qk_rope_head_dim, comp["rope_theta"], comp["factor"]
+    assert torch.equal(inv0, 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)))
+    print(f"  compress rope (theta {theta:g}, {dim} rotated dims; i: default -> yarn inv_freq, ratio, wavelength):")
+    for j, (a, b) in enumerate(zip(inv0.tolist(), inv.tolist())):
+        print(f"    {j}: {a:.6e} -> {b:.6e}  ({a / b:7.4f}x)  {2 * math.pi / a:10.1f}")
+    print(
+        f"  attention_scaling (cos/sin factor): compress {rot.compress_attention_scaling} "
+        f"(default rope {rot0.compress_attention_scaling}), main {rot.main_attention_scaling}; "
+        f"softmax scale {ymodel.model.layers[1].self_attn.scaling} = head_dim^-0.5 (no mscale)"
+    )
+    assert rot.compress_attention_scaling == 1.0 and rot.main_attention_scaling == 1.0
+    assert torch.equal(rot.main_inv_freq, rot0.main_inv_freq)
+    assert ymodel.model.layers[1].self_attn.scaling == model.model.layers[1].self_attn.scaling
+    for name, m in ymodel.named_modules():  # compressor / indexer rotaries get the same yarn frequencies
+        if name != "model.rotary_emb" and name.endswith("rotary_emb"):
+            assert torch.equal(m.compress_inv_freq, rot.compress_inv_freq), name
+    ratio = inv0 / inv
+    kept, full = (ratio - 1).abs() < 1e-6, (ratio - factor).abs() < 1e-3
+    ramp = ~kept & ~full
+    print(f"  yarn: {int(kept.sum())} kept, {int(ramp.sum())} in the ramp, {int(full.sum())} divided by {factor:g}")
+    assert kept.any() and full.any() and ramp.any(), "yarn must change some, not all, compress frequencies"
+
+    _ds4_check_indexer_margins(ymodel, input_ids)
+    ylogits = _logits(ymodel, input_ids)
+    assert ylogits.shape == logits.shape and ylogits.dtype == torch.float32
+    diff = _diff_by_position(ylogits, logits)
+    print(
+        f"  yarn vs default-rope golden: max diff {float(diff.max()):.3e} "
+        f"(first differing position {_first_diff(diff)}; max diff at positions < 16: {float(diff[:16].max()):.3e})"
+    )
+    assert float(diff.max()) > 1e-3, "yarn on the compress rope has no visible effect"
+
+    with tempfile.TemporaryDirectory() as tmp:  # config.json exactly as save_pretrained writes it
+        ymodel.save_pretrained(tmp, safe_serialization=True)
+        assert (Path(tmp) / "model.safetensors").read_bytes() == (d / "model.safetensors").read_bytes()
+        shutil.copyfile(Path(tmp) / "config.json", d / "config_yarn.json")
+    save_file(
+        {"input_ids": input_ids.contiguous(), "logits": ylogits.contiguous()},
+        str(d / "golden_yarn.safetensors"),
+    )
+    base_json = json.loads((d / "config.json").read_text())
+    yarn_json = json.loads((d / "config_yarn.json").read_text())
+    assert {k for k in base_json.keys() | yarn_json.keys() if base_json.get(k) != yarn_json.get(k)} == {"rope_parameters"}
+    assert yarn_json["rope_parameters"]["main"] == base_json["rope_parameters"]["main"]
+    assert config_cls.from_json_file(str(d / "config_yarn.json")).rope_parameters == ycfg.rope_parameters
+
+    # Reload config_yarn.json (as config.json) + model.safetensors with from_pretrained: bit-identical.
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(d / "config_yarn.json", Path(tmp) / "config.json")
+        shutil.copyfile(d / "model.safetensors", Path(tmp) / "model.safetensors")
+        reloaded = model_cls.from_pretrained(tmp, **_impl(case), dtype=torch.float32).eval()
+    assert reloaded.config._experts_implementation == EXPERTS_IMPL
+    assert reloaded.config.rope_parameters == ycfg.rope_parameters
+    stored = load_file(str(d / "golden_yarn.safetensors"))
+    assert set(stored) == {"input_ids", "logits"} and torch.equal(stored["input_ids"], input_ids)
+    relogits = _logits(reloaded, stored["input_ids"])
+    assert torch.equal(relogits, stored["logits"]), (
+        f"{case}: yarn reload differs (max {float((relogits - stored['logits']).abs().max()):.3e})"
+    )
+    print("  yarn reload check (config_yarn.json + model.safetensors): logits bit-identical")
+
+
+@torch.no_grad()
 def _ds4_check_indexer_margins(model, input_ids) -> None:
     """No (near-)tie between the k-th and (k+1)-th visible indexer score: torch.topk's tie order
     is unspecified, so a tie would make the golden depend on it."""
@@ -1172,6 +1268,7 @@ def main(argv: list[str] | None = None) -> int:
         if case == "deepseek4":
             _ds4_check(model, config_cls, model_cls, kwargs, case, input_ids, logits)
             _write_and_check_fused_ds4(model, config_cls, model_cls, kwargs, case, d, input_ids, logits)
+            _ds4_yarn_variant(model, config_cls, model_cls, kwargs, case, d, input_ids, logits)
         elif case in MOE_CASES:
             _write_and_check_fused(model, config_cls, model_cls, kwargs, case, d, input_ids, logits)
 

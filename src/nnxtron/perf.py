@@ -95,6 +95,7 @@ def training_flops_per_token(cfg: Config) -> float:
     attn_params, heads, width = _attention_params(cfg)
     kinds = list(layer_kinds(cfg))
     kinds += [kinds[-1]] * cfg.mtp_num_layers
+
     def attention(kind: LayerKind) -> int:
         return _compressed_params(cfg, kind) if cfg.attention_type == "compressed" else attn_params
 

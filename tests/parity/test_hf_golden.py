@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from nnxtron.hf import from_hf
+from nnxtron.hf import from_hf, hf_config_to_nnxtron, to_hf
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
 CASES = (
@@ -173,3 +173,20 @@ def test_multimodal_wrapper_loads_its_text_decoder(goldens, tmp_path: Path, case
     save_file(renamed, str(tmp_path / "model.safetensors"))
     diff = float(_abs_diff(goldens[case], case, tmp_path).max())
     assert diff <= TOL, f"{case} {prefix}: {diff:.3g}"
+
+
+def test_deepseek4_yarn_on_compressed_layers(tmp_path: Path) -> None:
+    """HF applies YaRN (attention factor forced to 1) on the CSA/HCA layers, their compressors
+    and the indexer, and plain RoPE on sliding layers: the ``config_yarn.json`` variant of the
+    deepseek4 golden (same weights; logits move by 2.2e-1 from the default-RoPE golden)."""
+    shutil.copy(GOLDEN / "deepseek4" / "config_yarn.json", tmp_path / "config.json")
+    shutil.copy(GOLDEN / "deepseek4" / "model.safetensors", tmp_path / "model.safetensors")
+    golden = load_file(str(GOLDEN / "deepseek4" / "golden_yarn.safetensors"))
+    model = from_hf(tmp_path)
+    assert model.config.rope_type == "yarn"
+    with jax.default_matmul_precision("highest"):
+        logits = np.asarray(model(jnp.asarray(golden["input_ids"])).logits)
+    diff = float(np.abs(logits - golden["logits"]).max())
+    assert diff <= TOL, f"deepseek4 yarn: {diff:.3g}"  # measured 3.0e-7
+    out = to_hf(model, tmp_path / "out")
+    assert hf_config_to_nnxtron(out) == hf_config_to_nnxtron(tmp_path)

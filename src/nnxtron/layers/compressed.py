@@ -179,7 +179,7 @@ class CompressedAttention(nnx.Module):
         near = (idx[None, :] <= idx[:, None]) & (idx[:, None] - idx[None, :] < self.window)
         mask = near[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])  # [B, S, S]
         keys = kv
-        if self.kind != "sliding":
+        if self.kind != "sliding" and seq >= self.compressor.ratio:  # shorter sequences have no complete window
             entries, last, owner = self.compressor(x, positions, segment_ids)
             visible = _entry_visible(last, owner, segment_ids)
             if self.kind == "csa":
