@@ -74,6 +74,7 @@ def test_router_bias_moves_by_the_update_rule_and_is_checkpointed(runs):
         ("deepseek3-test", dict(mtp_num_layers=1, routed_bias_update_rate=RATE), "moe_layers/layers/1/"),
         ("gemma3-tiny", {}, "remainder_layers/layers/0/cycle/1/"),  # pattern block + remainder block
         ("llama4-tiny", {}, "layers/layers/1/cycle/3/mlp/shared/"),  # two cycle blocks of mixed kinds
+        ("deepseek4-test", {}, "hash_layers/layers/0/cycle/1/attention/indexer/"),  # + tid2eid, router bias
     ],
 )
 def test_multi_stack_checkpoint_restores_into_the_other_layer_layout(tmp_path, model, values, deep_key):
@@ -81,6 +82,7 @@ def test_multi_stack_checkpoint_restores_into_the_other_layer_layout(tmp_path, m
     MTP and router bias; Gemma 3's pattern + remainder blocks; Llama 4's cycle blocks)
     restores into the unrolled model: parameters and non-parameter state equal layer by layer."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     from nnxtron.decoder import abstract_model, build_model
@@ -91,7 +93,8 @@ def test_multi_stack_checkpoint_restores_into_the_other_layer_layout(tmp_path, m
 
     scanned = build_model(tiny_config(model, **values), seed=7)
     rest = nnx.to_pure_dict(nnx.state(scanned, nnx.Not(nnx.Param)))
-    rest = jax.tree.map(lambda x: x + 0.5, rest)  # non-zero bias / load so the check is not vacuous
+    # non-zero bias / load so the check is not vacuous (integer tables, e.g. tid2eid, stay as they are)
+    rest = jax.tree.map(lambda x: x + 0.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, rest)
     state = {"params": nnx.to_pure_dict(nnx.state(scanned, nnx.Param)), "rest": rest}
     parts = [part for part in ("params", "rest") if jax.tree.leaves(state[part])]  # orbax refuses empty items
     state = {part: state[part] for part in parts}

@@ -32,8 +32,7 @@ CASES = {
     "gemma3-tiny": {},
     "llama4-tiny": {},
     "gpt3-52k": dict(base_num_decoder_layers=3),
-    "deepseek4-test": {},
-}
+}  # deepseek4-test: scanned vs unrolled gradients in test_matrix's family row, logits in the HF golden
 # remat policies and meshes run on these; the patterned families get them in test_matrix's family rows
 DENSE = ["llama3.1-tiny", "mistral-tiny"]
 
