@@ -98,8 +98,8 @@ class ToyAuxDecoder(Decoder):
         super().__init__(cfg, rngs)
         self.rows_seen = nnx.BatchStat(jnp.zeros((), jnp.float32))
 
-    def from_embeddings(self, x, positions=None, segment_ids=None, targets=None, loss_mask=None):
-        out = super().from_embeddings(x, positions, segment_ids, targets, loss_mask)
+    def from_embeddings(self, x, positions=None, segment_ids=None, targets=None, loss_mask=None, tokens=None):
+        out = super().from_embeddings(x, positions, segment_ids, targets, loss_mask, tokens)
         self.rows_seen[...] = self.rows_seen[...] + x.shape[0]
         return out.replace(aux={"losses": {"toy": toy_aux_loss(out.logits, segment_ids)}})
 
