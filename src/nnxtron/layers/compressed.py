@@ -181,9 +181,10 @@ class CompressedAttention(nnx.Module):
         keys = kv
         if self.kind != "sliding" and seq >= self.compressor.ratio:  # shorter sequences have no complete window
             entries, last, owner = self.compressor(x, positions, segment_ids)
-            visible = _entry_visible(last, owner, segment_ids)
-            if self.kind == "csa":
+            if self.kind == "csa":  # the indexer's picks (complete, same-document entries only)
                 visible = self.indexer(x, q_res, positions, segment_ids)
+            else:
+                visible = _entry_visible(last, owner, segment_ids)
             keys = jnp.concatenate([kv, entries], axis=1)
             mask = jnp.concatenate([mask, visible], axis=-1)
         logits = jnp.einsum("bshd,btd->bhst", q, keys) * jnp.asarray(self.hd**-0.5, q.dtype)
