@@ -26,8 +26,10 @@ from nnxtron.layers.mhc import HyperHead
 from nnxtron.models.pattern import layer_stacks, make_stack_block
 from nnxtron.models.registry import family_for
 from nnxtron.mtp import MultiTokenPrediction
+from nnxtron.parallel.pipeline import PipelinedStack
 from nnxtron.parallel.remat import RematSpec
 from nnxtron.parallel.scan import LayerStack, sum_aux
+from nnxtron.parallel.schedule import UNPIPELINED, pipeline_spec
 from nnxtron.parallel.sharding import constrain
 
 
@@ -70,15 +72,25 @@ class Decoder(nnx.Module):
         def make_layer(r: nnx.Rngs, kind) -> nnx.Module:
             return family.make_block(cfg, r, kind)
 
-        for i, layout in enumerate(stacks):
-            stack = LayerStack(
-                make_stack_block(make_layer, layout),
-                layout.num_layers,
-                key=k_layers if i == 0 else jax.random.fold_in(k_layers, i),
-                scan=cfg.scan_layers,
-                remat=RematSpec.from_config(cfg),
-                axis_name=layout.name,
-            )
+        pipeline = pipeline_spec(cfg)
+        remat = RematSpec.from_config(cfg)
+        # stack keys follow the layout without a pipeline split, so a partial pipeline
+        # (``unpipelined_layers``) builds the same weights as the unsplit stack
+        unsplit = [layout.name for layout in layer_stacks(cfg, pipelined=False)]
+        for layout in stacks:
+            first = 0
+            if layout.name == UNPIPELINED:
+                first, index = pipeline.blocks, unsplit.index(pipeline.stack)
+            else:
+                index = unsplit.index(layout.name)
+            key = k_layers if index == 0 else jax.random.fold_in(k_layers, index)
+            block = make_stack_block(make_layer, layout)
+            if pipeline is not None and layout.name == pipeline.stack:
+                stack = PipelinedStack(block, layout.num_layers, key=key, remat=remat, axis_name=layout.name, pipeline=pipeline)
+            else:
+                stack = LayerStack(
+                    block, layout.num_layers, key=key, scan=cfg.scan_layers, remat=remat, axis_name=layout.name, first_block=first
+                )
             setattr(self, layout.name, stack)
         self.stack_names = tuple(layout.name for layout in stacks)
         if cfg.mtp_num_layers:  # MTP blocks are of the last layer's kind

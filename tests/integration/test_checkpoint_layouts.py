@@ -120,7 +120,7 @@ def test_resume_on_another_mesh_continues_the_loss_curve(corpus, runs, mesh):
     np.testing.assert_allclose(resumed.losses, straight[True].losses[3:], rtol=LOSS_RTOL, atol=0)
     assert _max_rel(_layer_list(resumed.state), _layer_list(straight[True].state)) <= STATE_RTOL
     mesh_shape = Checkpointer(Path(base) / name / "checkpoints", 10).read_meta(6)["layout"]["mesh_shape"]
-    want = {"data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1, **{k.split("_")[1]: v for k, v in MESHES[mesh].items()}}
+    want = {"stage": 1, "data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1, **{k.split("_")[1]: v for k, v in MESHES[mesh].items()}}
     assert mesh_shape == want
 
 
@@ -167,7 +167,7 @@ def test_load_model_with_the_other_scan_layout_gives_identical_logits(runs, scan
 
 def test_meta_records_the_layout(runs, flipped):
     base, _ = runs
-    fsdp8 = {"data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1}
+    fsdp8 = {"stage": 1, "data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1}
     for run, scan in (("straight-True", True), ("straight-False", False), ("flip-from-True", False)):
         meta = Checkpointer(Path(base) / run / "checkpoints", 10).read_meta(6)
         assert meta["layout"] == {"scan_layers": scan, "num_layers": {"layers": LAYERS}, "mesh_shape": fsdp8, "num_devices": 8}

@@ -62,7 +62,7 @@ def test_derived_values():
         ]
     )
     d = derive(cfg, 8)
-    assert d.mesh_shape == {"data": 1, "fsdp": 4, "context": 1, "expert": 1, "tensor": 2}
+    assert d.mesh_shape == {"stage": 1, "data": 1, "fsdp": 4, "context": 1, "expert": 1, "tensor": 2}
     assert (d.head_dim, d.num_kv_groups, d.global_batch_size) == (128, 4, 16)
     assert (d.schedule_steps, d.warmup_steps, d.tokens_per_step) == (100, 10, 16 * cfg.max_target_length)
     assert derive(load_config(overrides=["head_dim=-1"]), 1).head_dim == 256 // 4
@@ -122,7 +122,7 @@ def test_mesh_errors():
 
 def test_batch_must_divide_over_the_mesh():
     cfg = load_config(overrides=["per_device_batch_size=0.25", "ici_fsdp_parallelism=8"])
-    with pytest.raises(ConfigError, match="does not divide over the data x fsdp x expert"):
+    with pytest.raises(ConfigError, match="does not divide over the stage x data x fsdp x expert"):
         derive(cfg, 8)
     with pytest.raises(ConfigError, match="not a whole batch"):
         derive(load_config(overrides=["per_device_batch_size=0.3"]), 8)

@@ -79,6 +79,7 @@ def test_table_logical_axes_and_specs(plan):
 def test_per_device_bytes_from_shardings(plan):
     devices = jax.device_count()
     assert plan["devices"]["count"] == devices == 8 and plan["mesh"] == {
+        "stage": 1,
         "data": 1,
         "fsdp": 4,
         "context": 1,
@@ -118,7 +119,7 @@ def test_plan_is_json_and_text(plan):
     again = json.loads(json.dumps(to_json_ready(plan)))
     assert again["params"]["total"] == plan["params"]["total"]
     text = format_plan(plan)
-    for needle in ("mesh: data=1 x fsdp=4 x context=1 x expert=1 x tensor=2", "embed/embedding", "P(tensor, fsdp)",
+    for needle in ("mesh: stage=1 x data=1 x fsdp=4 x context=1 x expert=1 x tensor=2", "embed/embedding", "P(tensor, fsdp)",
                    "P(None, fsdp, tensor, None)", "temporaries", "peak estimate", "fits: yes"):  # fmt: skip
         assert needle in text, needle
 
@@ -147,7 +148,7 @@ def test_cli_other_device_count_runs_in_a_subprocess(capsys):
     """devices=4 while this process's jax has 8: the plan re-runs in a child process."""
     assert main(["plan", "model_name=llama3.1-tiny", "devices=4", *SMALL]) == 0
     out = capsys.readouterr().out
-    assert "devices: 4 x cpu" in out and "mesh: data=1 x fsdp=4 x context=1 x expert=1 x tensor=1" in out
+    assert "devices: 4 x cpu" in out and "mesh: stage=1 x data=1 x fsdp=4 x context=1 x expert=1 x tensor=1" in out
     assert "embed/embedding" in out and "P(None, fsdp)" in out and "peak estimate" in out
     assert jax.device_count() == 8  # this process is untouched
 

@@ -57,7 +57,7 @@ def test_context_parallelism_shards_activations_along_the_sequence():
     cfg = tiny_config("llama3.1-tiny", ici_fsdp_parallelism=2, ici_context_parallelism=4)
     mesh = make_mesh(cfg)
     rules = cfg.logical_axis_rules
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 2, "context": 4, "expert": 1, "tensor": 1}
     assert logical_to_spec(("activation_batch", "activation_length", "activation_embed"), rules, mesh) == P(
         "fsdp", "context", None
     )

@@ -7,9 +7,11 @@ from dataclasses import asdict, dataclass
 
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.parallel.schedule import pipeline_spec
 
-MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
-BATCH_AXES = ("data", "fsdp", "expert")  # activation_batch splits over these (see logical_axis_rules)
+MESH_AXES = ("stage", "data", "fsdp", "context", "expert", "tensor")  # stage outermost (pipeline, across hosts)
+BATCH_AXES = ("stage", "data", "fsdp", "expert")  # activation_batch splits over these (see logical_axis_rules)
+PIPELINE_BATCH_AXES = ("data", "fsdp", "expert")  # a pipeline microbatch splits over these (not the stage axis)
 
 
 @dataclass(frozen=True)
@@ -31,13 +33,14 @@ class Derived:
 def mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
     """Resolve ici_*_parallelism (one -1 fills the remaining devices)."""
     requested = {
+        "stage": cfg.pipeline_stages,
         "data": cfg.ici_data_parallelism,
         "fsdp": cfg.ici_fsdp_parallelism,
         "context": cfg.ici_context_parallelism,
         "expert": cfg.ici_expert_parallelism,
         "tensor": cfg.ici_tensor_parallelism,
     }
-    keys = {axis: f"ici_{axis}_parallelism" for axis in MESH_AXES}
+    keys = {axis: f"ici_{axis}_parallelism" for axis in MESH_AXES} | {"stage": "ici_pipeline_parallelism"}
     fill = [axis for axis, size in requested.items() if size == -1]
     if any(size == 0 for size in requested.values()):
         zero = next(axis for axis, size in requested.items() if size == 0)
@@ -77,7 +80,7 @@ def derive(cfg: Config, num_devices: int) -> Derived:
     if global_batch % batch_shards:
         raise ConfigError(
             f"global batch {global_batch} (per_device_batch_size x devices) does not divide over the "
-            f"data x fsdp x expert mesh axes ({batch_shards}); change per_device_batch_size or the ici_* sizes"
+            f"stage x data x fsdp x expert mesh axes ({batch_shards}); change per_device_batch_size or the ici_* sizes"
         )
     accumulation = cfg.gradient_accumulation_steps
     if global_batch % (accumulation * batch_shards):
@@ -86,6 +89,16 @@ def derive(cfg: Config, num_devices: int) -> Derived:
             f"microbatches that divide over the data x fsdp x expert mesh axes ({batch_shards}); choose a divisor of "
             f"{global_batch // batch_shards} or change per_device_batch_size"
         )
+    spec = pipeline_spec(cfg)
+    if spec is not None:
+        rows = global_batch // accumulation
+        shards = math.prod(shape[axis] for axis in PIPELINE_BATCH_AXES)
+        if rows % (spec.microbatches * shards):
+            raise ConfigError(
+                f"num_pipeline_microbatches={spec.microbatches} does not split the {rows}-row batch"
+                f"{' (per accumulation step)' if accumulation > 1 else ''} into microbatches that divide over the "
+                f"data x fsdp x expert mesh axes ({shards}); change per_device_batch_size or num_pipeline_microbatches"
+            )
     if cfg.max_target_length % shape["context"]:
         raise ConfigError(
             f"max_target_length={cfg.max_target_length} does not divide over ici_context_parallelism="

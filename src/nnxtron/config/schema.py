@@ -156,6 +156,19 @@ class Config(BaseModel):
     ici_context_parallelism: int = Field(ge=-1)
     ici_expert_parallelism: int = Field(ge=-1)  # experts split over the `expert` mesh axis
     sharding_tolerance: float = Field(ge=0, le=1)  # max fraction of parameter elements left unsharded
+    # --- pipeline parallelism (see parallel/schedule.py; checked by _check_pipeline) ---
+    ici_pipeline_parallelism: int = Field(ge=1)  # pipeline stages within a slice/host group
+    dcn_pipeline_parallelism: int = Field(ge=1)  # x this: stages across slices/hosts (the `stage` axis is outermost)
+    num_pipeline_microbatches: int = Field(ge=-1)  # -1 = the number of stages
+    num_pipeline_repeats: int = Field(ge=-1)  # -1 = derived; > 1 = circular schedule
+    num_layers_per_pipeline_stage: int = Field(ge=1)  # layers a stage applies per repeat
+    pipeline_parallel_layers: int = Field(ge=-1)  # layers of the main stack that are pipelined (-1 = all)
+    scan_pipeline_iterations: bool  # iterations of one repeat under lax.scan (false: unrolled)
+    scan_pipeline_repeats: bool  # the repeats under lax.scan (false: unrolled)
+    set_remat_policy_on_pipeline_iterations: bool  # remat_policy around each pipeline iteration
+    set_remat_policy_on_layers_per_stage: bool  # remat_policy around each layer inside a stage
+    pipeline_delay_activation_forwarding: bool  # a stage's output reaches the next stage one iteration later
+    pipeline_fsdp_ag_once: bool  # all-gather the fsdp-sharded stage weights once per step, not per iteration
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...]
 
     # --- data -------------------------------------------------------------------
@@ -245,6 +258,7 @@ class Config(BaseModel):
         self._check_mla_and_mtp()
         self._check_layer_pattern()
         self._check_deepseek4()
+        self._check_pipeline()
         if self.rope_type == "linear" and self.rope_scaling_factor < 1:
             raise ValueError(f"rope_type=linear needs rope_scaling_factor >= 1, got {self.rope_scaling_factor}")
         if self.rope_type == "llama3" and self.rope_high_freq_factor < self.rope_low_freq_factor:
@@ -400,6 +414,20 @@ class Config(BaseModel):
             raise ValueError(f"o_groups={self.o_groups} must divide base_num_query_heads x head_dim")
         if not self.q_lora_rank or not self.sliding_window_size:
             raise ValueError("attention_type=compressed needs q_lora_rank > 0 and sliding_window_size > 0")
+
+    def _check_pipeline(self) -> None:
+        """Pipeline options only with stages > 1, and a schedule that exists (parallel/schedule.py)."""
+        from nnxtron.errors import ConfigError
+        from nnxtron.parallel.schedule import check_pipeline_options
+
+        try:
+            check_pipeline_options(self)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self.ici_pipeline_parallelism * self.dcn_pipeline_parallelism
 
     @property
     def layer_pattern_period(self) -> int:

@@ -33,6 +33,7 @@ from flax import nnx
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 from nnxtron.parallel.scan import sum_aux
+from nnxtron.parallel.schedule import UNPIPELINED, pipeline_spec
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class StackLayout:
         return ("cycle", position) if len(self.kinds) > 1 else ()
 
 
-def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
+def layer_stacks(cfg: Config, pipelined: bool = True) -> tuple[StackLayout, ...]:
     """The decoder's stacks, in layer order.
 
     * identical layers: one ``layers`` stack;
@@ -118,7 +119,10 @@ def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
     * a hash-routed prefix (DeepSeek-V4 ``first_num_hash_layers``): ``hash_layers`` (one
       block holding the prefix, i.e. applied unrolled), then the patterned stacks;
     * a pattern with period > 1: ``layers`` of whole cycles, then ``remainder_layers``
-      (one block of the leftover layers) when the layer count is not a multiple of the cycle.
+      (one block of the leftover layers) when the layer count is not a multiple of the cycle;
+    * a pipeline over part of the main stack (``pipeline_parallel_layers``, with
+      ``pipelined``): its first blocks stay in the main stack and the rest form
+      ``unpipelined_layers``, applied after the pipeline.
     """
     kinds = layer_kinds(cfg)
     total = len(kinds)
@@ -140,11 +144,23 @@ def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
         for b in range(blocks):  # the pattern must repeat (guaranteed by cycle_length; checked, never assumed)
             if kinds[start + b * cycle : start + (b + 1) * cycle] != block_kinds:
                 raise ConfigError(f"layer pattern does not repeat every {cycle} layers; set inhomogeneous_layer_cycle_interval")
-        stacks.append(StackLayout(name, start, blocks, block_kinds))
+        pipelined_blocks = _pipelined_blocks(cfg) if pipelined else None
+        if pipelined_blocks is not None and pipelined_blocks < blocks:
+            stacks.append(StackLayout(name, start, pipelined_blocks, block_kinds))
+            rest = start + pipelined_blocks * cycle
+            stacks.append(StackLayout(UNPIPELINED, rest, blocks - pipelined_blocks, block_kinds))
+        else:
+            stacks.append(StackLayout(name, start, blocks, block_kinds))
     if leftover:
         first = start + blocks * cycle
         stacks.append(StackLayout("remainder_layers", first, 1, kinds[first:]))
     return tuple(stacks)
+
+
+def _pipelined_blocks(cfg: Config) -> int | None:
+    """Blocks of the main stack under a pipeline (None without one)."""
+    spec = pipeline_spec(cfg)
+    return None if spec is None else spec.blocks
 
 
 def layer_counts(cfg: Config) -> dict[str, int]:

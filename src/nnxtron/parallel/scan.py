@@ -134,7 +134,10 @@ class LayerStack(nnx.Module):
         scan: bool,
         remat: RematSpec,
         axis_name: str = STACK_AXIS,
+        first_block: int = 0,
     ):
+        """Block ``i`` is built from ``fold_in(key, first_block + i)``: a stack that continues
+        another (the blocks after a partial pipeline) gets the weights it would have had there."""
         jax_policy(remat)  # validate the name early
         if not is_stack_axis(axis_name):
             raise ValueError(f"stack axis name '{axis_name}' must be 'layers' or end with '_layers'")
@@ -142,7 +145,7 @@ class LayerStack(nnx.Module):
         self.num_layers = num_layers
         self.scan = scan
         self.remat = remat
-        keys = jnp.stack([jax.random.fold_in(key, i) for i in range(num_layers)])
+        keys = jnp.stack([jax.random.fold_in(key, first_block + i) for i in range(num_layers)])
         if scan:
             graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_block(nnx.Rngs(0))))
             stacked = jax.vmap(lambda k: nnx.split(make_block(nnx.Rngs(k)))[1])(keys)
@@ -155,8 +158,8 @@ class LayerStack(nnx.Module):
 
         Returns the output and the blocks' aux entries summed over the layers.
         """
-        apply = _with_remat(_apply_layer, self.remat, in_scan=self.scan)
         if not self.scan:
+            apply = _with_remat(_apply_layer, self.remat, in_scan=False)
             auxes = []
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)
@@ -165,11 +168,22 @@ class LayerStack(nnx.Module):
                 auxes.append(aux)
             return x, sum_aux(*auxes)
         graphdef, state = nnx.split(self.layers)
+        x, aux, new_rest = apply_stacked(graphdef, state, x, args, self.remat, self.axis_name)
+        nnx.update(self.layers, new_rest)
+        return x, aux
 
-        def body(carry, layer_state):
-            y, aux, rest = apply(graphdef, remove_stack_axis(layer_state, self.axis_name), carry, args)
-            return y, (aux, rest)
 
-        x, (stacked_aux, stacked_rest) = jax.lax.scan(body, x, state)
-        nnx.update(self.layers, add_stack_axis(stacked_rest, self.axis_name))
-        return x, {name: jnp.sum(value, axis=0) for name, value in stacked_aux.items()}
+def apply_stacked(
+    graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: tuple, remat: RematSpec, axis_name: str
+) -> tuple[jax.Array, Aux, nnx.State]:
+    """Scan the stacked blocks in ``state`` (leading axis ``axis_name``) over ``x``, each
+    wrapped in ``remat``. Returns the output, the aux entries summed over the blocks and
+    the new stacked non-parameter state."""
+    apply = _with_remat(_apply_layer, remat, in_scan=True)
+
+    def body(carry, layer_state):
+        y, aux, rest = apply(graphdef, remove_stack_axis(layer_state, axis_name), carry, args)
+        return y, (aux, rest)
+
+    x, (stacked_aux, stacked_rest) = jax.lax.scan(body, x, state)
+    return x, {name: jnp.sum(value, axis=0) for name, value in stacked_aux.items()}, add_stack_axis(stacked_rest, axis_name)

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nnxtron.config.schema import Config
 from nnxtron.data.packing import BATCH_KEYS
 from nnxtron.layers.moe import update_router_bias
+from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
 from nnxtron.parallel.sharding import activate, constrain, logical_to_spec
 from nnxtron.train.loss import cross_entropy, cross_entropy_sum
 from nnxtron.train.state import ModelSetup, TrainState
@@ -52,34 +53,6 @@ class Gradients(NamedTuple):
     rest: Any  # the model's non-parameter state after the batch (carried through the microbatches)
     aux: dict[str, jax.Array]  # each aux loss as a batch value (token-share weighted over microbatches)
     input_grad: jax.Array | None = None  # d J / d embedding output [B, S, D], only when requested
-
-
-def split_microbatches(batch: Batch, k: int) -> Batch:
-    """[B, ...] -> [k, B/k, ...]: microbatch i is rows i, i+k, i+2k, ... of the batch.
-
-    The strided assignment is what keeps every shard where it is: the batch dim is split
-    into contiguous blocks of B/n rows over the n data x fsdp shards, and reshaping to
-    [B/k, k, ...] keeps those blocks on dim 0 (B/k divides over the shards — checked by
-    ``derive``), so each microbatch is sharded over the batch axes exactly like the full
-    batch and the split moves no data between devices. (Contiguous microbatches, rows
-    [i*B/k, (i+1)*B/k), would live on only n/k of the devices and need an all-to-all.)
-    The assignment does not depend on the mesh, so every mesh sees the same microbatches.
-    """
-    rows = {v.shape[0] for v in batch.values()}
-    if len(rows) != 1 or next(iter(rows)) % k:
-        raise ValueError(f"accumulation_steps={k} does not divide the batch rows {sorted(rows)}")
-
-    def one(x: jax.Array) -> jax.Array:
-        x = jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
-        return constrain(x, (None, "activation_batch", "activation_length")[: x.ndim] + (None,) * max(x.ndim - 3, 0))
-
-    return {key: one(value) for key, value in batch.items()}
-
-
-def merge_microbatches(x: jax.Array) -> jax.Array:
-    """The inverse of ``split_microbatches`` for one array: [k, B/k, ...] -> [B, ...]."""
-    k, rows = x.shape[:2]
-    return jnp.swapaxes(x, 0, 1).reshape(k * rows, *x.shape[2:])
 
 
 def _aux_losses(out: Any) -> dict[str, jax.Array]:

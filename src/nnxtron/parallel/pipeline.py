@@ -1,0 +1,230 @@
+"""Pipeline parallelism: a scanned layer stack run as a GPipe or circular schedule.
+
+The stack's stacked weights ``[P, ...]`` are viewed as ``[repeats, stages, lps, ...]``
+with the ``stage`` mesh axis on the stage dimension (``parallel.schedule`` says which
+block runs where and when). Every iteration:
+
+1. stage 0 takes the current activation of its microbatch from a buffer ``[M, mb, ...]``
+   (the input on the first repeat, the last stage's output after that); every other
+   stage takes what the previous stage produced (``shift``);
+2. all stages run at once: ``jax.vmap`` over the stage dimension with
+   ``spmd_axis_name="stage"`` of the *same* scan primitive the plain decoder uses
+   (``parallel.scan.apply_stacked``), each stage on the weights of its current repeat;
+3. the outputs move one stage on (a roll along the stage axis, i.e. a collective
+   permute), the last stage's output goes back into the buffer, and each stage's
+   non-trainable state (router bias, expert-load counters, hash tables…) is written back
+   for the repeat it used — only when that stage held a real microbatch, so bubbles
+   never mutate state.
+
+Parameters are read-only inputs; non-trainable state is carried through the loop.
+Auxiliary losses are summed over the real (stage, microbatch) pairs and averaged over the
+microbatches, as gradient accumulation does with equal token counts.
+
+Outside the pipeline the ``stage`` axis is one more data-parallel axis (see the
+``activation_batch`` rule); inside it the microbatches are split over the other batch
+axes only, so the stage axis is stripped from the rules while the pipeline runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
+from nnxtron.parallel.remat import RematSpec, jax_policy
+from nnxtron.parallel.scan import Aux, LayerStack, apply_stacked
+from nnxtron.parallel.schedule import PipelineSpec
+from nnxtron.parallel.sharding import Rules, activate, active_mesh, logical_to_spec, variable_names
+
+STAGE = "stage"
+
+
+def without_axis(rules: Rules, axis: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``rules`` with mesh axis ``axis`` removed from every entry."""
+    return tuple((name, tuple(a for a in axes if a != axis)) for name, axes in rules)
+
+
+class PipelinedStack(LayerStack):
+    """A scanned ``LayerStack`` whose blocks run as ``pipeline`` over the ``stage`` mesh axis.
+
+    The parameters are exactly a scanned stack's (same paths, same ``[P, ...]`` layout),
+    so checkpoints and HF conversion do not change. The schedule runs when the active
+    mesh (``parallel.sharding.activate``) has a ``stage`` axis of ``pipeline.stages``
+    devices; with no mesh (e.g. eager sampling) the blocks are applied in order — the
+    same function, which the parity tests prove.
+    """
+
+    def __init__(
+        self,
+        make_block: Callable[[nnx.Rngs], nnx.Module],
+        num_layers: int,
+        *,
+        key: jax.Array,
+        remat: RematSpec,
+        axis_name: str,
+        pipeline: PipelineSpec,
+    ):
+        if num_layers != pipeline.blocks:
+            raise ValueError(f"the pipeline schedules {pipeline.blocks} blocks but the stack has {num_layers}")
+        super().__init__(make_block, num_layers, key=key, scan=True, remat=remat, axis_name=axis_name)
+        self.pipeline = pipeline
+
+    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, Aux]:
+        active = active_mesh()
+        if active is None:
+            return super().__call__(x, *args)
+        mesh, rules = active
+        stages = mesh.shape.get(STAGE, 1)
+        if stages != self.pipeline.stages:
+            raise ValueError(f"the mesh has {stages} '{STAGE}' devices but the pipeline has {self.pipeline.stages} stages")
+        graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
+        y, aux, new_rest = run_pipeline(graphdef, params, rest, x, args, self.pipeline, self.remat, self.axis_name, mesh, rules)
+        nnx.update(self.layers, new_rest)
+        return y, aux
+
+
+def _staged_spec(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
+    """[stages, microbatch rows, length, ...] activations: stage axis, then the batch rules."""
+    batch = tuple(logical_to_spec(("activation_batch", "activation_length"), rules, mesh))
+    return NamedSharding(mesh, PartitionSpec(STAGE, *batch[: ndim - 1], *(None,) * max(ndim - 3, 0)))
+
+
+def _weight_spec(variable: nnx.Variable, mesh: Mesh, rules: Rules, drop_fsdp: bool) -> NamedSharding:
+    """[repeats, stages, lps, ...] stage weights: the stage axis on dim 1, the rest by its names."""
+    names = variable_names(variable)
+    rank = len(variable.shape) - 1
+    rest = list(logical_to_spec(names[1:], rules, mesh)) if names is not None else [None] * rank
+    if drop_fsdp:  # pipeline_fsdp_ag_once: gathered over fsdp once, before the iterations
+        keep = [tuple(a for a in ((e,) if isinstance(e, str) else e) if a != "fsdp") if e else () for e in rest]
+        rest = [None if not e else e[0] if len(e) == 1 else e for e in keep]
+    return NamedSharding(mesh, PartitionSpec(None, STAGE, None, *rest))
+
+
+def _to_stages(state: nnx.State, spec: PipelineSpec, mesh: Mesh, rules: Rules, drop_fsdp: bool) -> nnx.State:
+    """[P, ...] stacked variables -> [repeats, stages, lps, ...] placed on the stage axis
+    (block ``(r * stages + s) * lps + j`` at ``[r, s, j]``)."""
+
+    def one(variable: nnx.Variable) -> nnx.Variable:
+        value = variable.get_value()
+        staged = value.reshape(spec.repeats, spec.stages, spec.layers_per_stage, *value.shape[1:])
+        return variable.replace(jax.lax.with_sharding_constraint(staged, _weight_spec(variable, mesh, rules, drop_fsdp)))
+
+    return jax.tree.map(one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _from_stages(state: nnx.State, blocks: int) -> nnx.State:
+    return jax.tree.map(lambda v: v.reshape(blocks, *v.shape[3:]), state)
+
+
+def _for_stages(state: nnx.State, repeat_ids: jax.Array) -> nnx.State:
+    """Each stage's [lps, ...] slice of its current repeat: [stages, lps, ...]."""
+    return jax.tree.map(lambda w: jax.vmap(lambda ws, r: ws[r], in_axes=(1, 0))(w, repeat_ids), state)
+
+
+def _write_back(state: nnx.State, repeat_ids: jax.Array, new: nnx.State, valid: jax.Array) -> nnx.State:
+    """Store each stage's new non-trainable state for its repeat, where the stage was not in a bubble."""
+    old_leaves, treedef = jax.tree.flatten(state)
+    new_leaves = jax.tree.leaves(new)
+    if len(old_leaves) != len(new_leaves):
+        raise ValueError("a pipeline stage changed the structure of its non-trainable state")
+
+    def one(ws: jax.Array, r: jax.Array, n: jax.Array, v: jax.Array) -> jax.Array:
+        return ws.at[r].set(jnp.where(v, n.astype(ws.dtype), ws[r]))
+
+    put = jax.vmap(one, in_axes=(1, 0, 0, 0), out_axes=1)
+    return jax.tree.unflatten(treedef, [put(w, repeat_ids, n, valid) for w, n in zip(old_leaves, new_leaves, strict=True)])
+
+
+def run_pipeline(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    rest: nnx.State,
+    x: jax.Array,
+    args: tuple,
+    spec: PipelineSpec,
+    remat: RematSpec,
+    axis_name: str,
+    mesh: Mesh,
+    rules: Rules,
+) -> tuple[jax.Array, Aux, nnx.State]:
+    """Apply the stacked blocks (``params`` + ``rest``, leading axis ``axis_name``) to
+    ``x [B, ...]`` by the schedule ``spec``; ``args`` are per-row arrays ``[B, ...]``
+    (positions, segment ids, token ids) that travel with their microbatch.
+
+    Returns the output ``[B, ...]``, the aux losses (mean over microbatches of their sum
+    over blocks) and the new stacked non-trainable state."""
+    stages, micro, repeats, delay = spec.stages, spec.microbatches, spec.repeats, spec.delay
+    inner = without_axis(rules, STAGE)
+    layer_remat = remat if spec.remat_layers else RematSpec("none")
+
+    def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple) -> tuple[jax.Array, Aux, nnx.State]:
+        return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name)
+
+    run_stages = jax.vmap(run_stage, spmd_axis_name=STAGE)
+
+    with activate(mesh, inner):
+        parts = split_microbatches({"x": x, **{f"arg{i}": a for i, a in enumerate(args)}}, micro)
+        micro_args = tuple(parts[f"arg{i}"] for i in range(len(args)))
+        staged_params = _to_stages(params, spec, mesh, inner, drop_fsdp=spec.fsdp_ag_once)
+        staged_rest = _to_stages(rest, spec, mesh, inner, drop_fsdp=False)
+        stage_ids = jnp.arange(stages)
+        place = lambda h: jax.lax.with_sharding_constraint(h, _staged_spec(mesh, inner, h.ndim))  # noqa: E731
+
+        def iteration(carry: tuple, t: jax.Array) -> tuple:
+            buffer, shift, previous, state, aux_sum = carry
+            item = t - delay * stage_ids  # what each stage works on (see parallel.schedule)
+            valid = (item >= 0) & (item < micro * repeats)
+            item = jnp.clip(item, 0, micro * repeats - 1)
+            micro_ids, repeat_ids = item % micro, item // micro
+            first = jax.lax.dynamic_index_in_dim(buffer, micro_ids[0], 0, keepdims=False)
+            is_first = (stage_ids == 0).reshape(stages, *(1,) * (shift.ndim - 1))
+            h = place(jnp.where(is_first, first[None], shift))
+            a = tuple(place(jnp.take(m, micro_ids, axis=0)) for m in micro_args)
+            y, aux, new_state = run_stages(_for_stages(staged_params, repeat_ids), _for_stages(state, repeat_ids), h, a)
+            y = place(y)
+            state = _write_back(state, repeat_ids, new_state, valid)
+            aux_sum = {name: aux_sum[name] + jnp.sum(jnp.where(valid, value, 0.0)) for name, value in aux.items()}
+            is_last = (stage_ids == stages - 1).reshape(is_first.shape)
+            out = jnp.sum(jnp.where(is_last, y, jnp.zeros((), y.dtype)), axis=0)  # the last stage's, as a reduction
+            done = jax.lax.dynamic_index_in_dim(buffer, micro_ids[-1], 0, keepdims=False)
+            buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(valid[-1], out, done), micro_ids[-1], 0)
+            sent = y if delay == 1 else previous  # delayed forwarding: last iteration's outputs move on
+            shift = place(jnp.roll(sent, 1, axis=0))
+            return buffer, shift, y if delay > 1 else previous, state, aux_sum
+
+        policy = jax_policy(remat) if spec.remat_iterations else None
+        if policy is not None:
+            iteration = jax.checkpoint(iteration, policy=policy, prevent_cse=not spec.scan_iterations)
+
+        def run_iterations(carry: tuple, first: jax.Array, count: int) -> tuple:
+            if spec.scan_iterations:
+                return jax.lax.scan(lambda c, t: (iteration(c, t), None), carry, first + jnp.arange(count))[0]
+            for u in range(count):
+                carry = iteration(carry, first + u)
+            return carry
+
+        zeros = place(jnp.zeros((stages, *parts["x"].shape[1:]), x.dtype))
+        aux_shapes = jax.eval_shape(
+            lambda: run_stages(
+                _for_stages(staged_params, jnp.zeros(stages, jnp.int32)),
+                _for_stages(staged_rest, jnp.zeros(stages, jnp.int32)),
+                zeros,
+                tuple(jnp.take(m, jnp.zeros(stages, jnp.int32), axis=0) for m in micro_args),
+            )[1]
+        )
+        carry = (parts["x"], zeros, zeros, staged_rest, {name: jnp.zeros((), jnp.float32) for name in aux_shapes})
+        if spec.scan_repeats:
+            carry = jax.lax.scan(lambda c, r: (run_iterations(c, r * micro, micro), None), carry, jnp.arange(repeats))[0]
+        else:
+            for r in range(repeats):
+                carry = run_iterations(carry, jnp.int32(r * micro), micro)
+        carry = run_iterations(carry, jnp.int32(repeats * micro), spec.tail_iterations)
+        buffer, _, _, state, aux_sum = carry
+        y = merge_microbatches(buffer)
+    aux = {name: value / micro for name, value in aux_sum.items()}
+    return y, aux, _from_stages(state, spec.blocks)

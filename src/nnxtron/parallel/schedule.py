@@ -1,0 +1,190 @@
+"""The pipeline schedule: which blocks run on which stage and repeat, and when.
+
+A pipelined stack of ``P`` blocks runs on ``S`` stages (the ``stage`` mesh axis, of size
+``ici_pipeline_parallelism x dcn_pipeline_parallelism``). Each stage applies
+``layers_per_stage`` consecutive blocks per visit, and a microbatch visits the stages
+``repeats`` times:
+
+* non-circular (GPipe, ``repeats == 1``): stage ``s`` holds blocks
+  ``[s * lps, (s + 1) * lps)``, a contiguous slice of the stack;
+* circular (``repeats > 1``): on repeat ``r`` stage ``s`` applies blocks
+  ``(r * S + s) * lps + j`` for ``j < lps`` — with one block per stage, block ``r * S + s``.
+
+The batch is split into ``M`` microbatches (rows ``m, m + M, ...``, as gradient
+accumulation splits it). At iteration ``t`` stage ``s`` works on item ``i = t - d * s``
+(``d`` = 2 with delayed activation forwarding, else 1): microbatch ``i mod M`` in repeat
+``i // M``, a bubble when ``i`` is outside ``[0, M * R)``. There are ``M * R + d * (S - 1)``
+iterations; the bubble fraction (idle stage-iterations) is
+``d * (S - 1) / (R * M + d * (S - 1))`` — ``(S - 1) / (R * M + S - 1)`` without delay.
+A circular schedule needs ``M >= d * (S - 1) + 1`` so that a microbatch has left the last
+stage before it re-enters the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nnxtron.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nnxtron.config.schema import Config
+
+# option -> the value that means "not used"; set with one stage, any other value is an error
+PIPELINE_OPTIONS_OFF: dict[str, Any] = {
+    "num_pipeline_microbatches": -1,
+    "num_pipeline_repeats": -1,
+    "num_layers_per_pipeline_stage": 1,
+    "pipeline_parallel_layers": -1,
+    "scan_pipeline_iterations": True,
+    "scan_pipeline_repeats": True,
+    "set_remat_policy_on_pipeline_iterations": True,
+    "set_remat_policy_on_layers_per_stage": False,
+    "pipeline_delay_activation_forwarding": False,
+    "pipeline_fsdp_ag_once": False,
+}
+PIPELINED_STACKS = ("moe_layers", "layers")  # the main stack of a decoder (DeepSeek: after the dense prefix)
+UNPIPELINED = "unpipelined_layers"  # main-stack blocks after the first pipeline_parallel_layers
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """A resolved schedule (see the module docstring); counts are in stack blocks."""
+
+    stack: str  # the pipelined stack (Decoder attribute and stack axis name)
+    layers_per_block: int  # model layers in one block (> 1 for cycle blocks)
+    stages: int
+    microbatches: int
+    repeats: int
+    layers_per_stage: int  # blocks a stage applies per visit
+    delay: int = 1  # iterations per stage-to-stage hop (2 = delayed activation forwarding)
+    scan_iterations: bool = True
+    scan_repeats: bool = True
+    remat_iterations: bool = True
+    remat_layers: bool = False
+    fsdp_ag_once: bool = False
+
+    @property
+    def blocks(self) -> int:
+        return self.stages * self.repeats * self.layers_per_stage
+
+    @property
+    def circular(self) -> bool:
+        return self.repeats > 1
+
+    @property
+    def tail_iterations(self) -> int:
+        """Iterations after the last microbatch entered the first stage (the drain)."""
+        return self.delay * (self.stages - 1)
+
+    @property
+    def iterations(self) -> int:
+        return self.microbatches * self.repeats + self.tail_iterations
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.tail_iterations / self.iterations
+
+    def block(self, repeat: int, stage: int, position: int) -> int:
+        """The stack block applied at ``position`` of ``stage`` on ``repeat``."""
+        return (repeat * self.stages + stage) * self.layers_per_stage + position
+
+    def placement(self) -> list[list[list[int]]]:
+        """``placement()[stage][repeat]``: the blocks that stage applies on that repeat."""
+        return [
+            [[self.block(r, s, j) for j in range(self.layers_per_stage)] for r in range(self.repeats)] for s in range(self.stages)
+        ]
+
+
+def _main_stack(cfg: Config) -> Any:
+    from nnxtron.models.pattern import layer_stacks
+
+    stacks = {stack.name: stack for stack in layer_stacks(cfg, pipelined=False)}
+    for name in PIPELINED_STACKS:
+        if name in stacks:
+            return stacks[name]
+    raise ConfigError(
+        f"ici_pipeline_parallelism: decoder_block {cfg.decoder_block} with {cfg.base_num_decoder_layers} layers has "
+        "no main layer stack to pipeline; use more layers or no pipeline"
+    )
+
+
+def pipeline_spec(cfg: Config) -> PipelineSpec | None:
+    """The schedule of ``cfg``, or None with one stage. Raises ConfigError when impossible."""
+    stages = cfg.pipeline_stages
+    if stages == 1:
+        return None
+    main = _main_stack(cfg)
+    per_block = main.layers_per_block
+    layers = main.total_layers if cfg.pipeline_parallel_layers == -1 else cfg.pipeline_parallel_layers
+    if layers > main.total_layers or layers < 1:
+        raise ConfigError(
+            f"pipeline_parallel_layers={cfg.pipeline_parallel_layers} must be between 1 and the {main.total_layers} "
+            f"layers of the '{main.name}' stack (or -1 for all of them)"
+        )
+    for name, value in (
+        ("pipeline_parallel_layers", layers),
+        ("num_layers_per_pipeline_stage", cfg.num_layers_per_pipeline_stage),
+    ):
+        if value % per_block:
+            raise ConfigError(
+                f"{name}={value} is not a whole number of the {per_block}-layer blocks of the '{main.name}' stack; "
+                f"use a multiple of {per_block}"
+            )
+    blocks, lps = layers // per_block, cfg.num_layers_per_pipeline_stage // per_block
+    if blocks % (stages * lps):
+        raise ConfigError(
+            f"{layers} pipelined layers do not divide into {stages} stages x num_layers_per_pipeline_stage="
+            f"{cfg.num_layers_per_pipeline_stage}; choose num_layers_per_pipeline_stage so that stages x it divides "
+            f"{layers} (or set pipeline_parallel_layers)"
+        )
+    repeats = blocks // (stages * lps)
+    if cfg.num_pipeline_repeats not in (-1, repeats):
+        raise ConfigError(
+            f"num_pipeline_repeats={cfg.num_pipeline_repeats} but {layers} pipelined layers / ({stages} stages x "
+            f"{cfg.num_layers_per_pipeline_stage} layers per stage) = {repeats}; set it to -1 or change "
+            "num_layers_per_pipeline_stage"
+        )
+    delay = 2 if cfg.pipeline_delay_activation_forwarding else 1
+    microbatches = stages if cfg.num_pipeline_microbatches == -1 else cfg.num_pipeline_microbatches
+    if microbatches < 1:
+        raise ConfigError(f"num_pipeline_microbatches={microbatches} must be >= 1 (or -1 for the number of stages)")
+    need = delay * (stages - 1) + 1
+    if repeats > 1 and microbatches < need:
+        raise ConfigError(
+            f"a circular pipeline ({repeats} repeats over {stages} stages"
+            f"{', delayed forwarding' if delay > 1 else ''}) needs num_pipeline_microbatches >= {need} so a "
+            f"microbatch leaves the last stage before re-entering the first; got {microbatches}"
+        )
+    return PipelineSpec(
+        stack=main.name,
+        layers_per_block=per_block,
+        stages=stages,
+        microbatches=microbatches,
+        repeats=repeats,
+        layers_per_stage=lps,
+        delay=delay,
+        scan_iterations=cfg.scan_pipeline_iterations,
+        scan_repeats=cfg.scan_pipeline_repeats,
+        remat_iterations=cfg.set_remat_policy_on_pipeline_iterations,
+        remat_layers=cfg.set_remat_policy_on_layers_per_stage,
+        fsdp_ag_once=cfg.pipeline_fsdp_ag_once,
+    )
+
+
+def check_pipeline_options(cfg: Config) -> None:
+    """Config-time checks: options need stages, and the schedule must exist."""
+    if cfg.pipeline_stages == 1:
+        for name, off in PIPELINE_OPTIONS_OFF.items():
+            if getattr(cfg, name) != off:
+                raise ConfigError(
+                    f"{name}={getattr(cfg, name)} is read only by a pipeline; set ici_pipeline_parallelism > 1 "
+                    f"(or leave {name} at {off})"
+                )
+        return
+    if not cfg.scan_layers:
+        raise ConfigError("ici_pipeline_parallelism > 1 needs scan_layers=true: the stage axis shards the stacked layer weights")
+    for name, off in (("ici_expert_parallelism", 1), ("ici_context_parallelism", 1)):
+        if getattr(cfg, name) != off:
+            raise ConfigError(f"{name} cannot be combined with ici_pipeline_parallelism > 1 yet; set {name}=1")
+    pipeline_spec(cfg)

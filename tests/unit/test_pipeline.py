@@ -1,0 +1,220 @@
+"""The pipeline schedule, its state handling, its remat structure and its config checks.
+
+Value parity of real models (pipelined vs sequential) lives in tests/parity/test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src import ad_checkpoint
+
+from nnxtron.config import load_config
+from nnxtron.decoder import build_model
+from nnxtron.errors import ConfigError
+from nnxtron.parallel.mesh import make_mesh
+from nnxtron.parallel.pipeline import PipelinedStack
+from nnxtron.parallel.remat import RematSpec
+from nnxtron.parallel.schedule import PipelineSpec, pipeline_spec
+from nnxtron.parallel.sharding import activate, check_unsharded, state_shardings
+from tests.conftest import random_batch, tiny_config
+
+RULES = (("activation_batch", ("data",)), ("activation_length", ()), ("layers", ("stage",)), ("embed", ()))
+
+
+class Calls(nnx.Variable):
+    """A non-trainable counter."""
+
+
+class CountingBlock(nnx.Module):
+    """Adds 1 to its counter on every call, and its own bias to the activations."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.bias = nnx.Param(jax.random.normal(rngs.params(), (8,)), out_sharding=("embed",))
+        self.calls = Calls(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x, positions):
+        self.calls[...] = self.calls[...] + 1
+        return jnp.tanh(x + self.bias[...]) * (1.0 + 0.01 * positions[..., None])
+
+
+def _mesh(stages: int):
+    devices = np.asarray(jax.devices()[: 2 * stages]).reshape(stages, 2)
+    return jax.sharding.Mesh(devices, ("stage", "data"))
+
+
+def _spec(stages, repeats, microbatches, lps=1, **flags) -> PipelineSpec:
+    return PipelineSpec("layers", 1, stages, microbatches, repeats, lps, **flags)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [_spec(2, 1, 2, lps=2), _spec(2, 2, 3), _spec(4, 2, 4), _spec(2, 2, 4, delay=2, scan_repeats=False, scan_iterations=False)],
+    ids=["gpipe", "circular", "circular_4_stages", "circular_delayed_unrolled"],
+)
+def test_non_trainable_state_mutated_in_a_stage_survives(spec):
+    """The reference bug: a stage that adds 1 to a counter on every call ends with one count
+    per microbatch in every block (bubbles do not count), and the output equals applying
+    the blocks in order."""
+    key = jax.random.key(0)
+    with nnx.use_eager_sharding(False):
+        stack, plain = (
+            PipelinedStack(CountingBlock, spec.blocks, key=key, remat=RematSpec("full"), axis_name="layers", pipeline=spec)
+            for _ in range(2)
+        )
+    rows = 2 * spec.microbatches
+    x = jax.random.normal(jax.random.key(1), (rows, 4, 8))
+    positions = jnp.broadcast_to(jnp.arange(4), (rows, 4))
+
+    @nnx.jit
+    def pipelined(stack, x, positions):
+        with activate(_mesh(spec.stages), RULES):
+            return stack(x, positions)[0]
+
+    y = pipelined(stack, x, positions)
+    expected = plain(x, positions)[0]  # no active mesh: the blocks in order, one call each
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(stack.layers.calls[...]), np.full(spec.blocks, spec.microbatches))
+    np.testing.assert_array_equal(np.asarray(plain.layers.calls[...]), np.ones(spec.blocks))
+
+
+def test_circular_placement_puts_block_r_times_stages_plus_s_on_stage_s():
+    spec = _spec(4, 2, 4)
+    assert spec.placement() == [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]]
+    gpipe = _spec(2, 1, 2, lps=3)
+    assert gpipe.placement() == [[[0, 1, 2]], [[3, 4, 5]]]
+    assert gpipe.iterations == 2 + 1 and gpipe.bubble_fraction == pytest.approx(1 / 3)
+    assert _spec(4, 2, 4).bubble_fraction == pytest.approx(3 / (2 * 4 + 3))
+    assert _spec(2, 2, 4, delay=2).iterations == 8 + 2
+
+
+def _remat_eqns(jaxpr) -> list:
+    """Every checkpoint equation, found by primitive identity, at any depth."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is ad_checkpoint.remat_p:
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found.extend(_remat_eqns(inner))
+    return found
+
+
+def _pipeline_jaxpr(**overrides):
+    return _traced(tuple(sorted(overrides.items())))
+
+
+@functools.cache
+def _traced(overrides: tuple):
+    """The jaxpr of the gradient of a pipelined llama (traced once per option set)."""
+    overrides = dict(overrides)
+    cfg = tiny_config(base_num_decoder_layers=4, ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, **overrides)
+    graphdef, state = nnx.split(build_model(cfg))
+    batch = random_batch(cfg, batch=8, seq=8)
+    mesh = make_mesh(cfg, jax.devices()[:4])
+
+    def loss(state):
+        with activate(mesh, cfg.logical_axis_rules):
+            return nnx.merge(graphdef, state)(batch["inputs"]).logits.sum()
+
+    return jax.make_jaxpr(jax.grad(loss))(state)
+
+
+def test_per_stage_remat_is_in_the_program_only_when_enabled():
+    """set_remat_policy_on_layers_per_stage adds a checkpoint around every layer of a
+    stage (inside the iteration's); remat_policy=full is nothing_saveable."""
+    off = _remat_eqns(_pipeline_jaxpr(set_remat_policy_on_pipeline_iterations=False).jaxpr)
+    layers = _remat_eqns(
+        _pipeline_jaxpr(set_remat_policy_on_pipeline_iterations=False, set_remat_policy_on_layers_per_stage=True).jaxpr
+    )
+    both = _remat_eqns(_pipeline_jaxpr(set_remat_policy_on_layers_per_stage=True).jaxpr)
+    iterations = _remat_eqns(_pipeline_jaxpr().jaxpr)
+    assert off == []
+    assert layers and iterations
+    assert len(both) > len(iterations) and len(both) > len(layers)
+    policy = jax.checkpoint_policies.nothing_saveable
+    assert all(eqn.params["policy"] is policy for eqn in layers + iterations)
+
+
+def test_scanned_and_unrolled_repeats_are_different_programs():
+    scanned = str(_pipeline_jaxpr())
+    unrolled = str(_pipeline_jaxpr(scan_pipeline_repeats=False, scan_pipeline_iterations=False))
+    assert scanned != unrolled and unrolled.count("scan[") < scanned.count("scan[")
+
+
+def test_fsdp_ag_once_gathers_stage_weights_before_the_iterations():
+    """With pipeline_fsdp_ag_once the staged weights are constrained without the fsdp axis."""
+    once, per_iteration = str(_pipeline_jaxpr(pipeline_fsdp_ag_once=True)), str(_pipeline_jaxpr())
+    assert "'fsdp'" in per_iteration and once != per_iteration
+
+
+def test_unsharded_parameter_check_runs_under_a_pipeline():
+    """The stage axis shards the pipelined stack; a rule that leaves it unsharded is caught."""
+    cfg = tiny_config(base_num_decoder_layers=4, ici_pipeline_parallelism=4, ici_fsdp_parallelism=1)
+    mesh = make_mesh(cfg, jax.devices()[:4])
+    params = nnx.state(build_model(cfg), nnx.Param)
+    shardings = state_shardings(params, mesh, cfg.logical_axis_rules)
+    assert check_unsharded(params, shardings, mesh, 0.02) <= 0.02
+    broken = tuple((name, () if name in ("layers", "embed") else axes) for name, axes in cfg.logical_axis_rules)
+    with pytest.raises(ConfigError, match="not sharded over any model axis"):
+        check_unsharded(params, state_shardings(params, mesh, broken), mesh, 0.02)
+
+
+def test_spec_from_config():
+    cfg = tiny_config(base_num_decoder_layers=8, ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=2)
+    spec = pipeline_spec(cfg)
+    assert (spec.stack, spec.stages, spec.repeats, spec.layers_per_stage, spec.microbatches) == ("layers", 2, 2, 2, 2)
+    ds3 = pipeline_spec(tiny_config("deepseek3-test", base_num_decoder_layers=5, ici_pipeline_parallelism=2))
+    assert ds3.stack == "moe_layers" and ds3.blocks == 4
+    assert pipeline_spec(tiny_config()) is None
+
+
+BAD = [
+    (dict(num_pipeline_microbatches=4), "read only by a pipeline"),
+    (dict(pipeline_fsdp_ag_once=True), "read only by a pipeline"),
+    (dict(scan_pipeline_repeats=False), "read only by a pipeline"),
+    (dict(ici_pipeline_parallelism=2, scan_layers=False), "needs scan_layers=true"),
+    (dict(ici_pipeline_parallelism=2, base_num_decoder_layers=3), "do not divide into 2 stages"),
+    (dict(ici_pipeline_parallelism=2, base_num_decoder_layers=4, num_pipeline_repeats=1), "num_pipeline_repeats=1"),
+    (
+        dict(ici_pipeline_parallelism=4, base_num_decoder_layers=8, num_pipeline_microbatches=2),
+        "needs num_pipeline_microbatches >= 4",
+    ),
+    (
+        dict(
+            ici_pipeline_parallelism=2,
+            base_num_decoder_layers=4,
+            num_pipeline_microbatches=2,
+            pipeline_delay_activation_forwarding=True,
+        ),
+        "needs num_pipeline_microbatches >= 3",
+    ),
+    (dict(ici_pipeline_parallelism=2, base_num_decoder_layers=4, pipeline_parallel_layers=6), "pipeline_parallel_layers=6"),
+    (dict(ici_pipeline_parallelism=2, ici_context_parallelism=2, base_num_decoder_layers=4), "ici_context_parallelism"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
+def test_impossible_pipelines_fail_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(values={"model_name": "llama3.1-tiny", **overrides})
+
+
+def test_cycle_blocks_need_whole_blocks_per_stage():
+    with pytest.raises(ConfigError, match="whole number of the 2-layer blocks"):
+        tiny_config("deepseek4-test", base_num_decoder_layers=6, compress_ratios=[0, 4, 8, 4, 8, 4], ici_pipeline_parallelism=2)
+
+
+def test_microbatches_must_divide_the_batch_over_the_data_axes():
+    from nnxtron.config.derived import derive
+
+    cfg = tiny_config(base_num_decoder_layers=4, ici_pipeline_parallelism=2, num_pipeline_microbatches=4, per_device_batch_size=1)
+    with pytest.raises(ConfigError, match="num_pipeline_microbatches=4 does not split the 8-row batch"):
+        derive(cfg, 8)  # 8 rows / 4 microbatches = 2 rows, over fsdp=4
