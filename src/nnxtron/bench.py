@@ -3,6 +3,11 @@
 Builds the mesh, optimizer, sharded state and jitted step exactly as the Trainer does
 (the same functions, no copy of the step logic), compiles the step ahead of time, then
 times ``steps`` steps after two warm-up steps. No checkpoints, metrics files or eval.
+
+With a pipeline (``ici_pipeline_parallelism`` > 1) the result also holds the schedule's
+bubble model (``parallel.schedule``): the idle fraction ``d(S-1)/(R*M+d(S-1))`` and
+``step_seconds_without_bubble`` = measured step time x (1 - bubble), the step time the
+same work would take with no idle stage-iterations (treating the whole step as pipelined).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import numpy as np
 
 from nnxtron.config.derived import derive
 from nnxtron.config.loader import load_config
+from nnxtron.config.schema import Config
 from nnxtron.data.sources import make_sources
 from nnxtron.errors import UserError
 from nnxtron.parallel.mesh import make_mesh
+from nnxtron.parallel.schedule import pipeline_spec
 from nnxtron.perf import peak_flops_total, training_flops_per_token
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import init_state, setup
@@ -34,12 +41,33 @@ def count_params(params: Any) -> int:
     return int(sum(np.prod(np.shape(leaf), dtype=np.int64) for leaf in jax.tree.leaves(params)))
 
 
+def pipeline_fields(cfg: Config, step_seconds: float) -> dict[str, Any]:
+    """The pipeline's bubble model next to the measured step time (None values without a pipeline)."""
+    spec = pipeline_spec(cfg)
+    if spec is None:
+        return {
+            "pipeline_stages": 1,
+            "pipeline_repeats": None,
+            "pipeline_microbatches": None,
+            "pipeline_bubble_fraction": None,
+            "step_seconds_without_bubble": None,
+        }
+    return {
+        "pipeline_stages": spec.stages,
+        "pipeline_repeats": spec.repeats,
+        "pipeline_microbatches": spec.microbatches,
+        "pipeline_bubble_fraction": spec.bubble_fraction,
+        "step_seconds_without_bubble": step_seconds * (1 - spec.bubble_fraction),
+    }
+
+
 def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> dict[str, Any]:
     """Compile and time the train step of the config ``file`` + ``overrides``.
 
     Returns one flat dict (JSON-serialisable): timings in seconds, throughput, model
-    TFLOP/s and MFU, plus fields that identify the model and the machine. ``steps`` is
-    the number of timed steps (the config's ``steps`` is ignored).
+    TFLOP/s and MFU, the pipeline bubble model (``pipeline_fields``), plus fields that
+    identify the model and the machine. ``steps`` is the number of timed steps (the
+    config's ``steps`` is ignored).
     """
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
@@ -111,5 +139,6 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
         "peak_tflops": peak / 1e12,
         "peak_source": peak_source,
         "mfu": tflops * 1e12 / peak,
+        **pipeline_fields(cfg, step_seconds),
         "loss": loss,
     }

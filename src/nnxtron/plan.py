@@ -34,6 +34,7 @@ from nnxtron.parallel.scan import LayerStack
 from nnxtron.parallel.sharding import unsharded_report, variable_names
 from nnxtron.params import path_str
 from nnxtron.perf import training_flops_per_token
+from nnxtron.plan_pipeline import format_pipeline, pipeline_plan
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import setup
 from nnxtron.train.step import batch_sharding, make_train_step
@@ -266,6 +267,7 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
         "mesh": dict(mesh.shape),
         "derived": derived.as_dict(),
         "seq_len": cfg.max_target_length,
+        "pipeline": pipeline_plan(cfg),  # None without a pipeline (plan_pipeline.py)
         "params": counts,
         "state_per_device": per_device,
         "state_unsharded": unsharded_totals,
@@ -350,6 +352,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"batch: global {d['global_batch_size']} x {plan['seq_len']} tokens = {d['tokens_per_step']:,} tokens/step; "
         f"microbatch {d['microbatch_size']}; head_dim {d['head_dim']}; kv groups {d['num_kv_groups']}; "
         f"schedule {d['schedule_steps']} steps ({d['warmup_steps']} warm-up)",
+        *format_pipeline(plan.get("pipeline")),
         "",
         "parameters",
     ]

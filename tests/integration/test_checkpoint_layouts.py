@@ -120,7 +120,15 @@ def test_resume_on_another_mesh_continues_the_loss_curve(corpus, runs, mesh):
     np.testing.assert_allclose(resumed.losses, straight[True].losses[3:], rtol=LOSS_RTOL, atol=0)
     assert _max_rel(_layer_list(resumed.state), _layer_list(straight[True].state)) <= STATE_RTOL
     mesh_shape = Checkpointer(Path(base) / name / "checkpoints", 10).read_meta(6)["layout"]["mesh_shape"]
-    want = {"stage": 1, "data": 1, "fsdp": 8, "context": 1, "expert": 1, "tensor": 1, **{k.split("_")[1]: v for k, v in MESHES[mesh].items()}}
+    want = {
+        "stage": 1,
+        "data": 1,
+        "fsdp": 8,
+        "context": 1,
+        "expert": 1,
+        "tensor": 1,
+        **{k.split("_")[1]: v for k, v in MESHES[mesh].items()},
+    }
     assert mesh_shape == want
 
 

@@ -119,6 +119,27 @@ MUTATIONS = [
     Mutation("csa-overlap-dropped", "layers/compressed.py", "kv = jnp.concatenate([prev_kv, kv[..., d:]], axis=2)",
              "kv = jnp.concatenate([prev_kv * 0, kv[..., d:]], axis=2)", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
     Mutation("swiglu-clamp-dropped", "layers/mlp.py", "    if limit <= 0:", "    if True:", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
+    # pipeline parallelism
+    Mutation("pipeline-cut-stage-shift", "parallel/pipeline.py", "shift = place(jnp.roll(sent, 1, axis=0))", "shift = place(jnp.roll(sent, 0, axis=0))",
+             ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",
+              "tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[gpipe_4_stages]")),
+    Mutation("pipeline-drops-carried-state", "parallel/pipeline.py", "state = _write_back(state, repeat_ids, new_state, valid)", "state = state",
+             ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",
+              "tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[deepseek3_mtp_dense_prefix_outside]")),
+    Mutation("pipeline-bubbles-mutate-state", "parallel/pipeline.py", "jnp.where(v, n.astype(ws.dtype), ws[r])", "n.astype(ws.dtype)",
+             ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",)),
+    Mutation("pipeline-no-per-stage-remat", "parallel/pipeline.py", 'layer_remat = remat if spec.remat_layers else RematSpec("none")',
+             'layer_remat = RematSpec("none")', ("tests/unit/test_pipeline.py::test_per_stage_remat_is_in_the_program_only_when_enabled",)),
+    Mutation("pipeline-reverse-circular-order", "parallel/pipeline.py",
+             "staged = value.reshape(spec.repeats, spec.stages, spec.layers_per_stage, *value.shape[1:])",
+             "staged = value.reshape(spec.stages, spec.repeats, spec.layers_per_stage, *value.shape[1:]).swapaxes(0, 1)",
+             ("tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[circular_2_repeats]",)),
+    Mutation("pipeline-aux-not-averaged", "parallel/pipeline.py", "aux = {name: value / micro for name, value in aux_sum.items()}",
+             "aux = dict(aux_sum)", ("tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[moe_load_balance_loss]",)),
+    Mutation("pipeline-ignores-iteration-remat-flag", "parallel/pipeline.py", "policy = jax_policy(remat) if spec.remat_iterations else None",
+             "policy = jax_policy(remat)", ("tests/unit/test_pipeline.py::test_per_stage_remat_is_in_the_program_only_when_enabled",)),
+    Mutation("pipeline-ignores-delay", "parallel/pipeline.py", "sent = y if delay == 1 else previous", "sent = y",
+             ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",)),
 ]  # fmt: skip
 
 

@@ -66,19 +66,19 @@ CASES = {
     ),
     "moe_load_balance_loss": (
         "mixtral-tiny",
-        dict(base_num_decoder_layers=2, load_balance_loss_weight=0.01),
+        dict(base_num_decoder_layers=2, load_balance_loss_weight=0.01, remat_policy="none"),
         dict(PP2_FSDP2),
         4,
     ),
     "deepseek3_mtp_dense_prefix_outside": (
         "deepseek3-test",
-        dict(base_num_decoder_layers=5, mtp_num_layers=1),
+        dict(base_num_decoder_layers=5, mtp_num_layers=1, remat_policy="none"),
         dict(PP2_FSDP2),
         4,
     ),
     "deepseek4_hash_prefix_outside": (
         "deepseek4-test",
-        dict(base_num_decoder_layers=6, compress_ratios=[0, 4, 8, 4, 8, 4]),
+        dict(base_num_decoder_layers=6, compress_ratios=[0, 4, 8, 4, 8, 4], remat_policy="none"),
         dict(PP2_FSDP2, num_layers_per_pipeline_stage=2),
         4,
     ),

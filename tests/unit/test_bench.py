@@ -12,7 +12,7 @@ import jax
 import pytest
 from flax import nnx
 
-from nnxtron.bench import run_bench
+from nnxtron.bench import pipeline_fields, run_bench
 from nnxtron.config import load_config
 from nnxtron.decoder import Decoder
 from nnxtron.errors import UserError
@@ -99,3 +99,45 @@ def test_host_overhead_plain_step_matches_nnxtron():
     parity = ho.check_parity(ho.Pair(ho.bench_config(args)), steps=2)  # asserts losses, metrics, params, moments
     assert parity["loss_first"] == pytest.approx(parity["loss_first_plain"], rel=1e-5)
     assert parity["max_param_rel_diff"] <= 1e-5
+
+
+PIPELINE_OVERRIDES = [  # the cheapest pipeline to compile: 2 layers on stage=2 x fsdp=4, GPipe, 2 microbatches
+    "model_name=llama3.1-tiny",
+    "base_num_decoder_layers=2",
+    "ici_pipeline_parallelism=2",
+    "remat_policy=none",
+    "dataset_type=synthetic",
+    "vocab_size=256",
+    "per_device_batch_size=1",
+    "max_target_length=16",
+]
+
+
+def test_pipeline_fields_are_the_bubble_model():
+    """(S-1)/(R*M+S-1) and the measured time scaled by (1 - bubble); None without a pipeline."""
+    assert pipeline_fields(load_config(None, OVERRIDES), 2.0) == {
+        "pipeline_stages": 1,
+        "pipeline_repeats": None,
+        "pipeline_microbatches": None,
+        "pipeline_bubble_fraction": None,
+        "step_seconds_without_bubble": None,
+    }
+    circular = load_config(None, ["model_name=llama3.1-tiny", "base_num_decoder_layers=8", "ici_pipeline_parallelism=2",
+                                  "num_pipeline_microbatches=3"])  # fmt: skip
+    fields = pipeline_fields(circular, 2.0)
+    bubble = (2 - 1) / (4 * 3 + 2 - 1)  # S=2, R=4 (8 layers / 2 stages), M=3
+    assert (fields["pipeline_stages"], fields["pipeline_repeats"], fields["pipeline_microbatches"]) == (2, 4, 3)
+    assert fields["pipeline_bubble_fraction"] == pytest.approx(bubble) == pytest.approx(1 / 13)
+    assert fields["step_seconds_without_bubble"] == pytest.approx(2.0 * 12 / 13)
+
+
+def test_bench_reports_the_pipeline_bubble_model(bench):
+    """A real pipelined bench: the measured step time next to the bubble model."""
+    assert bench["pipeline_stages"] == 1 and bench["pipeline_bubble_fraction"] is None
+    piped = run_bench(None, PIPELINE_OVERRIDES, steps=1)
+    json.dumps(piped)
+    assert piped["mesh_shape"]["stage"] == 2 and piped["global_batch"] == 8 and piped["timed_steps"] == 1
+    assert (piped["pipeline_stages"], piped["pipeline_repeats"], piped["pipeline_microbatches"]) == (2, 1, 2)
+    assert piped["pipeline_bubble_fraction"] == pytest.approx((2 - 1) / (1 * 2 + 2 - 1))
+    assert piped["step_seconds_without_bubble"] == pytest.approx(piped["step_seconds"] * 2 / 3, rel=1e-12)
+    assert math.isfinite(piped["loss"])

@@ -21,7 +21,7 @@ from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.pipeline import PipelinedStack
 from nnxtron.parallel.remat import RematSpec
 from nnxtron.parallel.schedule import PipelineSpec, pipeline_spec
-from nnxtron.parallel.sharding import activate, check_unsharded, state_shardings
+from nnxtron.parallel.sharding import activate, check_unsharded, logical_to_spec, state_shardings
 from tests.conftest import random_batch, tiny_config
 
 RULES = (("activation_batch", ("data",)), ("activation_length", ()), ("layers", ("stage",)), ("embed", ()))
@@ -218,3 +218,35 @@ def test_microbatches_must_divide_the_batch_over_the_data_axes():
     cfg = tiny_config(base_num_decoder_layers=4, ici_pipeline_parallelism=2, num_pipeline_microbatches=4, per_device_batch_size=1)
     with pytest.raises(ConfigError, match="num_pipeline_microbatches=4 does not split the 8-row batch"):
         derive(cfg, 8)  # 8 rows / 4 microbatches = 2 rows, over fsdp=4
+
+
+def test_layers_outside_the_pipeline_are_data_parallel_over_the_stage_axis():
+    """DeepSeek-V3: the MoE stack is split over the stages; the dense prefix, embedding and
+    head split their embed dimension over the stage axis too (fsdp-style), and the batch
+    outside the pipeline is split over it — nothing is replicated over the stages."""
+    from nnxtron.params import flatten
+
+    cfg = tiny_config("deepseek3-test", base_num_decoder_layers=5, ici_pipeline_parallelism=2, ici_fsdp_parallelism=2)
+    mesh = make_mesh(cfg, jax.devices()[:4])
+    params = nnx.state(build_model(cfg), nnx.Param)
+    specs = {k: v.spec for k, v in flatten(state_shardings(params, mesh, cfg.logical_axis_rules)).items()}
+
+    def axes(spec):
+        return {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+
+    for path, spec in specs.items():
+        if path.startswith("moe_layers/"):
+            assert spec[0] == "stage", (path, spec)
+        elif "fsdp" in axes(spec):  # weights split fsdp-style are split over the stages too
+            assert "stage" in axes(spec), (path, spec)
+    assert "stage" in axes(specs["embed/embedding"]) and "stage" in axes(specs["dense_layers/layers/mlp/wi_0/kernel"])
+    batch = logical_to_spec(("activation_batch", "activation_length"), cfg.logical_axis_rules, mesh)
+    assert "stage" in axes(batch)
+
+
+def test_dcn_stages_multiply_the_stage_axis():
+    cfg = tiny_config(base_num_decoder_layers=4, ici_pipeline_parallelism=2, dcn_pipeline_parallelism=2)
+    assert cfg.pipeline_stages == 4 and pipeline_spec(cfg).stages == 4
+    from nnxtron.config.derived import derive
+
+    assert derive(cfg, 8).mesh_shape["stage"] == 4

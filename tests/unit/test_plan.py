@@ -13,6 +13,8 @@ import nnxtron.plan
 from nnxtron.cli import main
 from nnxtron.config import load_config
 from nnxtron.plan import format_plan, make_plan, to_json_ready
+from nnxtron.plan_pipeline import format_pipeline, layer_ranges
+from tests.conftest import tiny_config
 
 SMALL = ["per_device_batch_size=1", "max_target_length=32"]  # keeps the AOT compile short
 TINY = ["model_name=llama3.1-tiny", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", *SMALL]
@@ -168,3 +170,85 @@ def test_cli_bad_input_is_one_line(capsys, args, needle):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], captured.err
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def _pipeline_plan(model: str = "llama3.1-tiny", **overrides) -> dict:
+    """make_plan without the AOT compile (the layout needs no XLA) over the 8 test devices."""
+    return make_plan(tiny_config(model, **overrides), compile=False)
+
+
+def test_plan_without_a_pipeline_has_no_pipeline_section(plan):
+    assert plan["pipeline"] is None and "pipeline:" not in format_plan(plan)
+
+
+def test_pipeline_circular_layout_and_bubble():
+    """4 layers over 2 stages, one layer per stage: 2 repeats, stage s applies layer r * 2 + s."""
+    plan = _pipeline_plan(base_num_decoder_layers=4, ici_pipeline_parallelism=2, num_pipeline_microbatches=4)
+    p = plan["pipeline"]
+    assert plan["mesh"]["stage"] == 2 and plan["mesh"]["fsdp"] == 4
+    assert (p["stack"], p["stages"], p["repeats"], p["circular"], p["microbatches"]) == ("layers", 2, 2, True, 4)
+    assert p["layers_per_stage"] == 1 and p["delay"] == 1 and p["pipelined_layers"] == 4
+    assert p["layout"] == [[[0], [2]], [[1], [3]]]
+    assert p["outside"] == []
+    assert p["iterations"] == 2 * 4 + 1 == 9
+    assert p["bubble_fraction"] == pytest.approx((2 - 1) / (2 * 4 + 2 - 1)) == pytest.approx(1 / 9)
+    text = format_plan(plan)
+    for needle in (
+        "pipeline: 2 stages x 2 repeats (circular), 4 microbatches, 1 layer per stage, bubble 11.1% = (S-1)/(R*M+S-1) = 1/9",
+        "  stack layers, layers 0-3; 9 iterations; schedule flags: scan_iterations, scan_repeats, remat_iterations\n",
+        "  stage 0: repeat 0 layer 0 | repeat 1 layer 2\n",
+        "  stage 1: repeat 0 layer 1 | repeat 1 layer 3\n",
+    ):
+        assert needle in text, needle
+    assert "outside the pipeline" not in text
+    assert json.loads(json.dumps(to_json_ready(plan)))["pipeline"]["layout"] == p["layout"]
+
+
+def test_pipeline_gpipe_layout_and_bubble():
+    """Two layers per stage over 4 layers: one repeat, contiguous slices (GPipe)."""
+    p = _pipeline_plan(base_num_decoder_layers=4, ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=2)["pipeline"]
+    assert (p["stages"], p["repeats"], p["circular"], p["microbatches"], p["layers_per_stage"]) == (2, 1, False, 2, 2)
+    assert p["layout"] == [[[0, 1]], [[2, 3]]]
+    assert p["bubble_fraction"] == pytest.approx(1 / 3)  # (S-1)/(R*M+S-1) = 1/(1*2+1)
+    lines = "\n".join(format_pipeline(p))
+    assert "pipeline: 2 stages x 1 repeat (GPipe), 2 microbatches, 2 layers per stage, bubble 33.3%" in lines
+    assert "  stage 0: repeat 0 layers 0-1\n  stage 1: repeat 0 layers 2-3" in lines
+
+
+def test_pipeline_deepseek_dense_prefix_stays_outside():
+    """DeepSeek: the dense layer 0 is its own stack; the moe_layers (1-4) are pipelined."""
+    plan = _pipeline_plan("deepseek3-test", base_num_decoder_layers=5, ici_pipeline_parallelism=2)
+    p = plan["pipeline"]
+    assert p["stack"] == "moe_layers" and p["layout"] == [[[1], [3]], [[2], [4]]]
+    assert p["outside"] == [{"stack": "dense_layers", "layers": [0]}]
+    text = format_plan(plan)
+    assert "  stack moe_layers, layers 1-4;" in text
+    assert "  outside the pipeline, data-parallel over the stage axis: dense_layers layer 0\n" in text
+
+
+def test_pipeline_partial_delayed_and_long_layouts():
+    """pipeline_parallel_layers leaves the rest outside; delayed forwarding doubles the drain;
+    many repeats are elided and consecutive layers compressed into ranges."""
+    p = _pipeline_plan(
+        base_num_decoder_layers=8,
+        ici_pipeline_parallelism=2,
+        pipeline_parallel_layers=4,
+        num_pipeline_microbatches=4,
+        pipeline_delay_activation_forwarding=True,
+    )["pipeline"]
+    assert p["layout"] == [[[0], [2]], [[1], [3]]] and p["delay"] == 2 and p["schedule"]["delayed_forwarding"]
+    assert p["outside"] == [{"stack": "unpipelined_layers", "layers": [4, 5, 6, 7]}]
+    assert p["bubble_fraction"] == pytest.approx(2 * (2 - 1) / (2 * 4 + 2 * (2 - 1)))
+    text = "\n".join(format_pipeline(p))
+    assert "bubble 20.0% = 2(S-1)/(R*M+2(S-1)) = 2/10" in text and "unpipelined_layers layers 4-7" in text
+
+    long = _pipeline_plan(base_num_decoder_layers=24, ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=2)
+    p = long["pipeline"]
+    assert p["repeats"] == 6 and p["layout"][1][5] == [22, 23]
+    assert sorted(layer for stage in p["layout"] for repeat in stage for layer in repeat) == list(range(24))
+    stage_1 = "  stage 1: repeat 0 layers 2-3 | repeat 1 layers 6-7 | repeat 2 layers 10-11 | ... | repeat 5 layers 22-23\n"
+    assert stage_1 in format_plan(long)
+    assert layer_ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3, 8, 10-11" and layer_ranges([]) == ""

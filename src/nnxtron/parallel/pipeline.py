@@ -175,6 +175,17 @@ def run_pipeline(
         stage_ids = jnp.arange(stages)
         place = lambda h: jax.lax.with_sharding_constraint(h, _staged_spec(mesh, inner, h.ndim))  # noqa: E731
 
+        def compute(weights: nnx.State, state: nnx.State, h: jax.Array, a: tuple, repeat_ids: jax.Array) -> tuple:
+            """The stages' work in one iteration, on the weights and state of their repeats."""
+            return run_stages(_for_stages(weights, repeat_ids), _for_stages(state, repeat_ids), h, a)
+
+        # per-iteration remat wraps the stages' work only: the checkpoint keeps its inputs
+        # (activations, repeat ids, the small non-trainable state), never the microbatch
+        # buffer, and the stage weights are loop-invariant
+        policy = jax_policy(remat) if spec.remat_iterations else None
+        if policy is not None:
+            compute = jax.checkpoint(compute, policy=policy, prevent_cse=not spec.scan_iterations)
+
         def iteration(carry: tuple, t: jax.Array) -> tuple:
             buffer, shift, previous, state, aux_sum = carry
             item = t - delay * stage_ids  # what each stage works on (see parallel.schedule)
@@ -185,7 +196,7 @@ def run_pipeline(
             is_first = (stage_ids == 0).reshape(stages, *(1,) * (shift.ndim - 1))
             h = place(jnp.where(is_first, first[None], shift))
             a = tuple(place(jnp.take(m, micro_ids, axis=0)) for m in micro_args)
-            y, aux, new_state = run_stages(_for_stages(staged_params, repeat_ids), _for_stages(state, repeat_ids), h, a)
+            y, aux, new_state = compute(staged_params, state, h, a, repeat_ids)
             y = place(y)
             state = _write_back(state, repeat_ids, new_state, valid)
             aux_sum = {name: aux_sum[name] + jnp.sum(jnp.where(valid, value, 0.0)) for name, value in aux.items()}
@@ -196,10 +207,6 @@ def run_pipeline(
             sent = y if delay == 1 else previous  # delayed forwarding: last iteration's outputs move on
             shift = place(jnp.roll(sent, 1, axis=0))
             return buffer, shift, y if delay > 1 else previous, state, aux_sum
-
-        policy = jax_policy(remat) if spec.remat_iterations else None
-        if policy is not None:
-            iteration = jax.checkpoint(iteration, policy=policy, prevent_cse=not spec.scan_iterations)
 
         def run_iterations(carry: tuple, first: jax.Array, count: int) -> tuple:
             if spec.scan_iterations:
