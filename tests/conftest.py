@@ -2,7 +2,12 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# 8 fake CPU devices; LLVM optimisation level 0: the tiny test models spend their time in
+# compilation, which it cuts by ~35% (XLA's HLO passes, fusion and buffer assignment are
+# unchanged; only the machine-code optimisation of the generated kernels is skipped)
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -101,18 +101,6 @@ def test_host_overhead_plain_step_matches_nnxtron():
     assert parity["max_param_rel_diff"] <= 1e-5
 
 
-PIPELINE_OVERRIDES = [  # the cheapest pipeline to compile: 2 layers on stage=2 x fsdp=4, GPipe, 2 microbatches
-    "model_name=llama3.1-tiny",
-    "base_num_decoder_layers=2",
-    "ici_pipeline_parallelism=2",
-    "remat_policy=none",
-    "dataset_type=synthetic",
-    "vocab_size=256",
-    "per_device_batch_size=1",
-    "max_target_length=16",
-]
-
-
 def test_pipeline_fields_are_the_bubble_model():
     """(S-1)/(R*M+S-1) and the measured time scaled by (1 - bubble); None without a pipeline."""
     assert pipeline_fields(load_config(None, OVERRIDES), 2.0) == {
@@ -129,15 +117,3 @@ def test_pipeline_fields_are_the_bubble_model():
     assert (fields["pipeline_stages"], fields["pipeline_repeats"], fields["pipeline_microbatches"]) == (2, 4, 3)
     assert fields["pipeline_bubble_fraction"] == pytest.approx(bubble) == pytest.approx(1 / 13)
     assert fields["step_seconds_without_bubble"] == pytest.approx(2.0 * 12 / 13)
-
-
-def test_bench_reports_the_pipeline_bubble_model(bench):
-    """A real pipelined bench: the measured step time next to the bubble model."""
-    assert bench["pipeline_stages"] == 1 and bench["pipeline_bubble_fraction"] is None
-    piped = run_bench(None, PIPELINE_OVERRIDES, steps=1)
-    json.dumps(piped)
-    assert piped["mesh_shape"]["stage"] == 2 and piped["global_batch"] == 8 and piped["timed_steps"] == 1
-    assert (piped["pipeline_stages"], piped["pipeline_repeats"], piped["pipeline_microbatches"]) == (2, 1, 2)
-    assert piped["pipeline_bubble_fraction"] == pytest.approx((2 - 1) / (1 * 2 + 2 - 1))
-    assert piped["step_seconds_without_bubble"] == pytest.approx(piped["step_seconds"] * 2 / 3, rel=1e-12)
-    assert math.isfinite(piped["loss"])

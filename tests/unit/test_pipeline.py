@@ -15,7 +15,7 @@ from flax import nnx
 from jax._src import ad_checkpoint
 
 from nnxtron.config import load_config
-from nnxtron.decoder import build_model
+from nnxtron.decoder import abstract_model, build_model
 from nnxtron.errors import ConfigError
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.pipeline import PipelinedStack
@@ -228,7 +228,7 @@ def test_layers_outside_the_pipeline_are_data_parallel_over_the_stage_axis():
 
     cfg = tiny_config("deepseek3-test", base_num_decoder_layers=5, ici_pipeline_parallelism=2, ici_fsdp_parallelism=2)
     mesh = make_mesh(cfg, jax.devices()[:4])
-    params = nnx.state(build_model(cfg), nnx.Param)
+    params = nnx.state(abstract_model(cfg), nnx.Param)
     specs = {k: v.spec for k, v in flatten(state_shardings(params, mesh, cfg.logical_axis_rules)).items()}
 
     def axes(spec):

@@ -216,15 +216,10 @@ def run_pipeline(
             return carry
 
         zeros = place(jnp.zeros((stages, *parts["x"].shape[1:]), x.dtype))
-        aux_shapes = jax.eval_shape(
-            lambda: run_stages(
-                _for_stages(staged_params, jnp.zeros(stages, jnp.int32)),
-                _for_stages(staged_rest, jnp.zeros(stages, jnp.int32)),
-                zeros,
-                tuple(jnp.take(m, jnp.zeros(stages, jnp.int32), axis=0) for m in micro_args),
-            )[1]
-        )
-        carry = (parts["x"], zeros, zeros, staged_rest, {name: jnp.zeros((), jnp.float32) for name in aux_shapes})
+        first_ids = jnp.zeros(stages, jnp.int32)
+        first_args = tuple(jnp.take(m, first_ids, axis=0) for m in micro_args)
+        aux_names = jax.eval_shape(compute, staged_params, staged_rest, zeros, first_args, first_ids)[1]
+        carry = (parts["x"], zeros, zeros, staged_rest, {name: jnp.zeros((), jnp.float32) for name in aux_names})
         if spec.scan_repeats:
             carry = jax.lax.scan(lambda c, r: (run_iterations(c, r * micro, micro), None), carry, jnp.arange(repeats))[0]
         else:
