@@ -121,8 +121,14 @@ def _from_stages(state: nnx.State, blocks: int) -> nnx.State:
     return jax.tree.map(lambda v: v.reshape(blocks, *v.shape[3:]), state)
 
 
-def _for_stages(state: nnx.State, repeat_ids: jax.Array) -> nnx.State:
-    """Each stage's [lps, ...] slice of its current repeat: [stages, lps, ...]."""
+def _for_stages(state: nnx.State, repeat_ids: jax.Array | None) -> nnx.State:
+    """Each stage's [lps, ...] slice of its current repeat: [stages, lps, ...].
+
+    ``repeat_ids`` None (one repeat, GPipe) takes repeat 0 statically: a slice of a
+    loop-invariant input stays loop-invariant, so autodiff does not keep a copy of the
+    stage weights for every iteration."""
+    if repeat_ids is None:
+        return jax.tree.map(lambda w: w[0], state)
     return jax.tree.map(lambda w: jax.vmap(lambda ws, r: ws[r], in_axes=(1, 0))(w, repeat_ids), state)
 
 
@@ -175,7 +181,7 @@ def run_pipeline(
         stage_ids = jnp.arange(stages)
         place = lambda h: jax.lax.with_sharding_constraint(h, _staged_spec(mesh, inner, h.ndim))  # noqa: E731
 
-        def compute(weights: nnx.State, state: nnx.State, h: jax.Array, a: tuple, repeat_ids: jax.Array) -> tuple:
+        def compute(weights: nnx.State, state: nnx.State, h: jax.Array, a: tuple, repeat_ids: jax.Array | None) -> tuple:
             """The stages' work in one iteration, on the weights and state of their repeats."""
             return run_stages(_for_stages(weights, repeat_ids), _for_stages(state, repeat_ids), h, a)
 
@@ -196,7 +202,7 @@ def run_pipeline(
             is_first = (stage_ids == 0).reshape(stages, *(1,) * (shift.ndim - 1))
             h = place(jnp.where(is_first, first[None], shift))
             a = tuple(place(jnp.take(m, micro_ids, axis=0)) for m in micro_args)
-            y, aux, new_state = compute(staged_params, state, h, a, repeat_ids)
+            y, aux, new_state = compute(staged_params, state, h, a, repeat_ids if repeats > 1 else None)
             y = place(y)
             state = _write_back(state, repeat_ids, new_state, valid)
             aux_sum = {name: aux_sum[name] + jnp.sum(jnp.where(valid, value, 0.0)) for name, value in aux.items()}
