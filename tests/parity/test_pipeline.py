@@ -19,6 +19,7 @@ import pytest
 
 from nnxtron.decoder import build_model
 from nnxtron.parallel.mesh import make_mesh
+from nnxtron.parallel.schedule import pipeline_spec
 from nnxtron.testing import GradResult, assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config
 
@@ -104,8 +105,7 @@ def _sequential(model: str, overrides: tuple, accumulation: int, devices: int) -
 def test_pipeline_equals_the_sequential_model(case):
     model, overrides, pipeline, devices = CASES[case]
     cfg = tiny_config(model, **overrides, **pipeline)
-    microbatches = cfg.num_pipeline_microbatches if cfg.num_pipeline_microbatches > 0 else cfg.pipeline_stages
-    accumulation = microbatches if cfg.load_balance_loss_weight > 0 else 1
+    accumulation = pipeline_spec(cfg).microbatches if cfg.load_balance_loss_weight > 0 else 1
     frozen = tuple((key, tuple(v) if isinstance(v, list) else v) for key, v in sorted(overrides.items()))
     reference = _sequential(model, frozen, accumulation, devices)
     result = loss_and_grads(build_model(cfg), _batch(cfg), mesh=make_mesh(cfg, jax.devices()[:devices]))
