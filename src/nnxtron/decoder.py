@@ -186,13 +186,22 @@ class Decoder(nnx.Module):
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
+def _quantized(model: Decoder) -> Decoder:
+    """The model with qwix-quantized matmuls when its config asks for it (``nnxtron.quant``)."""
+    if not model.config.use_qwix_quantization:
+        return model
+    from nnxtron.quant import quantize  # imports qwix: only for quantized configs
+
+    return quantize(model)
+
+
 def build_model(cfg: Config, seed: int | None = None) -> Decoder:
     """Construct a Decoder eagerly (unsharded); see train.state for sharded creation."""
     with nnx.use_eager_sharding(False):
-        return Decoder(cfg, nnx.Rngs(cfg.init_weights_seed if seed is None else seed))
+        return _quantized(Decoder(cfg, nnx.Rngs(cfg.init_weights_seed if seed is None else seed)))
 
 
 def abstract_model(cfg: Config) -> Decoder:
     """The Decoder with ShapeDtypeStruct leaves: shapes, dtypes and metadata, no arrays."""
     with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(cfg.init_weights_seed)))
+        return _quantized(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(cfg.init_weights_seed))))

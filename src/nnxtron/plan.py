@@ -215,6 +215,14 @@ def _device_memory_bytes(device_memory_gib: float | None) -> tuple[int | None, s
     return (int(limit), f"{device.device_kind} bytes_limit") if limit else (None, None)
 
 
+def _quantization(cfg: Config) -> str | None:
+    if not cfg.use_qwix_quantization:
+        return None
+    from nnxtron.quant import summary  # imports qwix: only for quantized configs
+
+    return summary(cfg)
+
+
 def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool = True) -> dict[str, Any]:
     """The plan of ``cfg`` on the current devices (``jax.devices()``), as a JSON-ready dict.
 
@@ -268,6 +276,7 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
         "derived": derived.as_dict(),
         "seq_len": cfg.max_target_length,
         "pipeline": pipeline_plan(cfg),  # None without a pipeline (plan_pipeline.py)
+        "quantization": _quantization(cfg),
         "params": counts,
         "state_per_device": per_device,
         "state_unsharded": unsharded_totals,
@@ -353,6 +362,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"microbatch {d['microbatch_size']}; head_dim {d['head_dim']}; kv groups {d['num_kv_groups']}; "
         f"schedule {d['schedule_steps']} steps ({d['warmup_steps']} warm-up)",
         *format_pipeline(plan.get("pipeline")),
+        *([plan["quantization"]] if plan.get("quantization") else []),
         "",
         "parameters",
     ]

@@ -8,6 +8,7 @@ Key names follow MaxText's where MaxText has one.
 from __future__ import annotations
 
 import math
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -28,6 +29,34 @@ RematPolicy = Literal[
     "custom",
 ]
 RematChoice = Literal["remat", "device", "offload"]  # per named activation, for remat_policy=custom
+QUANTIZATION_MODES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_full")
+QUANTIZATION_OPTIONS_OFF: dict[str, object] = {  # their base.yml values; any other value needs quantization on
+    "qwix_module_path": "(.*layers|mtp)/.*",  # every decoder layer stack and the MTP depths
+    "qwix_exclude_module_path": ".*/(router|.*_hc)",  # MoE routers, DeepSeek-V4 hyper-connection mixing
+    "weight_quantization_calibration_method": "absmax",
+    "act_quantization_calibration_method": "absmax",
+    "bwd_quantization_calibration_method": "absmax",
+    "quantization_tile_size": 0,
+    "quantization_bwd_tile_size": 0,
+}
+CALIBRATION_ARGS = {"absmax": (0, 1), "minmax": (0, 1), "rms": (1, 1), "fixed": (2, 2)}  # method -> (min, max) numbers
+
+
+def _check_calibration(key: str, value: str) -> None:
+    """qwix's calibration syntax: ``<method>[,<number>...]``."""
+    method, *args = [part.strip() for part in value.split(",")]
+    lo, hi = CALIBRATION_ARGS.get(method, (-1, -1))
+    if lo < 0:
+        raise ValueError(f"{key}={value!r}: unknown calibration method {method!r}; use one of {sorted(CALIBRATION_ARGS)}")
+    if not lo <= len(args) <= hi:
+        raise ValueError(f"{key}={value!r}: {method} takes {lo if lo == hi else f'{lo} to {hi}'} number(s) after the name")
+    for arg in args:
+        try:
+            float(arg)
+        except ValueError:
+            raise ValueError(f"{key}={value!r}: {arg!r} is not a number") from None
+
+
 SUPPORTED_MLP_ACTIVATIONS = (("silu", "linear"), ("gelu", "linear"), ("gelu",))  # two = gated (GLU), one = plain MLP
 
 
@@ -171,6 +200,17 @@ class Config(BaseModel):
     pipeline_fsdp_ag_once: bool  # all-gather the fsdp-sharded stage weights once per step, not per iteration
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...]
 
+    # --- quantized training (qwix; see nnxtron/quant.py, docs/quantization.md) ---------
+    use_qwix_quantization: bool
+    quantization: Literal["", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_full"]  # "" = off; QUANTIZATION_MODES
+    qwix_module_path: str  # regex over module paths: whose weight matmuls are quantized
+    qwix_exclude_module_path: str  # regex: modules never quantized (wins over qwix_module_path)
+    weight_quantization_calibration_method: str  # absmax[,c] | minmax[,c] | rms,c | fixed,lo,hi
+    act_quantization_calibration_method: str
+    bwd_quantization_calibration_method: str
+    quantization_tile_size: int = Field(ge=0)  # forward scales per tile of the contraction axis (0 = per channel)
+    quantization_bwd_tile_size: int = Field(ge=0)  # the same for the weight-gradient matmul (0 = per channel)
+
     # --- data -------------------------------------------------------------------
     dataset_type: Literal["synthetic", "text"]
     dataset_path: tuple[str, ...]
@@ -259,6 +299,7 @@ class Config(BaseModel):
         self._check_layer_pattern()
         self._check_deepseek4()
         self._check_pipeline()
+        self._check_quantization()
         if self.rope_type == "linear" and self.rope_scaling_factor < 1:
             raise ValueError(f"rope_type=linear needs rope_scaling_factor >= 1, got {self.rope_scaling_factor}")
         if self.rope_type == "llama3" and self.rope_high_freq_factor < self.rope_low_freq_factor:
@@ -424,6 +465,39 @@ class Config(BaseModel):
             check_pipeline_options(self)
         except ConfigError as err:
             raise ValueError(str(err)) from None
+
+    def _check_quantization(self) -> None:
+        """Quantization options only with qwix quantization on; regexes and calibration methods parse."""
+        if self.use_qwix_quantization and not self.quantization:
+            raise ValueError(f"use_qwix_quantization=true needs quantization= one of {list(QUANTIZATION_MODES)}")
+        if self.quantization and not self.use_qwix_quantization:
+            raise ValueError(
+                f"quantization={self.quantization} needs use_qwix_quantization=true (nnxtron quantizes with qwix only)"
+            )
+        defaults = QUANTIZATION_OPTIONS_OFF
+        if not self.use_qwix_quantization:
+            changed = [key for key, value in defaults.items() if getattr(self, key) != value]
+            if changed:
+                raise ValueError(f"{changed[0]} is set but quantization is off; set use_qwix_quantization=true quantization=...")
+            return
+        for key in ("qwix_module_path", "qwix_exclude_module_path"):
+            try:
+                re.compile(getattr(self, key))
+            except re.error as err:
+                raise ValueError(f"{key}={getattr(self, key)!r} is not a valid regular expression ({err})") from None
+        for key in ("weight", "act", "bwd"):
+            key = f"{key}_quantization_calibration_method"
+            _check_calibration(key, getattr(self, key))
+        if self.num_experts > 1:
+            moe_only_default = ["quantization_tile_size", "quantization_bwd_tile_size"] + [
+                f"{k}_quantization_calibration_method" for k in ("weight", "act", "bwd")
+            ]
+            changed = [key for key in moe_only_default if getattr(self, key) != defaults[key]]
+            if changed:
+                raise ValueError(
+                    f"{changed[0]}={getattr(self, changed[0])!r} cannot apply to the MoE grouped matmuls (qwix's ragged_dot "
+                    "quantizes per channel with absmax only); leave it at its default for num_experts > 1"
+                )
 
     @property
     def pipeline_stages(self) -> int:

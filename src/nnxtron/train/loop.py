@@ -154,6 +154,10 @@ class Trainer:
             bar.log(f"parameters unsharded over model axes: {100 * self.setup.unsharded_fraction:.3f}% "
                     f"(sharding_tolerance {100 * cfg.sharding_tolerance:g}%)")  # fmt: skip
             bar.log(f"peak {peak / 1e12:.3f} TFLOP/s from {peak_source}")
+            if cfg.use_qwix_quantization:
+                from nnxtron.quant import summary
+
+                bar.log(summary(cfg))
             recorder = _Recorder(self, peak, writer, bar, result)
             for step in range(start, cfg.steps):
                 batch = device_batch(self._host_batch(self.train_source, step), self.batch_shardings)

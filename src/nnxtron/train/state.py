@@ -118,6 +118,10 @@ def _opt_shardings(opt_abstract: Any, params_abstract: dict, param_shardings: di
 def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSetup:
     """Trace the model abstractly and compute the shardings of the whole train state."""
     check_offload_supported(RematSpec.from_config(cfg))
+    if cfg.use_qwix_quantization:
+        from nnxtron.quant import check_backend  # imports qwix: only for quantized configs
+
+        check_backend(cfg)
     graphdef, params, rest, param_sh, rest_sh = model_shardings(cfg, mesh)
     unsharded = check_unsharded(params, param_sh, mesh, cfg.sharding_tolerance)
     replicated = NamedSharding(mesh, PartitionSpec())
