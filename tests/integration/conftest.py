@@ -1,4 +1,12 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+
+from nnxtron.cli import _fake_device_env
 
 PARAGRAPH = (
     "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "
@@ -37,3 +45,20 @@ def train_overrides(corpus: str, base: str, run: str, **extra) -> list[str]:
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def cli_train(corpus: str, base: str, run: str, timeout: int = 300, **extra) -> subprocess.CompletedProcess:
+    """`nnxtron train` in a child process on 4 fake CPU devices (the test process has 8)."""
+    args = train_overrides(corpus, base, run, eval_interval=-1, enable_tensorboard=False, log_period=1, **extra)
+    env = {**os.environ, **_fake_device_env(4)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "nnxtron", "train", *args, "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def metric_records(run_dir: Path) -> list[dict]:
+    """The lines of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -110,6 +110,21 @@ def test_convert_round_trip_through_the_cli(tmp_path, capsys):
         (["train", "num_pipeline_microbatches=4"], "read only by a pipeline"),
         (["train", "ici_pipeline_parallelism=3"], "do not divide into 3 stages"),
         (["train", "ici_pipeline_parallelism=2", "num_pipeline_microbatches=1"], "needs num_pipeline_microbatches >= 2"),
+        # quantized training
+        (["train", "use_qwix_quantization=true", "quantization=int4"], "config key 'quantization'"),
+        (["train", "quantization=fp8"], "needs use_qwix_quantization=true"),
+        (["train", "use_qwix_quantization=true", "quantization=fp8", "qwix_module_path=embed"], "quantizes no matmul"),
+        (["train", "use_qwix_quantization=true", "quantization=int8", "quantization_tile_size=7"], "qwix cannot quantize"),
+        (
+            [
+                "train",
+                "model_name=mixtral-tiny",
+                "use_qwix_quantization=true",
+                "quantization=fp8",
+                "quantization_bwd_tile_size=8",
+            ],
+            "cannot apply to the MoE grouped matmuls",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):

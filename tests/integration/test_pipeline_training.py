@@ -5,39 +5,18 @@ Numerics of the schedules themselves (loss, every gradient) are in tests/parity/
 here the whole train step (optimizer, metrics, checkpoints) runs with a pipelined stack.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from nnxtron.cli import _fake_device_env
 from nnxtron.config import load_config
 from nnxtron.params import flatten
 from nnxtron.train.loop import Trainer, load_parameters
-from tests.integration.conftest import train_overrides
+from tests.integration.conftest import cli_train, metric_records, train_overrides
 
 # 4 layers on 2 stages: a circular schedule with 2 repeats
 PIPELINE = dict(base_num_decoder_layers=4, ici_pipeline_parallelism=2)
 COMPARED_METRICS = ("loss", "tokens", "grad_norm", "learning_rate")
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _cli_train(corpus: str, base: str, run: str, **extra) -> subprocess.CompletedProcess:
-    """`nnxtron train` in a child process on 4 fake CPU devices (this process has 8)."""
-    args = train_overrides(corpus, base, run, eval_interval=-1, enable_tensorboard=False, log_period=1, **extra)
-    env = {**os.environ, **_fake_device_env(4)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "nnxtron", "train", *args, "--no-progress"],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 def test_cli_trains_a_pipelined_model_and_resumes(corpus, tmp_path):
@@ -45,18 +24,18 @@ def test_cli_trains_a_pipelined_model_and_resumes(corpus, tmp_path):
     with more steps resumes from the step-10 checkpoint and keeps the learned loss."""
     base = str(tmp_path)
     common = dict(PIPELINE, ici_fsdp_parallelism=2, checkpoint_period=10, learning_rate_schedule_steps=15)
-    first = _cli_train(corpus, base, "pp", steps=10, **common)
+    first = cli_train(corpus, base, "pp", steps=10, **common)
     assert "'stage': 2" in first.stderr and "'fsdp': 2" in first.stderr and "new run" in first.stderr, first.stderr
     assert "trained steps 0..10" in first.stdout, first.stdout
     run = Path(base) / "pp"
-    first_losses = [r["loss"] for r in _records(run) if "loss" in r]
+    first_losses = [r["loss"] for r in metric_records(run) if "loss" in r]
     assert len(first_losses) == 10 and all(np.isfinite(first_losses))
     assert np.mean(first_losses[-3:]) < 0.5 * first_losses[0], first_losses
 
-    second = _cli_train(corpus, base, "pp", steps=15, **common)
+    second = cli_train(corpus, base, "pp", steps=15, **common)
     assert "resumed at step 10" in second.stderr, second.stderr
     assert "trained steps 10..15" in second.stdout, second.stdout
-    records = [r for r in _records(run) if "loss" in r]
+    records = [r for r in metric_records(run) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 16))  # steps 1-10 are not trained again
     resumed = [r["loss"] for r in records[10:]]
     # from scratch, step 11 would sit near the initial loss (~5.9); resumed, it continues
@@ -114,7 +93,7 @@ def test_pipelined_training_with_host_offload_equals_plain_fsdp_training(corpus,
     cfg, plain = _train(corpus, base, "plain")
     assert cfg.pipeline_stages == 1 and cfg.scan_layers
     np.testing.assert_allclose(pp.losses, plain.losses, rtol=1e-5)
-    pp_records, plain_records = _records(pp.run_dir), _records(plain.run_dir)
+    pp_records, plain_records = metric_records(pp.run_dir), metric_records(plain.run_dir)
     assert [r["step"] for r in pp_records] == [r["step"] for r in plain_records] == [1, 2, 3]
     for a, b in zip(pp_records, plain_records):
         for key in COMPARED_METRICS:

@@ -5,20 +5,15 @@ The reference system's qwix pass crashed on the MTP block (no targets) and then 
 hidden sharding corruption; here the whole `nnxtron train` runs with both.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nnxtron.cli import _fake_device_env
 from nnxtron.config import load_config
 from nnxtron.params import flatten
 from nnxtron.train.loop import Trainer
-from tests.integration.conftest import train_overrides
+from tests.integration.conftest import cli_train, metric_records, train_overrides
 
 QUANTIZED = dict(use_qwix_quantization=True, quantization="fp8_full")
 # deepseek3-tiny (MLA, 16 experts top-8, shared expert, correction bias) at CI size: 5 of
@@ -32,17 +27,10 @@ REGRESSION = dict(
 
 
 def _cli_train(corpus: str, base: str, run: str, **extra) -> list[dict]:
-    """`nnxtron train` in a child process on 4 fake CPU devices; returns the step records."""
-    args = train_overrides(corpus, base, run, eval_interval=-1, enable_tensorboard=False, log_period=1, **extra)
-    env = {**os.environ, **_fake_device_env(4)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "nnxtron", "train", *args, "--no-progress"],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    """`nnxtron train` on 4 fake CPU devices; returns the step records."""
+    proc = cli_train(corpus, base, run, timeout=600, **extra)
     assert "quantization fp8_full: float8_e4m3fn forward, float8_e5m2 backward" in proc.stderr, proc.stderr
-    lines = (Path(base) / run / "metrics.jsonl").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if "loss" in record]
+    return [record for record in metric_records(Path(base) / run) if "loss" in record]
 
 
 @pytest.mark.parametrize("layout", ["fsdp4", "pipeline2_fsdp2"])

@@ -140,6 +140,24 @@ MUTATIONS = [
              "policy = jax_policy(remat)", ("tests/unit/test_pipeline.py::test_per_stage_remat_is_in_the_program_only_when_enabled",)),
     Mutation("pipeline-ignores-delay", "parallel/pipeline.py", "sent = y if delay == 1 else previous", "sent = y",
              ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",)),
+    # quantized training
+    Mutation("quantize-nothing", "decoder.py", "if not model.config.use_qwix_quantization:", "if True:",
+             ("tests/unit/test_quant.py::test_quantized_matmuls_are_visible_in_the_gradient_jaxpr",
+              "tests/parity/test_quantization.py::test_mode_against_float32")),
+    Mutation("drop-backward-qtype", "quant.py", "bwd_qtype=backward,", "bwd_qtype=None,",
+             ("tests/unit/test_quant.py::test_quantized_matmuls_are_visible_in_the_gradient_jaxpr",)),
+    Mutation("quantize-activation-products", "quant.py",
+             "return (flax_util.find_param(lhs) is not None) != (flax_util.find_param(rhs) is not None)", "return True",
+             ("tests/unit/test_quant.py::test_quantized_matmuls_are_visible_in_the_gradient_jaxpr",)),
+    Mutation("quantize-the-router", "quant.py", "return [qwix.QtRule(module_path=cfg.qwix_exclude_module_path), quantized]",
+             "return [quantized]",
+             ("tests/unit/test_quant.py::test_deepseek3_quantizes_mla_experts_and_mtp_but_not_router_embedding_or_head",)),
+    Mutation("quantization-pass-mutates-state", "quant.py", "return nnx.merge(quantized_structure(model.config).graphdef, nnx.state(model))",
+             "return qwix.quantize_model(model, WeightMatmulProvider(rules(model.config)), *_example_call(model, model.config)[0], "
+             "methods=(QUANTIZED_METHOD,), **_example_call(model, model.config)[1])",
+             ("tests/unit/test_quant.py::test_quantization_leaves_state_and_values_untouched",)),
+    Mutation("quantized-traces-shared-across-configs", "quant.py", "module.quantization_pass = pass_id", "pass",
+             ("tests/unit/test_quant.py::test_configs_in_one_process_never_share_a_quantized_trace",)),
 ]  # fmt: skip
 
 

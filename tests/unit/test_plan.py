@@ -252,3 +252,11 @@ def test_pipeline_partial_delayed_and_long_layouts():
     stage_1 = "  stage 1: repeat 0 layers 2-3 | repeat 1 layers 6-7 | repeat 2 layers 10-11 | ... | repeat 5 layers 22-23\n"
     assert stage_1 in format_plan(long)
     assert layer_ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3, 8, 10-11" and layer_ranges([]) == ""
+
+
+def test_quantization_line_names_mode_types_and_scope(plan):
+    assert plan["quantization"] is None and "quantization" not in format_plan(plan)
+    quantized = _pipeline_plan("llama3.1-tiny", use_qwix_quantization=True, quantization="fp8_full")
+    line = quantized["quantization"]
+    assert line.startswith("quantization fp8_full: float8_e4m3fn forward, float8_e5m2 backward; 7 weight matmuls per forward")
+    assert "in 7 modules" in line and line in format_plan(quantized)

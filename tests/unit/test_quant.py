@@ -250,3 +250,13 @@ def test_a_backend_that_cannot_run_the_mode_is_one_clear_error(monkeypatch):
         monkeypatch.undo()
         quant._probe.cache_clear()
     quant.check_backend(quantized())  # the real probe passes on this backend
+
+
+def test_configs_in_one_process_never_share_a_quantized_trace():
+    """JAX caches remat/scan body traces by the layers' graphdef: two quantization modes
+    (and an unquantized model) traced one after the other must each get their own types."""
+    overrides = dict(base_num_decoder_layers=2, scan_layers=True, remat_policy="full")
+    for mode, types in (("fp8_e4m3", {E4M3}), ("int8", {INT8}), (None, set())):
+        cfg = quantized(mode=mode, **overrides) if mode else tiny_config("llama3.1-tiny", **overrides)
+        found = {t for key in _dot_operand_types(cfg) for t in key[1:]} & LOW
+        assert found == types, (mode, found)
