@@ -122,6 +122,7 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
         "weight_dtype": cfg.weight_dtype,
         "scan_layers": cfg.scan_layers,
         "remat_policy": cfg.remat_policy,
+        "quantization": cfg.quantization if cfg.use_qwix_quantization else None,
         "dataset_type": cfg.dataset_type,
         "devices": jax.device_count(),
         "mesh_shape": derived.mesh_shape,

@@ -28,7 +28,7 @@ OVERRIDES = [
 KEYS = {
     "compile_seconds", "trace_lower_seconds", "xla_compile_seconds", "step_seconds", "step_seconds_min", "tokens_per_s",
     "model_tflops_per_s", "mfu", "peak_tflops", "model_name", "decoder_block", "params", "global_batch", "seq_len",
-    "dtype", "scan_layers", "remat_policy", "devices", "backend", "loss",
+    "dtype", "scan_layers", "remat_policy", "quantization", "devices", "backend", "loss",
 }  # fmt: skip
 HOST_OVERHEAD = Path(__file__).resolve().parents[2] / "benchmarks" / "host_overhead.py"
 
@@ -52,6 +52,7 @@ def test_bench_reports_every_field(bench):
     cfg = load_config(None, OVERRIDES)
     assert bench["model_name"] == "llama2-tiny" and bench["decoder_block"] == "llama2"
     assert (bench["dtype"], bench["scan_layers"], bench["remat_policy"]) == (cfg.dtype, cfg.scan_layers, cfg.remat_policy)
+    assert bench["quantization"] is None
     assert bench["devices"] == jax.device_count() and bench["backend"] == jax.default_backend()
     assert bench["global_batch"] == 2 * jax.device_count() and bench["seq_len"] == 32
     assert bench["timed_steps"] == 2
