@@ -50,8 +50,10 @@ def test_modes_map_to_forward_and_backward_types():
         assert set(rule.op_names) == {"dot_general", "einsum", "ragged_dot"}
 
 
-def test_llama_quantizes_exactly_the_layer_projections():
-    ops = quant.quantized_structure(quantized()).ops
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_quantizes_exactly_the_layer_projections(dtype):
+    """With bfloat16 compute the weight operand is a cast of the parameter: still found."""
+    ops = quant.quantized_structure(quantized(dtype=dtype)).ops
     assert sorted(ops) == sorted(LLAMA_MODULES)
     assert all(counts == {"dot_general": 1} for counts in ops.values())
 
