@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from nnxtron.infer.cache import CacheSpec, TokenCache, cache_mask, cache_size
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm, l2_norm
 from nnxtron.layers.rope import RopeSpec, apply_rope
@@ -52,14 +53,46 @@ def attend(
     logits are ``(q.k) * scale`` in the activation dtype, the softmax runs in float32.
     Returns [B, S, N, dv].
     """
+    return masked_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_size), scale=scale, dtype=dtype)
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, dtype: jnp.dtype) -> jax.Array:
+    """``attend`` with an explicit boolean mask ``[B, S, T]`` (``k``/``v`` hold T tokens)."""
     batch, seq, heads, dk = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, dk)
     scores = jnp.einsum("bskgd,btkd->bkgst", q, k) * jnp.asarray(scale, q.dtype)
-    mask = attention_mask(segment_ids, sliding_window, chunk_size)[:, None, None]
-    scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     return jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(batch, seq, heads, v.shape[-1])
+
+
+def attend_with_cache(
+    cache: TokenCache,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    scale: float,
+    dtype: jnp.dtype,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
+) -> jax.Array:
+    """Decoding: attend over the cached tokens and the new ones (then cache the new ones).
+    ``segment_ids`` 0 marks padding (never cached, never attended to)."""
+    kv, key_positions = cache.extend({"key": k, "value": v}, positions, segment_ids != 0)
+    mask = cache_mask(positions, key_positions, sliding_window, chunk_size)
+    return masked_attention(q, kv["key"], kv["value"], mask, scale=scale, dtype=dtype)
+
+
+def key_value_cache(
+    max_length: int, kv_heads: int, head_dim: int, dtype: jnp.dtype, sliding_window: int = 0, chunk_size: int = 0
+) -> CacheSpec:
+    """The cache of grouped-query attention: keys and values per token."""
+    entry = ((kv_heads, head_dim), ("kv_heads", "head_dim"))
+    return CacheSpec(cache_size(max_length, sliding_window, chunk_size), {"key": entry, "value": entry}, dtype)
 
 
 class Attention(nnx.Module):
@@ -116,6 +149,10 @@ class Attention(nnx.Module):
         self.temperature_tuning = temperature_tuning
         self.dtype = dtype
 
+    def cache_spec(self, max_length: int) -> CacheSpec:
+        heads, head_dim = self.key.out_shape
+        return key_value_cache(max_length, heads, head_dim, self.dtype, self.sliding_window, self.chunk_size)
+
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         q = checkpoint_name(self.query(x), "query_proj")
         k = checkpoint_name(self.key(x), "key_proj")
@@ -134,15 +171,10 @@ class Attention(nnx.Module):
         # context parallelism: queries stay sharded over the sequence; keys/values are gathered
         k = constrain(k, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
         v = constrain(v, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
-        out = attend(
-            q,
-            k,
-            v,
-            segment_ids,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            chunk_size=self.chunk_size,
-            dtype=self.dtype,
-        )
+        window = dict(sliding_window=self.sliding_window, chunk_size=self.chunk_size)
+        if hasattr(self, "cache"):
+            out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype, **window)
+        else:
+            out = attend(q, k, v, segment_ids, scale=self.scale, dtype=self.dtype, **window)
         out = constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")

@@ -32,7 +32,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.config.schema import Config
-from nnxtron.layers.attention import attend
+from nnxtron.infer.cache import CacheSpec, cache_mask, cache_size
+from nnxtron.layers.attention import attend, masked_attention
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.layers.rope import RopeSpec, apply_rope, softmax_scale_multiplier
@@ -71,6 +72,12 @@ class MLA(nnx.Module):
         self.sliding_window = cfg.sliding_window_size
         self.dtype = dtype
 
+    def cache_spec(self, max_length: int) -> CacheSpec:
+        """The latent cache: the compressed KV and the (already rotated) RoPE key per token,
+        not the expanded heads."""
+        entries = {"latent": ((self.kv_lora,), (None,)), "rope_key": ((1, self.rope_dim), (None, None))}
+        return CacheSpec(cache_size(max_length, self.sliding_window), entries, self.dtype)
+
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """``x`` [B, S, D], ``positions`` and ``segment_ids`` [B, S] -> [B, S, D]."""
         if self.q_lora > 0:
@@ -83,9 +90,12 @@ class MLA(nnx.Module):
 
         latent = self.wkv_a(x)
         c, k_pe = latent[..., : self.kv_lora], latent[..., self.kv_lora :]
-        kv = self.wkv_b(self.kv_norm(c))  # [B, S, H, nope + v]
-        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
         k_pe = apply_rope(k_pe[:, :, None, :], positions, self.rope)  # one shared head
+        if hasattr(self, "cache"):  # decoding: cache the latent and the RoPE key, expand every token
+            cached, key_positions = self.cache.extend({"latent": c, "rope_key": k_pe}, positions, segment_ids != 0)
+            c, k_pe = cached["latent"], cached["rope_key"]
+        kv = self.wkv_b(self.kv_norm(c))  # [B, T, H, nope + v]
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, k_nope.shape[:-1] + k_pe.shape[-1:])], axis=-1)
         k = checkpoint_name(k, "key_proj")
         v = checkpoint_name(v, "value_proj")
@@ -93,6 +103,10 @@ class MLA(nnx.Module):
         q = constrain(q, QUERY)
         # context parallelism: queries stay sharded over the sequence; keys/values are gathered
         k, v = constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
-        out = attend(q, k, v, segment_ids, scale=self.scale, sliding_window=self.sliding_window, dtype=self.dtype)
+        if hasattr(self, "cache"):
+            mask = cache_mask(positions, key_positions, self.sliding_window)
+            out = masked_attention(q, k, v, mask, scale=self.scale, dtype=self.dtype)
+        else:
+            out = attend(q, k, v, segment_ids, scale=self.scale, sliding_window=self.sliding_window, dtype=self.dtype)
         out = constrain(out, QUERY)
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")

@@ -26,7 +26,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.layers.attention import attend
+from nnxtron.infer.cache import CacheSpec
+from nnxtron.layers.attention import attend, attend_with_cache, key_value_cache
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.mlp import MLP
 from nnxtron.layers.norms import LayerNorm
@@ -57,13 +58,20 @@ class FusedQKVAttention(nnx.Module):
         self.scale = head_dim**-0.5
         self.dtype = jnp.dtype(cfg.dtype)
 
+    def cache_spec(self, max_length: int) -> CacheSpec:
+        _, heads, head_dim = self.qkv.out_shape
+        return key_value_cache(max_length, heads, head_dim, self.dtype)
+
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         qkv = checkpoint_name(self.qkv(x), "qkv_proj")
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None))
         k = constrain(k, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
         v = constrain(v, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
-        out = attend(q, k, v, segment_ids, scale=self.scale, sliding_window=0, dtype=self.dtype)
+        if hasattr(self, "cache"):
+            out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype)
+        else:
+            out = attend(q, k, v, segment_ids, scale=self.scale, sliding_window=0, dtype=self.dtype)
         out = constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")
 

@@ -1,0 +1,113 @@
+"""KV-cached decoding: jitted prefill and decode steps over split state, batch generation.
+
+``Decoder`` = the model with caches attached (``infer.cache.attach_caches``), split once
+into parameters and non-parameter state (the caches); one jitted function runs a chunk of
+tokens — the whole (bucketed) prompt for prefill, one token per row for decode — and
+returns its logits and the new caches (donated). Rows may have prompts of different
+lengths: prompts are right-padded, padding carries segment id 0 (never cached, never
+attended to) and each row decodes from its own position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnxtron.config.schema import Config
+from nnxtron.infer.cache import CacheEntry, attach_caches
+from nnxtron.infer.sample import sample_logits
+
+MIN_BUCKET = 16
+
+
+def bucket(length: int) -> int:
+    """Prompt lengths are padded to a power of two (>= 16): at most log2(max) prefill compiles."""
+    return max(MIN_BUCKET, 1 << (length - 1).bit_length())
+
+
+@dataclass
+class CachedModel:
+    """A model split for decoding: static graph, parameters, other state and caches (pure dicts)."""
+
+    graphdef: nnx.GraphDef
+    params: dict
+    state: dict  # non-parameter model state (router biases, hash tables): read, never changed
+    caches: dict
+    max_length: int
+    _step: Callable
+
+    def step(self, caches: dict, tokens, positions, segment_ids) -> tuple[jax.Array, dict]:
+        """Run ``tokens [B, S]`` at ``positions`` (``segment_ids`` 0 = padding) through the
+        model: float32 logits ``[B, S, V]`` and the new caches (``caches`` is donated)."""
+        return self._step(self.params, self.state, caches, tokens, positions, segment_ids)
+
+
+def with_caches(model: nnx.Module, batch: int, max_length: int) -> CachedModel:
+    """``model`` with empty caches for ``batch`` rows of up to ``max_length`` tokens (the
+    model itself is not changed)."""
+    cfg = model.config
+    if cfg.attention_type == "compressed":
+        raise ValueError("decoding with a cache is not implemented for attention_type=compressed (DeepSeek-V4) yet")
+    if max_length > cfg.max_position_embeddings:
+        raise ValueError(f"{max_length} tokens exceed max_position_embeddings={cfg.max_position_embeddings}")
+    model = nnx.clone(model)
+    attach_caches(model, batch, max_length)
+    graphdef, params, caches, state = nnx.split(model, nnx.Param, CacheEntry, ...)
+
+    def step(params, state, caches, tokens, positions, segment_ids):
+        model = nnx.merge(graphdef, params, caches, state)
+        logits = model(tokens, positions, segment_ids).logits
+        return logits, nnx.to_pure_dict(nnx.state(model, CacheEntry))
+
+    pure = nnx.to_pure_dict
+    return CachedModel(graphdef, pure(params), pure(state), pure(caches), max_length, jax.jit(step, donate_argnums=(2,)))
+
+
+def prompt_batch(prompts: Sequence[Sequence[int]], length: int) -> dict[str, np.ndarray]:
+    """Right-padded tokens, positions and segment ids (0 = padding) for ``prompts``."""
+    tokens = np.zeros((len(prompts), length), np.int32)
+    segments = np.zeros_like(tokens)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = prompt
+        segments[row, : len(prompt)] = 1
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape).copy()
+    return {"tokens": tokens, "positions": positions, "segment_ids": segments}
+
+
+def generate(
+    model: nnx.Module, prompts: Sequence[Sequence[int]], cfg: Config, max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> Iterator[list[int | None]]:
+    """Yield one list per decoding step: each row's new token, or None once the row has
+    stopped (a stop token, or ``max_new_tokens``). Sampling follows ``cfg.decode_sampling_*``."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must contain at least one token")
+    longest = max(len(p) for p in prompts)
+    cached = with_caches(model, len(prompts), longest + max_new_tokens)
+    batch = prompt_batch(prompts, min(bucket(longest), cached.max_length))
+    logits, caches = cached.step(cached.caches, *(jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")))
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    last = np.asarray(logits)[np.arange(len(prompts)), lengths - 1]
+    key = jax.random.key(cfg.decode_sampling_seed)
+    done = np.zeros(len(prompts), bool)
+    options = (
+        cfg.decode_sampling_strategy,
+        cfg.decode_sampling_temperature,
+        cfg.decode_sampling_top_k,
+        cfg.decode_sampling_nucleus_p,
+    )
+    for i in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        tokens = np.asarray(sample_logits(jnp.asarray(last), sub, *options)).astype(np.int32)
+        yield [None if d else int(t) for t, d in zip(tokens, done)]
+        done |= np.isin(tokens, list(stop_ids))
+        if done.all() or i == max_new_tokens - 1:
+            return
+        positions = (lengths + i)[:, None]
+        segments = (~done).astype(np.int32)[:, None]
+        logits, caches = cached.step(caches, jnp.asarray(tokens[:, None]), jnp.asarray(positions), jnp.asarray(segments))
+        last = np.asarray(logits)[:, 0]
