@@ -219,3 +219,9 @@ def test_console_script_exit_status_without_traceback():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: unknown config key 'stpes' in command-line overrides; did you mean 'steps'?"
+
+
+def test_generate_longer_than_the_model_is_one_line(trained_run, capsys):
+    run, _ = trained_run
+    code, _, err = _run(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=1000000")
+    _assert_user_error(code, err, "exceed max_position_embeddings")

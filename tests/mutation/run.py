@@ -158,6 +158,20 @@ MUTATIONS = [
              ("tests/unit/test_quant.py::test_quantization_leaves_state_and_values_untouched",)),
     Mutation("quantized-traces-shared-across-configs", "quant.py", "module.quantization_pass = pass_id", "pass",
              ("tests/unit/test_quant.py::test_configs_in_one_process_never_share_a_quantized_trace",)),
+    # KV-cached decoding
+    Mutation("cache-position-off-by-one", "infer/cache.py", "self.positions[...] = self.positions[...].at[rows, slots].set(positions,",
+             "self.positions[...] = self.positions[...].at[rows, slots].set(positions - 1,",
+             ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[llama3.1-tiny]",)),
+    Mutation("cache-ring-does-not-wrap", "infer/cache.py", "slots = jnp.where(keep, positions % self.size, self.size)",
+             "slots = jnp.where(keep, jnp.minimum(positions, self.size - 1), self.size)",
+             ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[mistral-tiny]",)),
+    Mutation("cache-mask-ignores-window", "infer/cache.py", "    if sliding_window > 0:\n        visible = visible & (pq - pk",
+             "    if False:\n        visible = visible & (pq - pk",
+             ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[gemma3-tiny]",)),
+    Mutation("cache-keeps-padding", "infer/cache.py", "keep = valid & (positions > latest - self.size)", "keep = positions > latest - self.size",
+             ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[llama3.1-tiny]",)),
+    Mutation("decode-position-off-by-one", "infer/decode.py", "positions = (lengths + i)[:, None]", "positions = (lengths + i + 1)[:, None]",
+             ("tests/parity/test_kv_cache.py::test_decoding_loop_logits_equal_the_full_forward",)),
 ]  # fmt: skip
 
 

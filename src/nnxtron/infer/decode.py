@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.config.schema import Config
+from nnxtron.errors import ConfigError, UserError
 from nnxtron.infer.cache import CacheEntry, attach_caches
 from nnxtron.infer.sample import sample_logits
 
@@ -47,14 +48,22 @@ class CachedModel:
         return self._step(self.params, self.state, caches, tokens, positions, segment_ids)
 
 
+def supports_cache(cfg: Config) -> bool:
+    """DeepSeek-V4's compressed attention has no decoding cache yet."""
+    return cfg.attention_type != "compressed"
+
+
 def with_caches(model: nnx.Module, batch: int, max_length: int) -> CachedModel:
     """``model`` with empty caches for ``batch`` rows of up to ``max_length`` tokens (the
     model itself is not changed)."""
     cfg = model.config
-    if cfg.attention_type == "compressed":
-        raise ValueError("decoding with a cache is not implemented for attention_type=compressed (DeepSeek-V4) yet")
+    if not supports_cache(cfg):
+        raise ConfigError("decoding with a cache is not implemented for attention_type=compressed (DeepSeek-V4) yet")
     if max_length > cfg.max_position_embeddings:
-        raise ValueError(f"{max_length} tokens exceed max_position_embeddings={cfg.max_position_embeddings}")
+        raise UserError(
+            f"prompt + max_new_tokens = {max_length} tokens exceed max_position_embeddings={cfg.max_position_embeddings}; "
+            "shorten the prompt or lower max_new_tokens"
+        )
     model = nnx.clone(model)
     attach_caches(model, batch, max_length)
     graphdef, params, caches, state = nnx.split(model, nnx.Param, CacheEntry, ...)
@@ -79,31 +88,28 @@ def prompt_batch(prompts: Sequence[Sequence[int]], length: int) -> dict[str, np.
     return {"tokens": tokens, "positions": positions, "segment_ids": segments}
 
 
-def generate(
-    model: nnx.Module, prompts: Sequence[Sequence[int]], cfg: Config, max_new_tokens: int, stop_ids: Sequence[int] = ()
-) -> Iterator[list[int | None]]:
-    """Yield one list per decoding step: each row's new token, or None once the row has
-    stopped (a stop token, or ``max_new_tokens``). Sampling follows ``cfg.decode_sampling_*``."""
+Chooser = Callable[[np.ndarray], np.ndarray]  # float32 logits [B, V] of each row's last token -> token ids [B]
+
+
+def decode(
+    model: nnx.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser, stop_ids: Sequence[int] = ()
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The decoding loop: prefill the prompts (one bucketed, right-padded call), then per
+    step ``choose`` each row's next token from its last logits and feed it back at the
+    row's own position. Yields ``(tokens [B], done [B])`` per step (``done``: the row had
+    already stopped before this token; a row stops after a token in ``stop_ids``)."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must contain at least one token")
+        raise UserError("every prompt must contain at least one token")
     longest = max(len(p) for p in prompts)
     cached = with_caches(model, len(prompts), longest + max_new_tokens)
     batch = prompt_batch(prompts, min(bucket(longest), cached.max_length))
     logits, caches = cached.step(cached.caches, *(jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")))
     lengths = np.array([len(p) for p in prompts], np.int32)
     last = np.asarray(logits)[np.arange(len(prompts)), lengths - 1]
-    key = jax.random.key(cfg.decode_sampling_seed)
     done = np.zeros(len(prompts), bool)
-    options = (
-        cfg.decode_sampling_strategy,
-        cfg.decode_sampling_temperature,
-        cfg.decode_sampling_top_k,
-        cfg.decode_sampling_nucleus_p,
-    )
     for i in range(max_new_tokens):
-        key, sub = jax.random.split(key)
-        tokens = np.asarray(sample_logits(jnp.asarray(last), sub, *options)).astype(np.int32)
-        yield [None if d else int(t) for t, d in zip(tokens, done)]
+        tokens = np.asarray(choose(last)).astype(np.int32)
+        yield tokens, done.copy()
         done |= np.isin(tokens, list(stop_ids))
         if done.all() or i == max_new_tokens - 1:
             return
@@ -111,3 +117,30 @@ def generate(
         segments = (~done).astype(np.int32)[:, None]
         logits, caches = cached.step(caches, jnp.asarray(tokens[:, None]), jnp.asarray(positions), jnp.asarray(segments))
         last = np.asarray(logits)[:, 0]
+
+
+def sampler(cfg: Config) -> Chooser:
+    """``cfg.decode_sampling_*`` as a chooser: a fresh key per step from ``decode_sampling_seed``."""
+    key = jax.random.key(cfg.decode_sampling_seed)
+    options = (
+        cfg.decode_sampling_strategy,
+        cfg.decode_sampling_temperature,
+        cfg.decode_sampling_top_k,
+        cfg.decode_sampling_nucleus_p,
+    )
+
+    def choose(logits: np.ndarray) -> np.ndarray:
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return np.asarray(sample_logits(jnp.asarray(logits), sub, *options))
+
+    return choose
+
+
+def generate(
+    model: nnx.Module, prompts: Sequence[Sequence[int]], cfg: Config, max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> Iterator[list[int | None]]:
+    """Yield one list per decoding step: each row's new token, or None once the row has
+    stopped (a stop token, or ``max_new_tokens``). Sampling follows ``cfg.decode_sampling_*``."""
+    for tokens, done in decode(model, prompts, max_new_tokens, sampler(cfg), stop_ids):
+        yield [None if d else int(t) for t, d in zip(tokens, done)]
