@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from nnxtron.config.derived import derive
 from nnxtron.config.loader import load_config
@@ -142,4 +143,29 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
         "mfu": tflops * 1e12 / peak,
         **pipeline_fields(cfg, step_seconds),
         "loss": loss,
+    }
+
+
+def run_decode_bench(file: str | None, overrides: Sequence[str], steps: int = 3) -> dict[str, Any]:
+    """Time KV-cached decoding (``infer.timing``) of the config's model at its initial
+    weights: prefill of ``per_device_batch_size x devices`` prompts of ``max_target_length`` tokens (median of
+    ``steps``), then ``max_new_tokens`` one-token steps. Decoding runs on one device."""
+    if steps < 1:
+        raise UserError(f"--steps must be at least 1, got {steps}")
+    from nnxtron.decoder import build_model
+    from nnxtron.infer.timing import time_decoding
+
+    cfg = load_config(file, list(overrides))
+    batch = max(1, int(cfg.per_device_batch_size * jax.device_count()))  # the global batch, without a mesh
+    model = build_model(cfg)
+    result = time_decoding(model, batch, cfg.max_target_length, cfg.max_new_tokens, repeats=steps)
+    return {
+        "model_name": cfg.model_name,
+        "decoder_block": cfg.decoder_block,
+        "params": count_params(nnx.state(model, nnx.Param)),
+        "dtype": cfg.dtype,
+        "quantization": cfg.quantization if cfg.use_qwix_quantization else None,
+        "backend": jax.default_backend(),
+        "device_kind": getattr(jax.devices()[0], "device_kind", ""),
+        **result,
     }

@@ -160,9 +160,10 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    from nnxtron.bench import run_bench
+    from nnxtron.bench import run_bench, run_decode_bench
 
-    print(json.dumps(run_bench(*_split_file_and_overrides(ns.args), steps=ns.steps)))
+    run = run_decode_bench if ns.decode else run_bench
+    print(json.dumps(run(*_split_file_and_overrides(ns.args), steps=ns.steps)))
     return 0
 
 
@@ -285,9 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", help=file_help)
     p.set_defaults(func=_cmd_config)
 
-    p = sub.add_parser("bench", help="compile and time the train step; prints one JSON line")
+    p = sub.add_parser("bench", help="compile and time the train step (or decoding); prints one JSON line")
     p.add_argument("args", nargs="*", help=file_help)
     p.add_argument("--steps", type=int, default=10, help="timed steps after warm-up (median reported)")
+    p.add_argument(
+        "--decode", action="store_true",
+        help="time KV-cached decoding instead: prefill of the global batch x max_target_length, then max_new_tokens steps",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser(

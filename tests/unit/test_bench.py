@@ -118,3 +118,13 @@ def test_pipeline_fields_are_the_bubble_model():
     assert (fields["pipeline_stages"], fields["pipeline_repeats"], fields["pipeline_microbatches"]) == (2, 4, 3)
     assert fields["pipeline_bubble_fraction"] == pytest.approx(bubble) == pytest.approx(1 / 13)
     assert fields["step_seconds_without_bubble"] == pytest.approx(2.0 * 12 / 13)
+
+
+def test_decode_bench_reports_prefill_and_decode_throughput():
+    from nnxtron.bench import run_decode_bench
+
+    overrides = ["model_name=llama2-tiny", "per_device_batch_size=0.25", "max_target_length=16", "max_new_tokens=4"]
+    result = run_decode_bench(None, overrides, steps=2)
+    assert (result["decode_batch"], result["prompt_length"], result["new_tokens"]) == (2, 16, 4)
+    assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+    assert result["prefill_seconds"] > 0 and result["decode_compile_seconds"] > 0 and result["params"] > 0

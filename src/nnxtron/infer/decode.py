@@ -10,6 +10,7 @@ attended to) and each row decodes from its own position.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -67,14 +68,21 @@ def with_caches(model: nnx.Module, batch: int, max_length: int) -> CachedModel:
     model = nnx.clone(model)
     attach_caches(model, batch, max_length)
     graphdef, params, caches, state = nnx.split(model, nnx.Param, CacheEntry, ...)
+    pure = nnx.to_pure_dict
+    return CachedModel(graphdef, pure(params), pure(state), pure(caches), max_length, _jitted_step(graphdef))
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_step(graphdef: nnx.GraphDef) -> Callable:
+    """One jitted step per model structure (cache shapes included): repeated generation with
+    the same shapes compiles once."""
 
     def step(params, state, caches, tokens, positions, segment_ids):
         model = nnx.merge(graphdef, params, caches, state)
         logits = model(tokens, positions, segment_ids).logits
         return logits, nnx.to_pure_dict(nnx.state(model, CacheEntry))
 
-    pure = nnx.to_pure_dict
-    return CachedModel(graphdef, pure(params), pure(state), pure(caches), max_length, jax.jit(step, donate_argnums=(2,)))
+    return jax.jit(step, donate_argnums=(2,))
 
 
 def prompt_batch(prompts: Sequence[Sequence[int]], length: int) -> dict[str, np.ndarray]:

@@ -1,0 +1,61 @@
+"""Decoding throughput: prefill and per-token decode of the jitted cached steps.
+
+Used by ``nnxtron bench --decode`` and ``benchmarks/decode_vs_hf.py``. Compilation is
+timed separately (the first call of each shape); then ``repeats`` prefills of the whole
+batch and ``new_tokens`` decode steps are timed, each waited for.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnxtron.infer.decode import prompt_batch, with_caches
+
+
+def _timed(fn, *args) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - start
+
+
+def time_decoding(model: nnx.Module, batch: int, prompt_length: int, new_tokens: int, repeats: int = 3, seed: int = 0) -> dict:
+    """Tokens per second of prefill (``batch`` prompts of ``prompt_length``) and of decode
+    (``batch`` rows, one token each per step, ``new_tokens`` steps after the prompt)."""
+    cfg = model.config
+    cached = with_caches(model, batch, prompt_length + new_tokens)
+    prompts = np.random.default_rng(seed).integers(3, cfg.vocab_size, size=(batch, prompt_length))
+    inputs = [jnp.asarray(v) for v in prompt_batch(list(prompts), prompt_length).values()]
+    empty = cached.caches
+
+    def fresh() -> dict:  # the step donates its caches: every prefill starts from a copy
+        return jax.tree.map(jnp.copy, empty)
+
+    (_, caches), prefill_compile = _timed(cached.step, fresh(), *inputs)
+    prefill = [_timed(cached.step, fresh(), *inputs)[1] for _ in range(repeats)]
+    token = jnp.zeros((batch, 1), jnp.int32)
+    ones = jnp.ones((batch, 1), jnp.int32)
+    decode_times = []
+    for i in range(new_tokens):
+        position = jnp.full((batch, 1), prompt_length + i, jnp.int32)
+        (_, caches), seconds = _timed(cached.step, caches, token, position, ones)
+        decode_times.append(seconds)
+    decode_compile, steady = decode_times[0], decode_times[1:] or decode_times
+    prefill_seconds, decode_seconds = statistics.median(prefill), statistics.median(steady)
+    return {
+        "decode_batch": batch,
+        "prompt_length": prompt_length,
+        "new_tokens": new_tokens,
+        "prefill_compile_seconds": prefill_compile,
+        "decode_compile_seconds": decode_compile,
+        "prefill_seconds": prefill_seconds,
+        "prefill_tokens_per_s": batch * prompt_length / prefill_seconds,
+        "decode_step_seconds": decode_seconds,
+        "decode_tokens_per_s": batch / decode_seconds,
+    }
