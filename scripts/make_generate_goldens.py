@@ -11,8 +11,8 @@ the golden ``input_ids``. ``<case>/generate.safetensors`` receives:
   under float32 rounding and make the comparison flaky).
 
 ``NEW`` = 24 new tokens: prompt + generation (36 tokens) runs past the sliding windows and
-attention chunks (8) of the cases that have them. DeepSeek-V4 is not generated yet
-(nnxtron has no cache for its compressed attention).
+attention chunks (8) of the cases that have them, and past DeepSeek-V4's compression
+ratios (4, 8).
 
 Regenerate (CPU only, a few seconds per case)::
 
@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-CASES = ("llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek3", "gemma3", "llama4", "gpt2")
-MOE_CASES = ("mixtral", "qwen3_moe", "deepseek3", "llama4")
+CASES = ("llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek3", "gemma3", "llama4", "gpt2", "deepseek4")
+MOE_CASES = ("mixtral", "qwen3_moe", "deepseek3", "llama4", "deepseek4")
 PROMPT, NEW = 12, 24
 MIN_MARGIN = 1e-5  # nnxtron matches the HF logits to <= 8e-7 (test_hf_golden.py): a 1e-5 margin cannot flip
 

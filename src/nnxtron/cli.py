@@ -68,28 +68,19 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _sample(model, cfg, max_new_tokens: int):
-    """(tokenizer, token-id iterator) for ``cfg.prompt``: BOS + prompt, stop at EOS.
-
-    KV-cached decoding (``infer.decode``); DeepSeek-V4, which has no cache yet, reruns the
-    full forward per token (``infer.sample.generate_tokens``) and says so on stderr."""
+    """(tokenizer, token-id iterator) for ``cfg.prompt``: BOS + prompt, stop at EOS, decoded
+    with the KV cache (``infer.decode``)."""
     from nnxtron.data.sources import tokenizer_for
-    from nnxtron.infer.decode import generate, supports_cache
-    from nnxtron.infer.sample import generate_tokens
+    from nnxtron.infer.decode import generate
 
     tokenizer = tokenizer_for(cfg)
     prompt = [tokenizer.bos_id, *tokenizer.encode(cfg.prompt).tolist()]
-    stop = (tokenizer.eos_id,)
-    if not supports_cache(cfg):
-        print(
-            f"note: attention_type={cfg.attention_type} has no KV cache yet: each token reruns the full forward", file=sys.stderr
-        )
-        return tokenizer, generate_tokens(model, prompt, cfg, max_new_tokens, stop)
     if len(prompt) + max_new_tokens > cfg.max_position_embeddings:  # before any compile
         raise UserError(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed max_position_embeddings="
             f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
         )
-    rows = generate(model, [prompt], cfg, max_new_tokens, stop)
+    rows = generate(model, [prompt], cfg, max_new_tokens, (tokenizer.eos_id,))
     return tokenizer, (step[0] for step in rows if step[0] is not None)
 
 

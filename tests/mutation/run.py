@@ -116,8 +116,8 @@ MUTATIONS = [
              "reshape(batch, n, m)[:, :, -1]  # the window's first", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
     Mutation("hash-routing-ignored", "layers/moe.py", "forced = jnp.take(self.tid2eid[...], tokens.reshape(-1), axis=0)",
              "forced = None", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
-    Mutation("csa-overlap-dropped", "layers/compressed.py", "kv = jnp.concatenate([prev_kv, kv[..., d:]], axis=2)",
-             "kv = jnp.concatenate([prev_kv * 0, kv[..., d:]], axis=2)", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
+    Mutation("csa-overlap-dropped", "layers/compressed.py", "kv = jnp.concatenate([prev[0][..., :d], kv[..., d:]], axis=2)",
+             "kv = jnp.concatenate([prev[0][..., :d] * 0, kv[..., d:]], axis=2)", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
     Mutation("swiglu-clamp-dropped", "layers/mlp.py", "    if limit <= 0:", "    if True:", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
     # pipeline parallelism
     Mutation("pipeline-cut-stage-shift", "parallel/pipeline.py", "shift = place(jnp.roll(sent, 1, axis=0))", "shift = place(jnp.roll(sent, 0, axis=0))",
@@ -172,6 +172,21 @@ MUTATIONS = [
              ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[llama3.1-tiny]",)),
     Mutation("decode-position-off-by-one", "infer/decode.py", "positions = (lengths + i)[:, None]", "positions = (lengths + i + 1)[:, None]",
              ("tests/parity/test_kv_cache.py::test_decoding_loop_logits_equal_the_full_forward",)),
+    Mutation("compressor-misses-window-completed-by-first-new-token", "layers/compressed.py",
+             "(window_end >= first[:, None])", "(window_end > first[:, None])",
+             ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[deepseek4-test]",)),
+    Mutation("csa-buffer-forgets-previous-window", "layers/compressed.py",
+             "slots = (2 if self.overlap else 1) * self.ratio", "slots = self.ratio",
+             ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[deepseek4-test]",)),
+    Mutation("stale-compressor-buffer", "layers/compressed.py",
+             'tokens, token_positions = buffer.extend({"kv": kv.astype(jnp.float32), "gate": gate}, positions, valid)',
+             'tokens, token_positions = buffer.extend({"kv": kv.astype(jnp.float32), "gate": gate}, positions, valid)\n'
+             '        buffer.positions[...] = jnp.full_like(buffer.positions[...], -1)',
+             ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[deepseek4-test]",)),
+    Mutation("indexer-ties-in-reverse-window-order", "layers/compressed.py",
+             "window = ((last + 1) // m - count)[:, None] + jnp.arange(count)[None, :]",
+             "window = ((last + 1) // m - 1)[:, None] - jnp.arange(count)[None, :]",
+             ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[deepseek4-test]",)),
 ]  # fmt: skip
 
 

@@ -32,6 +32,8 @@ FAMILIES = {
     "gpt3-52k": dict(base_num_decoder_layers=2),  # fused QKV, learned positions
     "deepseek3-test": {},  # MLA latent cache, dense + MoE stacks
     "mixtral-tiny": dict(scan_layers=False),  # unrolled stack
+    # sliding / CSA (+ indexer) / HCA layers, hash-routed prefix, mHC: compressor buffers and entries
+    "deepseek4-test": {},
 }
 SEQ = 40
 TOLERANCE = 2e-5  # max |logit difference| (float32; measured below 3e-6)
@@ -81,7 +83,7 @@ def test_cached_logits_equal_the_full_forward(model_name):
     np.testing.assert_allclose(np.asarray(logits), full[:, 13:], atol=TOLERANCE, rtol=0, err_msg="second chunk")
 
 
-@pytest.mark.parametrize("model_name", ["mistral-tiny", "llama4-tiny"])
+@pytest.mark.parametrize("model_name", ["mistral-tiny", "llama4-tiny", "deepseek4-test"])
 def test_decoding_loop_logits_equal_the_full_forward(model_name):
     """The generation loop itself (prefill of right-padded prompts, then each row at its own
     position) fed the true continuation: every step's logits equal the full forward's."""
@@ -136,7 +138,19 @@ def test_stop_tokens_end_each_row_separately():
 
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
-GENERATE_CASES = ("llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek3", "gemma3", "llama4", "gpt2")
+GENERATE_CASES = (
+    "llama2",
+    "llama31",
+    "mistral",
+    "mixtral",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek3",
+    "gemma3",
+    "llama4",
+    "gpt2",
+    "deepseek4",
+)
 
 
 @pytest.mark.parametrize("case", GENERATE_CASES)

@@ -7,7 +7,9 @@ position stored in each slot (-1 = empty). A token at position ``p`` lives in sl
 
 * global attention: ``size`` = the maximum decoded length (slot = position);
 * sliding window ``W``: ``size = W`` — a ring buffer holding the last W positions;
-* chunked attention (Llama 4) of ``C``: ``size = C`` — a query only sees its own chunk.
+* chunked attention (Llama 4) of ``C``: ``size = C`` — a query only sees its own chunk;
+* DeepSeek-V4 compressors: a buffer of the last ``m`` (CSA: ``2m``) tokens' projections and
+  the pooled entries keyed by window index (``layers/compressed.py``).
 
 ``extend`` returns the cached entries followed by the new tokens' entries, with their
 positions, for the attention to mask by position; then it writes the new tokens (only the
@@ -106,7 +108,8 @@ def cache_size(max_length: int, sliding_window: int = 0, chunk_size: int = 0) ->
 
 def attach_caches(model: nnx.Module, batch: int, max_length: int) -> None:
     """Give every attention layer of ``model``'s layer stacks a cache for ``batch`` rows of
-    up to ``max_length`` tokens (modules with a ``cache_spec(max_length)`` method)."""
+    up to ``max_length`` tokens (modules with a ``cache_spec(max_length)`` method returning
+    one ``CacheSpec`` or a dict of them)."""
     targets = []
     for name in model.stack_names:
         stack = getattr(model, name)
@@ -122,4 +125,8 @@ def attach_caches(model: nnx.Module, batch: int, max_length: int) -> None:
         raise ValueError(f"{model.config.decoder_block}: no attention layer supports a decoding cache")
     with nnx.use_eager_sharding(False):  # annotations only; the arrays are placed by whoever jits the step
         for module, lead, lead_axes in targets:
-            module.cache = TokenCache(batch, module.cache_spec(max_length), lead, lead_axes)
+            spec = module.cache_spec(max_length)
+            if isinstance(spec, CacheSpec):
+                module.cache = TokenCache(batch, spec, lead, lead_axes)
+            else:  # several caches (DeepSeek-V4: sliding keys, compressor buffers and entries)
+                module.cache = nnx.Dict({name: TokenCache(batch, one, lead, lead_axes) for name, one in spec.items()})

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.config.schema import Config
-from nnxtron.errors import ConfigError, UserError
+from nnxtron.errors import UserError
 from nnxtron.infer.cache import CacheEntry, attach_caches
 from nnxtron.infer.sample import sample_logits
 
@@ -49,17 +49,10 @@ class CachedModel:
         return self._step(self.params, self.state, caches, tokens, positions, segment_ids)
 
 
-def supports_cache(cfg: Config) -> bool:
-    """DeepSeek-V4's compressed attention has no decoding cache yet."""
-    return cfg.attention_type != "compressed"
-
-
 def with_caches(model: nnx.Module, batch: int, max_length: int) -> CachedModel:
     """``model`` with empty caches for ``batch`` rows of up to ``max_length`` tokens (the
     model itself is not changed)."""
     cfg = model.config
-    if not supports_cache(cfg):
-        raise ConfigError("decoding with a cache is not implemented for attention_type=compressed (DeepSeek-V4) yet")
     if max_length > cfg.max_position_embeddings:
         raise UserError(
             f"prompt + max_new_tokens = {max_length} tokens exceed max_position_embeddings={cfg.max_position_embeddings}; "

@@ -1,8 +1,9 @@
-"""Uncached autoregressive sampling: greedy, temperature, top-k and nucleus (top-p).
+"""Sampling (greedy, temperature, top-k, nucleus) and the uncached reference generator.
 
-Each new token reruns the full forward pass over a fixed-length buffer (one compile per
-prompt-length bucket), so this is simple and exact but O(n^2); KV-cached decoding is a
-later feature.
+``sample_logits`` is the sampler of every decoding path. ``generate_tokens`` reruns the
+full forward pass over a fixed-length buffer for each new token (one compile per
+prompt-length bucket): exact but O(n^2), kept as the reference that KV-cached decoding
+(``infer.decode``) is tested against.
 """
 
 from __future__ import annotations
