@@ -68,19 +68,22 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _sample(model, cfg, max_new_tokens: int):
-    """(tokenizer, token-id iterator) for ``cfg.prompt``: BOS + prompt, stop at EOS, decoded
-    with the KV cache (``infer.decode``)."""
+    """(tokenizer, token-id iterator) for ``cfg.prompt``: BOS (if the tokenizer has one) +
+    prompt, stop at EOS, decoded with the KV cache (``infer.decode``)."""
     from nnxtron.data.sources import tokenizer_for
     from nnxtron.infer.decode import generate
 
     tokenizer = tokenizer_for(cfg)
-    prompt = [tokenizer.bos_id, *tokenizer.encode(cfg.prompt).tolist()]
+    prompt = [tokenizer.bos_id] * (tokenizer.bos_id >= 0) + tokenizer.encode(cfg.prompt).tolist()
+    if not prompt:
+        raise UserError("the prompt is empty and the tokenizer has no BOS token; pass --prompt TEXT")
     if len(prompt) + max_new_tokens > cfg.max_position_embeddings:  # before any compile
         raise UserError(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed max_position_embeddings="
             f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
         )
-    rows = generate(model, [prompt], cfg, max_new_tokens, (tokenizer.eos_id,))
+    stop = (tokenizer.eos_id,) if tokenizer.eos_id >= 0 else ()
+    rows = generate(model, [prompt], cfg, max_new_tokens, stop)
     return tokenizer, (step[0] for step in rows if step[0] is not None)
 
 
@@ -98,11 +101,15 @@ def _print_sample_from_state(cfg, result) -> None:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from nnxtron.runs import load_model
+    from nnxtron.config.loader import parse_overrides
+    from nnxtron.runs import is_hf_directory, load_model
 
     overrides = list(ns.overrides)
     if ns.prompt is not None:
         overrides.append(f"prompt={ns.prompt}")
+    given = parse_overrides(overrides)
+    if given.get("tokenizer_type") == "hf" and "tokenizer_path" not in given and is_hf_directory(Path(ns.path)):
+        overrides.append(f"tokenizer_path={ns.path}")  # an HF directory brings its tokenizer.json
     model = load_model(ns.path, overrides)
     cfg = model.config
     tokenizer, stream = _sample(model, cfg, cfg.max_new_tokens)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,41 @@ def test_generate_longer_than_the_model_is_one_line(trained_run, capsys):
     run, _ = trained_run
     code, _, err = _run(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=1000000")
     _assert_user_error(code, err, "exceed max_position_embeddings")
+
+
+def test_generate_with_an_hf_tokenizer(trained_run, capsys, tmp_path):
+    """A run generates through a tokenizer.json (encode the prompt, decode the completion),
+    and an HF model directory uses its own tokenizer.json."""
+    from nnxtron.data.tokenizer import HFTokenizer
+    from tests.unit.test_hf_tokenizer import write_bpe
+
+    run, _ = trained_run
+    bpe = write_bpe(tmp_path / "bpe")
+    code, out, err = _run(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=6", "tokenizer_type=hf",
+                          f"tokenizer_path={bpe}", "--json")  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out)
+    assert 1 <= len(result["tokens"]) <= 6 and result["completion"] == HFTokenizer(bpe).decode(result["tokens"])
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf_dir = tmp_path / "llama2"
+    shutil.copytree(Path(__file__).parents[1] / "assets" / "golden" / "llama2", hf_dir)
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "the": 3, "quick": 4, "fox": 5}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    code, out, err = _run(capsys, "generate", str(hf_dir), "--prompt", "the quick fox", "max_new_tokens=4", "tokenizer_type=hf",
+                          "--json")  # fmt: skip
+    assert code == 0, err
+    assert 1 <= len(json.loads(out)["tokens"]) <= 4
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [(["tokenizer_type=hf"], "needs tokenizer_path"), (["tokenizer_type=hf", "tokenizer_path=/nonexistent"], "does not exist")],
+)
+def test_generate_bad_tokenizer_is_one_line(trained_run, capsys, extra, fragment):
+    run, _ = trained_run
+    code, _, err = _run(capsys, "generate", str(run), "max_new_tokens=2", *extra)
+    _assert_user_error(code, err, fragment)

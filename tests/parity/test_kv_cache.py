@@ -10,8 +10,6 @@ prompt lengths (right padding).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from nnxtron.hf import from_hf
 from nnxtron.infer.decode import decode, generate, prompt_batch, with_caches
 from nnxtron.infer.sample import generate_tokens
 from tests.conftest import tiny_config
+from tests.parity.test_hf_golden import CASES, GOLDEN
 
 FAMILIES = {
     "llama3.1-tiny": {},
@@ -137,23 +136,7 @@ def test_stop_tokens_end_each_row_separately():
         assert [s[1] for s in steps] == list(free[: len(steps), 1])
 
 
-GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
-GENERATE_CASES = (
-    "llama2",
-    "llama31",
-    "mistral",
-    "mixtral",
-    "qwen3",
-    "qwen3_moe",
-    "deepseek3",
-    "gemma3",
-    "llama4",
-    "gpt2",
-    "deepseek4",
-)
-
-
-@pytest.mark.parametrize("case", GENERATE_CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_greedy_generation_equals_hf_generate(case):
     """Greedy cached decoding of the stored tiny HF models equals transformers' own cached
     greedy ``generate`` (scripts/make_generate_goldens.py): 24 new tokens after 12, past the

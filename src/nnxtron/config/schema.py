@@ -214,7 +214,8 @@ class Config(BaseModel):
     # --- data -------------------------------------------------------------------
     dataset_type: Literal["synthetic", "text"]
     dataset_path: tuple[str, ...]
-    tokenizer_type: Literal["byte"]
+    tokenizer_type: Literal["byte", "hf"]  # hf: a HuggingFace tokenizer.json at tokenizer_path
+    tokenizer_path: str  # tokenizer.json or its directory (tokenizer_type=hf)
     add_bos: bool
     add_eos: bool
     eval_split_fraction: float = Field(ge=0, le=0.5)
@@ -304,6 +305,10 @@ class Config(BaseModel):
             raise ValueError(f"rope_type=linear needs rope_scaling_factor >= 1, got {self.rope_scaling_factor}")
         if self.rope_type == "llama3" and self.rope_high_freq_factor < self.rope_low_freq_factor:
             raise ValueError("rope_high_freq_factor must be at least rope_low_freq_factor for rope_type=llama3")
+        if self.tokenizer_path and self.tokenizer_type != "hf":
+            raise ValueError(
+                f"tokenizer_path is read only with tokenizer_type=hf (got {self.tokenizer_type}); set both or neither"
+            )
         if self.dataset_type == "text" and not self.dataset_path:
             raise ValueError("dataset_type=text needs dataset_path (files, directories or globs)")
         if self.eval_interval > 0 and self.dataset_type == "text" and self.eval_split_fraction == 0:

@@ -11,7 +11,8 @@ EVAL_SEED_OFFSET = 1_000_003  # synthetic eval batches come from a different str
 
 
 def tokenizer_for(cfg: Config) -> Tokenizer:
-    tokenizer = make_tokenizer(cfg.tokenizer_type)
+    """The config's tokenizer, checked against the model's vocabulary."""
+    tokenizer = make_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
     if cfg.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
             f"vocab_size={cfg.vocab_size} is smaller than the {cfg.tokenizer_type} tokenizer's "
