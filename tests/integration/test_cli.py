@@ -258,9 +258,14 @@ def test_generate_with_an_hf_tokenizer(trained_run, capsys, tmp_path):
 
 @pytest.mark.parametrize(
     "extra, fragment",
-    [(["tokenizer_type=hf"], "needs tokenizer_path"), (["tokenizer_type=hf", "tokenizer_path=/nonexistent"], "does not exist")],
+    [
+        (["tokenizer_type=hf"], "needs tokenizer_path"),
+        (["tokenizer_type=hf", "tokenizer_path=/nonexistent"], "does not exist"),
+        (["tokenizer_type=sentencepiece"], "config key 'tokenizer_type'"),
+        (["base_emb_dim=128"], "it was written for a different config"),  # the checkpoint of another model
+    ],
 )
-def test_generate_bad_tokenizer_is_one_line(trained_run, capsys, extra, fragment):
+def test_generate_bad_input_is_one_line(trained_run, capsys, extra, fragment):
     run, _ = trained_run
     code, _, err = _run(capsys, "generate", str(run), "max_new_tokens=2", *extra)
     _assert_user_error(code, err, fragment)

@@ -22,7 +22,7 @@ QUANTIZED = dict(use_qwix_quantization=True, quantization="fp8_full")
 # records that run and its command).
 REGRESSION = dict(
     model_name="deepseek3-tiny", base_num_decoder_layers=5, vocab_size=512, mtp_num_layers=1, steps=20,
-    max_target_length=32, learning_rate=0.01, enable_checkpointing=False, **QUANTIZED,
+    max_target_length=16, learning_rate=0.01, enable_checkpointing=False, **QUANTIZED,
 )  # fmt: skip
 
 
