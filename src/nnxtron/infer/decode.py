@@ -1,9 +1,10 @@
 """KV-cached decoding: jitted prefill and decode steps over split state, batch generation.
 
-``Decoder`` = the model with caches attached (``infer.cache.attach_caches``), split once
-into parameters and non-parameter state (the caches); one jitted function runs a chunk of
-tokens — the whole (bucketed) prompt for prefill, one token per row for decode — and
-returns its logits and the new caches (donated). Rows may have prompts of different
+``with_caches`` attaches caches to a copy of the model (``infer.cache.attach_caches``) and
+splits it once into parameters, other state and caches (``CachedModel``); one jitted step
+runs a chunk of tokens — the whole (bucketed) prompt for prefill, one token per row for
+decode — and returns its logits and the new caches (donated). ``decode`` is the loop,
+``generate`` the loop with the config's sampler. Rows may have prompts of different
 lengths: prompts are right-padded, padding carries segment id 0 (never cached, never
 attended to) and each row decodes from its own position.
 """
