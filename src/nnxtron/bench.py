@@ -113,22 +113,17 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
     tflops = flops_per_token * tokens_per_step / step_seconds / 1e12
     peak, peak_source = peak_flops_total(cfg)
     return {
-        "model_name": cfg.model_name,
-        "decoder_block": cfg.decoder_block,
+        **_identity(cfg),
         "params": params,
         "global_batch": derived.global_batch_size,
         "seq_len": cfg.max_target_length,
         "tokens_per_step": tokens_per_step,
-        "dtype": cfg.dtype,
         "weight_dtype": cfg.weight_dtype,
         "scan_layers": cfg.scan_layers,
         "remat_policy": cfg.remat_policy,
-        "quantization": cfg.quantization if cfg.use_qwix_quantization else None,
         "dataset_type": cfg.dataset_type,
         "devices": jax.device_count(),
         "mesh_shape": derived.mesh_shape,
-        "backend": jax.default_backend(),
-        "device_kind": getattr(jax.devices()[0], "device_kind", ""),
         "trace_lower_seconds": lowered_at - start,
         "xla_compile_seconds": compiled_at - lowered_at,
         "compile_seconds": compiled_at - start,
@@ -159,13 +154,16 @@ def run_decode_bench(file: str | None, overrides: Sequence[str], steps: int = 3)
     batch = max(1, int(cfg.per_device_batch_size * jax.device_count()))  # the global batch, without a mesh
     model = build_model(cfg)
     result = time_decoding(model, batch, cfg.max_target_length, cfg.max_new_tokens, repeats=steps)
+    return {**_identity(cfg), "params": count_params(nnx.state(model, nnx.Param)), **result}
+
+
+def _identity(cfg: Config) -> dict[str, Any]:
+    """The fields that say which model ran where (both benchmarks report them)."""
     return {
         "model_name": cfg.model_name,
         "decoder_block": cfg.decoder_block,
-        "params": count_params(nnx.state(model, nnx.Param)),
         "dtype": cfg.dtype,
         "quantization": cfg.quantization if cfg.use_qwix_quantization else None,
         "backend": jax.default_backend(),
         "device_kind": getattr(jax.devices()[0], "device_kind", ""),
-        **result,
     }

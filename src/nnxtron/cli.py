@@ -77,7 +77,9 @@ def _sample(model, cfg, max_new_tokens: int):
     prompt = [tokenizer.bos_id] * (tokenizer.bos_id >= 0) + tokenizer.encode(cfg.prompt).tolist()
     if not prompt:
         raise UserError("the prompt is empty and the tokenizer has no BOS token; pass --prompt TEXT")
-    if len(prompt) + max_new_tokens > cfg.max_position_embeddings:  # before any compile
+    if (
+        len(prompt) + max_new_tokens > cfg.max_position_embeddings
+    ):  # decode checks too, but only once the stream has begun printing
         raise UserError(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed max_position_embeddings="
             f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"

@@ -135,8 +135,9 @@ class Compressor(nnx.Module):
 
     def decode(self, buffer: TokenCache, stored: TokenCache, x: jax.Array, positions: jax.Array, valid: jax.Array):
         """Decoding: buffer the new tokens' projections, pool the windows they complete, store
-        those entries. Returns every stored entry then the new ones ``[B, T, dim]`` and their
-        window indices ``[B, T]`` (-1 = none); entry ``w``'s last token is at ``(w+1) m - 1``."""
+        those entries. Returns every stored entry then the new ones ``[B, T, dim]`` and which
+        of them each query at ``positions`` sees ``[B, S, T]``: entry ``w`` once its last
+        token ``(w+1) m - 1`` is at or before the query."""
         batch, seq, _ = x.shape
         m = self.ratio
         kv = self.wkv(x)
@@ -172,8 +173,9 @@ class Compressor(nnx.Module):
         prev = gather(window - 1) if self.overlap else None
         entries = self._pool(gather(window), prev, window * m)
         entries = jnp.where(complete[..., None], entries, 0)  # a window with no token pools to NaN
-        cached, window_ids = stored.extend({"entry": entries}, window, complete)
-        return cached["entry"], window_ids
+        cached, windows = stored.extend({"entry": entries}, window, complete)  # window index -1: empty slot
+        visible = (windows[:, None, :] >= 0) & ((windows[:, None, :] + 1) * m - 1 <= positions[:, :, None])
+        return cached["entry"], visible
 
 
 def _entry_visible(last: jax.Array, owner: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -294,12 +296,9 @@ class CompressedAttention(nnx.Module):
         keys, mask = cached["kv"], cache_mask(positions, key_positions, self.window)
         if self.kind == "sliding":
             return keys, mask
-        m = self.compressor.ratio
-        entries, windows = self.compressor.decode(cache["compressor_buffer"], cache["compressor_entries"], x, positions, valid)
-        visible = (windows[:, None, :] >= 0) & ((windows[:, None, :] + 1) * m - 1 <= positions[:, :, None])
+        entries, visible = self.compressor.decode(cache["compressor_buffer"], cache["compressor_entries"], x, positions, valid)
         if self.kind == "csa":
             indexer = self.indexer
-            keys_i, windows_i = indexer.compressor.decode(cache["indexer_buffer"], cache["indexer_entries"], x, positions, valid)
-            visible_i = (windows_i[:, None, :] >= 0) & ((windows_i[:, None, :] + 1) * m - 1 <= positions[:, :, None])
+            keys_i, visible_i = indexer.compressor.decode(cache["indexer_buffer"], cache["indexer_entries"], x, positions, valid)
             visible = visible & indexer._select(indexer._scores(x, q_res, positions, keys_i), visible_i)
         return jnp.concatenate([keys, entries], axis=1), jnp.concatenate([mask, visible], axis=-1)
