@@ -83,10 +83,11 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
 
     state = init_state(cfg, model_setup, tx)
     params = count_params(state["params"])
-    batches = [  # on device before timing (data loading is not part of a step), then cycled
-        device_batch(train_source.batch(i, jax.process_index(), jax.process_count()), shardings)
-        for i in range(min(WARMUP_STEPS + steps, MAX_DISTINCT_BATCHES))
-    ]
+    data = train_source.iterator(jax.process_index(), jax.process_count())
+    try:  # on device before timing (data loading is not part of a step), then cycled
+        batches = [device_batch(next(data), shardings) for _ in range(min(WARMUP_STEPS + steps, MAX_DISTINCT_BATCHES))]
+    finally:
+        data.close()
     jax.block_until_ready((state, batches))
 
     start = time.perf_counter()

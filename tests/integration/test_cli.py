@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_convert_round_trip_through_the_cli(tmp_path, capsys):
         (["train", "dataset_path=/nonexistent/*.txt"], "/nonexistent/*.txt"),
         (["train", "ici_fsdp_parallelism=3"], "the mesh"),
         (["train", "per_device_batch_size=0.25", "ici_fsdp_parallelism=8"], "does not divide"),
-        (["train", "model_name=llama2-tiny", "ici_tensor_parallelism=8"], "does not divide over mesh axes"),
+        (["train", "model_name=llama2-tiny", "vocab_size=320", "ici_tensor_parallelism=8"], "does not divide over mesh axes"),
         (["train", "a.yml", "b.yml"], "at most one YAML file"),
         (["train", "remat_policy=save_everything"], "config key 'remat_policy'"),
         (
@@ -140,6 +141,40 @@ def test_bad_corpus_files(tmp_path, capsys):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     code, _, err = _run(capsys, "train", f"dataset_path={tmp_path}/latin1.txt", "eval_interval=-1")
     _assert_user_error(code, err, "latin1.txt")
+
+
+def test_bad_data_of_every_format(tmp_path, capsys):
+    """Whole-file problems stop at start-up; a bad record stops unless skip_bad_records counts it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.jsonl").write_text('{"content": "hello"}\n')
+    pq.write_table(pa.table({"text": ["some text"] * 50}), tmp_path / "ok.parquet")
+    (tmp_path / "broken.parquet").write_bytes((tmp_path / "ok.parquet").read_bytes()[:-40])
+    (tmp_path / "garbage.arrayrecord").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "vocab.model").write_text("this is not a tokenizer\n")
+    bad_line = "\n".join(['{"text": "fine words here"}'] * 5 + ["{not json"]) + "\n"
+    (tmp_path / "badline.jsonl").write_text(bad_line)
+    off = ["eval_interval=-1", "steps=1", "per_device_batch_size=1", "max_target_length=8", "enable_checkpointing=false",
+           "model_name=llama2-tiny", "vocab_size=320", "base_num_decoder_layers=1", "sample_after_training=0"]  # fmt: skip
+    cases = [
+        (["dataset_type=jsonl", f"dataset_path={tmp_path}/a.jsonl"], "a.jsonl' has no 'text' field"),
+        (["dataset_type=parquet", f"dataset_path={tmp_path}/ok.parquet", "dataset_text_field=body"], "no column 'body'"),
+        (["dataset_type=parquet", f"dataset_path={tmp_path}/broken.parquet"], "broken.parquet' is not a readable Parquet file"),
+        (["dataset_type=arrayrecord", f"dataset_path={tmp_path}/garbage.arrayrecord"], "garbage.arrayrecord' is not a readable"),
+        (["tokenizer_type=sentencepiece", f"tokenizer_path={tmp_path}/vocab.model"], "vocab.model' is not a SentencePiece model"),
+        (["tokenizer_type=tiktoken", f"tokenizer_path={tmp_path}/vocab.model"], "vocab.model' line 1 is not"),
+        (["dataset_type=jsonl", f"dataset_path={tmp_path}/badline.jsonl"], "badline.jsonl' line 6: is not valid JSON"),
+        (["dataset_type=synthetic", "packing=pad"], "packing is not read with dataset_type=synthetic"),
+    ]
+    for args, fragment in cases:
+        code, _, err = _run(capsys, "train", *off, *args)
+        _assert_user_error(code, err, fragment)
+    code, out, err = _run(capsys, "train", *off, "dataset_type=jsonl", f"dataset_path={tmp_path}/badline.jsonl", "steps=3",
+                          "skip_bad_records=true", "base_output_directory=" + str(tmp_path / "runs"), "--no-progress")  # fmt: skip
+    assert code == 0, err
+    assert "1 bad records will be skipped" in out + err, out + err
+    assert re.search(r"skipped [12] bad records so far .* line 6: is not valid JSON", out + err), out + err
 
 
 def test_unsupported_hf_family(tmp_path, capsys):
@@ -261,7 +296,7 @@ def test_generate_with_an_hf_tokenizer(trained_run, capsys, tmp_path):
     [
         (["tokenizer_type=hf"], "needs tokenizer_path"),
         (["tokenizer_type=hf", "tokenizer_path=/nonexistent"], "does not exist"),
-        (["tokenizer_type=sentencepiece"], "config key 'tokenizer_type'"),
+        (["tokenizer_type=wordpiece"], "config key 'tokenizer_type'"),
         (["base_emb_dim=128"], "it was written for a different config"),  # the checkpoint of another model
     ],
 )

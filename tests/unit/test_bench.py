@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import jax
 import pytest
@@ -17,6 +14,7 @@ from nnxtron.config import load_config
 from nnxtron.decoder import Decoder
 from nnxtron.errors import UserError
 from nnxtron.perf import training_flops_per_token
+from tests.scripts import load_script
 
 OVERRIDES = [
     "model_name=llama2-tiny",
@@ -30,7 +28,6 @@ KEYS = {
     "model_tflops_per_s", "mfu", "peak_tflops", "model_name", "decoder_block", "params", "global_batch", "seq_len",
     "dtype", "scan_layers", "remat_policy", "quantization", "devices", "backend", "loss",
 }  # fmt: skip
-HOST_OVERHEAD = Path(__file__).resolve().parents[2] / "benchmarks" / "host_overhead.py"
 
 
 def llama_param_count(cfg) -> int:
@@ -85,11 +82,7 @@ def test_bench_rejects_zero_steps():
 
 
 def _host_overhead_module():
-    spec = importlib.util.spec_from_file_location("host_overhead", HOST_OVERHEAD)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("host_overhead", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/host_overhead.py")
 
 
 def test_host_overhead_plain_step_matches_nnxtron():

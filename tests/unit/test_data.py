@@ -13,14 +13,11 @@ from nnxtron.data import (
     BATCH_KEYS,
     ByteTokenizer,
     SyntheticBatches,
-    TextBatches,
-    load_documents,
     make_tokenizer,
     pack_documents,
     pack_documents_with_stats,
     resolve_paths,
 )
-from nnxtron.data import pipeline as pipeline_mod
 from nnxtron.errors import DataError, UserError
 
 TOK = ByteTokenizer()
@@ -104,36 +101,6 @@ def test_resolve_paths_errors(tmp_path):
     (tmp_path / "emptydir").mkdir()
     with pytest.raises(DataError, match="emptydir"):
         resolve_paths([str(tmp_path / "emptydir")])
-
-
-def test_load_documents(tmp_path):
-    a = _write(tmp_path / "a.txt", "héllo\n")
-    b = _write(tmp_path / "b.txt", "second")
-    assert load_documents([a, b]) == ["héllo\n", "second"]
-
-
-def test_load_documents_not_utf8(tmp_path):
-    bad = tmp_path / "bad.bin"
-    bad.write_bytes(b"abc\xffdef")
-    with pytest.raises(DataError) as info:
-        load_documents([bad])
-    msg = str(info.value)
-    assert "bad.bin" in msg and "offset 3" in msg and "re-encode" in msg
-    assert "\n" not in msg
-
-
-@pytest.mark.parametrize("content", ["", "  \n\t\n"])
-def test_load_documents_empty(tmp_path, content):
-    empty = tmp_path / "empty.txt"
-    empty.write_text(content)
-    with pytest.raises(DataError, match="empty") as info:
-        load_documents([_write(tmp_path / "ok.txt", "x"), empty])
-    assert "empty.txt" in str(info.value)
-
-
-def test_python_stdlib_corpus_loads():
-    docs = load_documents(resolve_paths(["{python_stdlib}/*.py"]))
-    assert len(docs) > 50 and all(d.strip() for d in docs)
 
 
 # ---------------------------------------------------------------- packing
@@ -231,165 +198,7 @@ def test_pack_no_token_lost(lengths, seq_len, add_bos, add_eos):
         np.testing.assert_array_equal(row_seg, want)
 
 
-# ---------------------------------------------------------------- text batches
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    """20 small documents of varied length with distinct content."""
-    rng = np.random.default_rng(0)
-    for i in range(20):
-        words = " ".join(f"w{i}_{j}" for j in range(int(rng.integers(3, 40))))
-        _write(tmp_path / "docs" / f"doc{i:02d}.txt", f"document {i}: {words}\n")
-    return str(tmp_path / "docs" / "*.txt")
-
-
-def _text(corpus, **kw):
-    args = {"tokenizer": TOK, "seq_len": 16, "global_batch_size": 4, "seed": 0}
-    args.update(kw)
-    return TextBatches([corpus], **args)
-
-
-def _concat(batches):
-    return {k: np.concatenate([b[k] for b in batches]) for k in BATCH_KEYS}
-
-
-def test_text_batch_layout(corpus):
-    src = _text(corpus)
-    b = src.batch(0)
-    assert list(b) == list(BATCH_KEYS)
-    for k in BATCH_KEYS:
-        assert b[k].shape == (4, 16), k
-    assert b["inputs"].dtype == np.int32 and b["loss_mask"].dtype == np.float32
-    np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
-    s = src.stats()
-    assert s["documents"] == 20 and s["rows_per_epoch"] == src.rows_per_epoch > 4
-    assert 0.9 < s["packing_efficiency"] <= 1.0
-    line = src.describe()
-    assert "\n" not in line and "20 files" in line
-
-
-def test_text_epoch_covers_every_token_once(corpus):
-    src = _text(corpus)
-    rows = src.rows_per_epoch
-    n = -(-rows // 4)
-    epoch0 = {k: v[:rows] for k, v in _concat([src.batch(i) for i in range(n)]).items()}
-    docs = [TOK.encode(t) for t in load_documents(resolve_paths([corpus]))]
-    # inputs of epoch 0, split at bos, are exactly the documents (in shuffled order)
-    flat = epoch0["inputs"].ravel()[epoch0["segment_ids"].ravel() > 0]
-    chunks = np.split(flat, np.flatnonzero(flat == 1))[1:]  # each starts with bos
-    # drop the eos (the last one may be missing: the final stream token has no target)
-    found = sorted(tuple(x[1:][x[1:] != 2].tolist()) for x in chunks)
-    assert found == sorted(tuple(d.tolist()) for d in docs)
-    # epoch 1 is another shuffle of the same documents
-    assert np.array_equal(src.epoch_rows(0)["inputs"], epoch0["inputs"])
-    assert not np.array_equal(src.epoch_rows(1)["inputs"], src.epoch_rows(0)["inputs"])
-    e0, e1 = (np.sort(src.epoch_rows(e)["inputs"].ravel()) for e in (0, 1))
-    np.testing.assert_array_equal(e0, e1)
-
-
-def test_text_deterministic_and_seeded(corpus):
-    a, b, c = _text(corpus), _text(corpus), _text(corpus, seed=1)
-    for i in range(6):
-        for k in BATCH_KEYS:
-            np.testing.assert_array_equal(a.batch(i)[k], b.batch(i)[k])
-    assert any(not np.array_equal(a.batch(i)["inputs"], c.batch(i)["inputs"]) for i in range(6))
-
-
-def test_text_resumable(corpus):
-    seq = _text(corpus)
-    rows = seq.rows_per_epoch
-    last = 2 * rows // 4 + 3  # well into epoch 2, past batches straddling epochs
-    history = [seq.batch(i) for i in range(last + 1)]
-    fresh = _text(corpus)
-    for i in (last, 0, rows // 4, last - 1):
-        for k in BATCH_KEYS:
-            np.testing.assert_array_equal(fresh.batch(i)[k], history[i][k])
-    # batches are the global rows of consecutive epochs, straddling included
-    all_rows = _concat(history)
-    want = _concat([seq.epoch_rows(e) for e in range(3)])
-    n = min(len(all_rows["inputs"]), len(want["inputs"]))
-    for k in BATCH_KEYS:
-        np.testing.assert_array_equal(all_rows[k][:n], want[k][:n])
-
-
-def test_text_batch_larger_than_epoch(tmp_path):
-    _write(tmp_path / "one.txt", "tiny")  # 6 stream tokens -> 2 rows of 4
-    src = TextBatches([str(tmp_path / "one.txt")], TOK, seq_len=4, global_batch_size=5, seed=3)
-    assert src.rows_per_epoch == 2
-    b = src.batch(1)  # global rows 5..9 = epoch rows 1, 0, 1, 0, 1
-    epoch = src.epoch_rows(0)
-    np.testing.assert_array_equal(b["inputs"], epoch["inputs"][[1, 0, 1, 0, 1]])
-    np.testing.assert_array_equal(b["inputs"][1], [1, *TOK.encode("tin")])
-
-
-def test_text_returns_fresh_arrays(corpus):
-    src = _text(corpus)
-    b = src.batch(0)
-    before = b["inputs"].copy()
-    b["inputs"][:] = -1
-    np.testing.assert_array_equal(src.batch(0)["inputs"], before)
-
-
-@pytest.mark.parametrize("count", [1, 2, 4])
-def test_process_slices(corpus, count):
-    sources = [_text(corpus), SyntheticBatches(50, 8, 4, seed=0)]
-    for src in sources:
-        for i in (0, 5):
-            full = src.batch(i)
-            parts = [src.batch(i, p, count) for p in range(count)]
-            for p, part in enumerate(parts):
-                assert part["inputs"].shape[0] == 4 // count
-                for k in BATCH_KEYS:
-                    want = full[k][p * 4 // count : (p + 1) * 4 // count]
-                    np.testing.assert_array_equal(part[k], want)
-            for k in BATCH_KEYS:
-                np.testing.assert_array_equal(_concat(parts)[k], full[k])
-
-
-def test_process_count_must_divide_batch(corpus):
-    with pytest.raises(DataError, match="global_batch_size 4 .* 3 processes"):
-        _text(corpus).batch(0, 0, 3)
-    with pytest.raises(DataError, match="multiple of 3"):
-        SyntheticBatches(50, 8, 4).batch(0, 1, 3)
-
-
-def test_eval_train_split(corpus):
-    all_paths = resolve_paths([corpus])
-    train = _text(corpus, eval_fraction=0.3)
-    ev = _text(corpus, eval_fraction=0.3, split="eval")
-    assert set(train.paths).isdisjoint(ev.paths)
-    assert sorted(train.paths + ev.paths) == all_paths
-    assert 0 < len(ev.paths) < 20
-    assert _text(corpus).paths == all_paths
-    # eval: fixed order, independent of seed, cycles over its rows
-    ev2 = _text(corpus, eval_fraction=0.3, split="eval", seed=9)
-    rows = ev.epoch_rows(0)
-    r = ev.rows_per_epoch
-    for i in range(r // 4 + 2):
-        np.testing.assert_array_equal(ev.batch(i)["inputs"], ev2.batch(i)["inputs"])
-        want = rows["inputs"][[(i * 4 + j) % r for j in range(4)]]
-        np.testing.assert_array_equal(ev.batch(i)["inputs"], want)
-
-
-def test_eval_split_never_empty(corpus, monkeypatch):
-    monkeypatch.setattr(pipeline_mod, "eval_bucket", lambda path: 9999)
-    all_paths = resolve_paths([corpus])
-    ev = _text(corpus, eval_fraction=0.01, split="eval")
-    assert ev.paths == [all_paths[-1]]
-    assert _text(corpus, eval_fraction=0.01).paths == all_paths[:-1]
-
-
-def test_split_errors(corpus, tmp_path):
-    with pytest.raises(DataError, match="eval_fraction"):
-        _text(corpus, eval_fraction=1.0)
-    with pytest.raises(DataError, match="eval_fraction"):
-        _text(str(tmp_path / "docs" / "doc00.txt"), eval_fraction=0.1)
-    with pytest.raises(DataError, match="eval_fraction is 0"):
-        _text(corpus, split="eval")
-    with pytest.raises(DataError, match="split"):
-        _text(corpus, split="test")
-    assert _text(corpus, eval_fraction=1.0, split="eval").stats()["documents"] == 20
+# text corpora: see test_data_stream.py
 
 
 # ---------------------------------------------------------------- synthetic
@@ -420,17 +229,3 @@ def test_synthetic_batches():
     assert "\n" not in src.describe()
     with pytest.raises(DataError, match="vocab_size"):
         SyntheticBatches(3, 8, 4)
-
-
-def test_eval_split_does_not_depend_on_where_the_corpus_lives(tmp_path):
-    """The split hashes paths relative to the corpus root: a moved corpus splits the same."""
-    for root in ("a", "b/deeper"):
-        for i in range(30):
-            path = tmp_path / root / "sub" / f"doc{i}.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(f"document number {i} " * 20)
-    kwargs = dict(tokenizer="byte", seq_len=16, global_batch_size=2, split="eval", eval_fraction=0.3)
-    a = TextBatches([str(tmp_path / "a" / "**" / "*.txt")], **kwargs)
-    b = TextBatches([str(tmp_path / "b" / "deeper" / "**" / "*.txt")], **kwargs)
-    assert [p.name for p in a.paths] == [p.name for p in b.paths]
-    assert 0 < len(a.paths) < 30

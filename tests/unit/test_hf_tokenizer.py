@@ -71,7 +71,7 @@ def test_bad_tokenizer_files_are_one_clear_error(tmp_path, content, fragment):
 def test_hf_needs_a_path_and_a_path_needs_hf(bpe_dir):
     with pytest.raises(DataError, match="needs tokenizer_path"):
         make_tokenizer("hf")
-    with pytest.raises(ConfigError, match="tokenizer_path is read only with tokenizer_type=hf"):
+    with pytest.raises(ConfigError, match="tokenizer_path is not read by tokenizer_type=byte"):
         load_config(values={"tokenizer_path": str(bpe_dir)})
 
 

@@ -212,14 +212,22 @@ class Config(BaseModel):
     quantization_bwd_tile_size: int = Field(ge=0)  # the same for the weight-gradient matmul (0 = per channel)
 
     # --- data -------------------------------------------------------------------
-    dataset_type: Literal["synthetic", "text"]
+    dataset_type: Literal["synthetic", "text", "jsonl", "parquet", "arrayrecord"]  # see docs/data.md
     dataset_path: tuple[str, ...]
-    tokenizer_type: Literal["byte", "hf"]  # hf: a HuggingFace tokenizer.json at tokenizer_path
-    tokenizer_path: str  # tokenizer.json or its directory (tokenizer_type=hf)
+    dataset_text_field: str  # JSON field / Parquet column of the text ("" = "text"); arrayrecord: records are JSON
+    tokenizer_type: Literal["byte", "hf", "sentencepiece", "tiktoken"]
+    tokenizer_path: str  # the tokenizer file or its directory (every type but byte)
     add_bos: bool
     add_eos: bool
+    packing: Literal["concat", "pad"]  # concat: documents flow across rows; pad: each row starts a document
+    truncate_documents: bool  # keep only the first row's worth of each document
+    skip_bad_records: bool  # count and skip unusable documents instead of stopping with an error
     eval_split_fraction: float = Field(ge=0, le=0.5)
-    data_shuffle_seed: int
+    data_shuffle_seed: int = Field(ge=0, lt=2**32)
+    data_num_epochs: int = Field(ge=-1)  # -1 = endless; else training past the last epoch is an error
+    data_read_threads: int = Field(ge=0)  # threads reading and tokenizing documents (0 = in the training thread)
+    data_prefetch_batches: int = Field(ge=0)  # batches prepared ahead in a background thread (0 = none)
+    data_stats_documents: int = Field(gt=0)  # documents packed at start-up for the statistics line
     per_device_batch_size: float = Field(gt=0)
     max_target_length: int = Field(gt=1)
 
@@ -305,15 +313,33 @@ class Config(BaseModel):
             raise ValueError(f"rope_type=linear needs rope_scaling_factor >= 1, got {self.rope_scaling_factor}")
         if self.rope_type == "llama3" and self.rope_high_freq_factor < self.rope_low_freq_factor:
             raise ValueError("rope_high_freq_factor must be at least rope_low_freq_factor for rope_type=llama3")
-        if self.tokenizer_path and self.tokenizer_type != "hf":
-            raise ValueError(
-                f"tokenizer_path is read only with tokenizer_type=hf (got {self.tokenizer_type}); set both or neither"
-            )
-        if self.dataset_type == "text" and not self.dataset_path:
-            raise ValueError("dataset_type=text needs dataset_path (files, directories or globs)")
-        if self.eval_interval > 0 and self.dataset_type == "text" and self.eval_split_fraction == 0:
-            raise ValueError("eval_interval > 0 with dataset_type=text needs eval_split_fraction > 0 (or set eval_interval=-1)")
+        self._check_data()
         return self
+
+    def _check_data(self) -> None:
+        if self.tokenizer_path and self.tokenizer_type == "byte":
+            raise ValueError(
+                "tokenizer_path is not read by tokenizer_type=byte; unset it or choose hf, sentencepiece or tiktoken"
+            )
+        if self.data_num_epochs == 0:
+            raise ValueError("data_num_epochs must be -1 (endless) or a positive number of epochs, got 0")
+        if self.dataset_type == "synthetic":
+            unread = {"dataset_text_field": self.dataset_text_field != "", "packing": self.packing != "concat",
+                      "truncate_documents": self.truncate_documents, "skip_bad_records": self.skip_bad_records,
+                      "data_num_epochs": self.data_num_epochs != -1}  # fmt: skip
+            for key, is_set in unread.items():
+                if is_set:
+                    raise ValueError(f"{key} is not read with dataset_type=synthetic; unset it or train on a corpus")
+            return
+        kind = self.dataset_type
+        if not self.dataset_path:
+            raise ValueError(f"dataset_type={kind} needs dataset_path (files, directories or globs)")
+        if self.dataset_text_field and kind == "text":
+            raise ValueError("dataset_text_field is not read by dataset_type=text (one document per file); unset it")
+        if self.eval_interval > 0 and self.eval_split_fraction == 0:
+            raise ValueError(
+                f"eval_interval > 0 with dataset_type={kind} needs eval_split_fraction > 0 (or set eval_interval=-1)"
+            )
 
     def _check_moe(self) -> None:
         experts, k = self.num_experts, self.num_experts_per_tok

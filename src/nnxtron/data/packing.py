@@ -9,7 +9,7 @@ import numpy as np
 
 from nnxtron.errors import DataError
 
-__all__ = ["BATCH_KEYS", "PackStats", "pack_documents", "pack_documents_with_stats"]
+__all__ = ["BATCH_KEYS", "PackStats", "pack_documents", "pack_documents_with_stats", "row_arrays"]
 
 #: Keys of every packed-rows / batch dict, in this order.
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -36,6 +36,27 @@ class PackStats:
     def as_dict(self) -> dict[str, float | int]:
         """The counts plus ``packing_efficiency``."""
         return {**dataclasses.asdict(self), "packing_efficiency": self.efficiency}
+
+
+def row_arrays(tokens: np.ndarray, doc_of: np.ndarray, pos_of: np.ndarray) -> dict[str, np.ndarray]:
+    """The batch arrays of rows of ``seq_len + 1`` stream tokens ``[rows, seq_len + 1]``.
+
+    ``doc_of`` numbers the document each token belongs to (-1 = padding), ``pos_of`` is its
+    position in that document. Inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]``;
+    segment ids number the documents of each row 1, 2, ... (0 = padding) and the loss mask is
+    1 where the target is the next token of the same document."""
+    doc_in, doc_tgt = doc_of[:, :-1], doc_of[:, 1:]
+    starts_seg = np.ones(doc_in.shape, dtype=bool)
+    starts_seg[:, 1:] = doc_in[:, 1:] != doc_in[:, :-1]
+    segment_ids = np.cumsum(starts_seg, axis=1, dtype=np.int32)
+    segment_ids[doc_in < 0] = 0
+    return {
+        "inputs": np.ascontiguousarray(tokens[:, :-1], dtype=np.int32),
+        "targets": np.ascontiguousarray(tokens[:, 1:], dtype=np.int32),
+        "positions": np.ascontiguousarray(pos_of[:, :-1], dtype=np.int32),
+        "segment_ids": segment_ids,
+        "loss_mask": ((doc_in == doc_tgt) & (doc_tgt >= 0)).astype(np.float32),
+    }
 
 
 def pack_documents_with_stats(
@@ -78,22 +99,10 @@ def pack_documents_with_stats(
         doc_of[:total] = ids  # size >= total always holds
         pos_of[:total] = pos
 
-    cut = n_rows * seq_len
-    shape = (n_rows, seq_len)
-    doc_in = doc_of[:cut].reshape(shape)
-    doc_tgt = doc_of[1 : cut + 1].reshape(shape)
-    starts_seg = np.ones(shape, dtype=bool)
-    starts_seg[:, 1:] = doc_in[:, 1:] != doc_in[:, :-1]
-    segment_ids = np.cumsum(starts_seg, axis=1, dtype=np.int32)
-    segment_ids[doc_in < 0] = 0
-    loss_mask = ((doc_in == doc_tgt) & (doc_tgt >= 0)).astype(np.float32)
-    packed = {
-        "inputs": stream[:cut].reshape(shape),
-        "targets": stream[1 : cut + 1].reshape(shape).copy(),
-        "positions": pos_of[:cut].reshape(shape),
-        "segment_ids": segment_ids,
-        "loss_mask": loss_mask,
-    }
+    # row r reads stream[r*S : r*S + S + 1]: its inputs and, shifted by one, its targets
+    window = np.arange(n_rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    packed = row_arrays(stream[window], doc_of[window], pos_of[window])
+    loss_mask = packed["loss_mask"]
     stats = PackStats(
         documents=n_docs,
         tokens=int(doc_lens.sum()),

@@ -1,24 +1,35 @@
-"""Deterministic, resumable batch sources: batch ``index`` depends only on ``index``."""
+"""Batch sources: synthetic tokens and corpora (grain pipelines), each a resumable iterator."""
 
 from __future__ import annotations
 
 import abc
-import hashlib
 import operator
-import os
-from collections import OrderedDict
-from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
+from grain.experimental import ThreadPrefetchDatasetIterator
 
-from nnxtron.data.packing import BATCH_KEYS, PackStats, pack_documents_with_stats
-from nnxtron.data.text import load_documents, resolve_paths
-from nnxtron.data.tokenizer import Tokenizer, make_tokenizer
+from nnxtron.data.records import Corpus
+from nnxtron.data.stream import BatchIterator, RowPacker, RowSpec, document_iterator
+from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import DataError
 
-__all__ = ["BatchSource", "SyntheticBatches", "TextBatches", "eval_bucket"]
+__all__ = ["BatchSource", "CorpusBatches", "DataIterator", "SyntheticBatches", "split_documents"]
 
 Batch = dict[str, np.ndarray]
+EVAL_BUCKETS = 10000
+
+
+class DataIterator(Protocol):
+    """What the trainer reads batches from: ``next``, ``get_state``/``set_state``, ``close``."""
+
+    def __next__(self) -> Batch: ...
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _positive(name: str, value: int) -> int:
@@ -30,186 +41,70 @@ def _positive(name: str, value: int) -> int:
 
 def _seed(seed: int) -> int:
     seed = operator.index(seed)
-    if seed < 0:
-        raise DataError(f"seed must be a non-negative integer, got {seed}; set seed >= 0")
+    if not 0 <= seed < 2**32:
+        raise DataError(f"the shuffle seed must be in [0, 2**32), got {seed}; set data_shuffle_seed in that range")
     return seed
 
 
-def eval_bucket(path: str | os.PathLike) -> int:
-    """Stable bucket in [0, 10000) of a path string (sha256, independent of PYTHONHASHSEED)."""
-    digest = hashlib.sha256(os.fspath(path).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % 10000
+def local_rows(global_batch_size: int, process_count: int) -> int:
+    """Rows of each process's share of a global batch."""
+    if global_batch_size % process_count:
+        raise DataError(
+            f"global_batch_size {global_batch_size} is not divisible by the {process_count} processes; "
+            f"set global_batch_size to a multiple of {process_count}"
+        )
+    return global_batch_size // process_count
 
 
 class BatchSource(abc.ABC):
-    """Batches of rows ``[index*B, (index+1)*B)`` of a deterministic stream of rows."""
+    """A stream of global batches of ``global_batch_size`` rows of ``seq_len`` tokens."""
 
     global_batch_size: int
     seq_len: int
 
-    def batch(self, index: int, process_index: int = 0, process_count: int = 1) -> Batch:
-        """This process's rows of global batch ``index``: an equal, in-order slice per process."""
-        index = operator.index(index)
-        process_index = operator.index(process_index)
-        process_count = operator.index(process_count)
-        if index < 0:
-            raise ValueError(f"batch index must be >= 0, got {index}")
-        if process_count < 1 or not 0 <= process_index < process_count:
-            raise ValueError(f"bad process_index {process_index} for process_count {process_count}")
-        size = self.global_batch_size
-        if size % process_count:
-            raise DataError(
-                f"global_batch_size {size} is not divisible by the {process_count} processes; "
-                f"set global_batch_size to a multiple of {process_count}"
-            )
-        local = size // process_count
-        return self._batch(index, process_index * local, local)
-
     @abc.abstractmethod
-    def _batch(self, index: int, offset: int, count: int) -> Batch:
-        """Rows ``offset .. offset+count`` of global batch ``index``, as fresh arrays."""
+    def iterator(self, process_index: int = 0, process_count: int = 1) -> DataIterator:
+        """This process's share of each batch, from the first batch on (``set_state`` to resume)."""
 
     @abc.abstractmethod
     def stats(self) -> dict:
-        """documents, tokens, rows_per_epoch, packing_efficiency (None where not applicable)."""
+        """documents, tokens, packing_efficiency... (None where not applicable)."""
 
     @abc.abstractmethod
     def describe(self) -> str:
         """One line for the start-up print."""
 
 
-class TextBatches(BatchSource):
-    """Packed rows of text files, one document per file.
+class _IndexIterator:
+    """Batches ``batch(i)`` for i = 0, 1, ...; the state is the next ``i``."""
 
-    Files go to the eval split by a stable hash of their path relative to the corpus root
-    (the deepest common directory): ``eval_bucket(relpath) < eval_fraction * 10000``, so the
-    split is the same wherever the corpus lives. Train epoch ``e`` shuffles the train
-    documents with ``np.random.default_rng([seed, e])`` and packs them; batches read an endless
-    run of epochs (a batch may straddle epochs). Eval packs documents in sorted order once and
-    batches cycle over its rows.
-    """
+    def __init__(self, source: SyntheticBatches, process_index: int, process_count: int) -> None:
+        self.source, self.where, self.index = source, (process_index, process_count), 0
 
-    def __init__(
-        self,
-        paths_or_patterns: Sequence[str | os.PathLike] | str | os.PathLike,
-        tokenizer: Tokenizer | str,
-        seq_len: int,
-        global_batch_size: int,
-        seed: int = 0,
-        split: str = "train",
-        eval_fraction: float = 0.0,
-        add_bos: bool = True,
-        add_eos: bool = True,
-    ) -> None:
-        if split not in ("train", "eval"):
-            raise DataError(f"unknown split {split!r}; use 'train' or 'eval'")
-        eval_fraction = float(eval_fraction)
-        if not 0.0 <= eval_fraction <= 1.0:
-            raise DataError(f"eval_fraction must be in [0, 1], got {eval_fraction}; set it between 0 and 1")
-        if split == "eval" and eval_fraction == 0.0:
-            raise DataError("the eval split is empty because eval_fraction is 0; set eval_fraction > 0")
-        self.tokenizer = make_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        self.seq_len = _positive("seq_len", seq_len)
-        self.global_batch_size = _positive("global_batch_size", global_batch_size)
-        self.seed = _seed(seed)
-        self.split = split
-        self.eval_fraction = eval_fraction
-        self.add_bos, self.add_eos = bool(add_bos), bool(add_eos)
-        if isinstance(paths_or_patterns, (str, os.PathLike)):
-            paths_or_patterns = [paths_or_patterns]
-        self.patterns = [os.fspath(p) for p in paths_or_patterns]
+    def __iter__(self) -> _IndexIterator:
+        return self
 
-        all_paths = resolve_paths(self.patterns)
-        threshold = eval_fraction * 10000
-        # hash paths relative to the corpus root, so the split is the same on every machine
-        root = os.path.commonpath([str(p.parent) for p in all_paths])
-        is_eval = [eval_bucket(os.path.relpath(p, root)) < threshold for p in all_paths]
-        if eval_fraction > 0 and not any(is_eval):
-            is_eval[-1] = True  # never an empty eval split: the last file (sorted) goes there
-        train = [p for p, e in zip(all_paths, is_eval) if not e]
-        if split == "train" and not train:
-            raise DataError(
-                f"all {len(all_paths)} dataset files went to the eval split (eval_fraction "
-                f"{eval_fraction}); add more files to dataset_path or lower eval_fraction"
-            )
-        self.paths = train if split == "train" else [p for p, e in zip(all_paths, is_eval) if e]
-        encode = self.tokenizer.encode
-        self._docs = [encode(text) for text in load_documents(self.paths)]
-        self._cache: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
-        packed, self._stats = self._pack_epoch(0)
-        self.rows_per_epoch = self._stats.rows
-        if self.rows_per_epoch == 0:
-            raise DataError(
-                f"the {split} split of dataset_path {self.patterns} has too few tokens to fill "
-                "one row; add text or enable add_bos/add_eos"
-            )
-        # Row count does not depend on document order, so every epoch has rows_per_epoch rows.
-        self._cache_epochs = max(2, -(-self.global_batch_size // self.rows_per_epoch) + 1)
-        self._cache[0] = packed
+    def __next__(self) -> Batch:
+        batch = self.source.batch(self.index, *self.where)
+        self.index += 1
+        return batch
 
-    def _pack_epoch(self, epoch: int) -> tuple[dict[str, np.ndarray], PackStats]:
-        docs = self._docs
-        if self.split == "train":
-            order = np.random.default_rng([self.seed, epoch]).permutation(len(docs))
-            docs = [docs[i] for i in order]
-        tok = self.tokenizer
-        return pack_documents_with_stats(docs, self.seq_len, tok.bos_id, tok.eos_id, self.add_bos, self.add_eos, tok.pad_id)
+    def get_state(self) -> dict[str, Any]:
+        return {"index": self.index}
 
-    def epoch_rows(self, epoch: int) -> dict[str, np.ndarray]:
-        """The packed rows of ``epoch`` (cached; treat as read-only). Eval has one fixed epoch."""
-        if self.split == "eval":
-            epoch = 0
-        rows = self._cache.get(epoch)
-        if rows is None:
-            rows = self._pack_epoch(epoch)[0]
-            self._cache[epoch] = rows
-            while len(self._cache) > self._cache_epochs:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(epoch)
-        return rows
+    def set_state(self, state: dict[str, Any]) -> None:
+        try:
+            self.index = operator.index(state["index"])
+        except (KeyError, TypeError):
+            raise DataError("the saved data position is not one of synthetic data; resume with the same dataset_type") from None
 
-    def _batch(self, index: int, offset: int, count: int) -> Batch:
-        row = index * self.global_batch_size + offset
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in BATCH_KEYS}
-        while count > 0:
-            epoch, start = divmod(row, self.rows_per_epoch)
-            take = min(count, self.rows_per_epoch - start)
-            rows = self.epoch_rows(epoch)
-            for k in BATCH_KEYS:
-                parts[k].append(rows[k][start : start + take])
-            row += take
-            count -= take
-        return {k: np.concatenate(v, axis=0) for k, v in parts.items()}
-
-    def stats(self) -> dict:
-        """Per-epoch counts of this split, plus ``batches_per_epoch`` (may be fractional)."""
-        out = self._stats.as_dict()
-        return {
-            "split": self.split,
-            "documents": out["documents"],
-            "tokens": out["tokens"],
-            "stream_tokens": out["stream_tokens"],
-            "rows_per_epoch": out["rows"],
-            "packing_efficiency": out["packing_efficiency"],
-            "loss_tokens_per_epoch": out["loss_targets"],
-            "batches_per_epoch": out["rows"] / self.global_batch_size,
-        }
-
-    def describe(self) -> str:
-        s = self.stats()
-        patterns = ", ".join(self.patterns)
-        return (
-            f"{self.split} data: {s['documents']:,} files, {s['tokens']:,} tokens "
-            f"({self.tokenizer.name} tokenizer) -> {s['rows_per_epoch']:,} rows of {self.seq_len} "
-            f"per epoch, packing {100 * s['packing_efficiency']:.1f}%, "
-            f"{s['batches_per_epoch']:.1f} batches of {self.global_batch_size} per epoch; "
-            f"from {patterns}"
-        )
+    def close(self) -> None:
+        pass
 
 
 class SyntheticBatches(BatchSource):
-    """Uniform random tokens in [3, vocab_size); batch ``i`` uses ``default_rng([seed, i])``."""
+    """Uniform random tokens in [3, vocab_size); batch ``i`` uses ``default_rng([seed, i])``,
+    and each process takes its equal, in-order slice of the global batch."""
 
     def __init__(self, vocab_size: int, seq_len: int, global_batch_size: int, seed: int = 0) -> None:
         self.vocab_size = _positive("vocab_size", vocab_size)
@@ -219,10 +114,17 @@ class SyntheticBatches(BatchSource):
         self.global_batch_size = _positive("global_batch_size", global_batch_size)
         self.seed = _seed(seed)
 
-    def _batch(self, index: int, offset: int, count: int) -> Batch:
+    def batch(self, index: int, process_index: int = 0, process_count: int = 1) -> Batch:
+        """This process's rows of global batch ``index``, as fresh arrays."""
+        index, process_index, process_count = map(operator.index, (index, process_index, process_count))
+        if index < 0:
+            raise ValueError(f"batch index must be >= 0, got {index}")
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(f"bad process_index {process_index} for process_count {process_count}")
+        count = local_rows(self.global_batch_size, process_count)
+        offset = process_index * count
         rng = np.random.default_rng([self.seed, index])
-        shape = (self.global_batch_size, self.seq_len + 1)
-        tokens = rng.integers(3, self.vocab_size, size=shape, dtype=np.int64)
+        tokens = rng.integers(3, self.vocab_size, size=(self.global_batch_size, self.seq_len + 1), dtype=np.int64)
         tokens = tokens[offset : offset + count].astype(np.int32)
         rows = (count, self.seq_len)
         return {
@@ -233,21 +135,171 @@ class SyntheticBatches(BatchSource):
             "loss_mask": np.ones(rows, dtype=np.float32),
         }
 
+    def iterator(self, process_index: int = 0, process_count: int = 1) -> DataIterator:
+        local_rows(self.global_batch_size, process_count)
+        return _IndexIterator(self, process_index, process_count)
+
     def stats(self) -> dict:
-        """An endless stream: documents, tokens and rows_per_epoch are None."""
-        return {
-            "split": "synthetic",
-            "documents": None,
-            "tokens": None,
-            "stream_tokens": None,
-            "rows_per_epoch": None,
-            "packing_efficiency": 1.0,
-            "loss_tokens_per_epoch": None,
-            "batches_per_epoch": None,
-        }
+        """An endless stream: document and token counts are None."""
+        return {"split": "synthetic", "documents": None, "tokens": None, "packing_efficiency": 1.0}
 
     def describe(self) -> str:
         return (
             f"synthetic data: uniform random tokens in [3, {self.vocab_size}), "
             f"{self.global_batch_size} rows of {self.seq_len} per batch, seed {self.seed}"
         )
+
+
+def split_documents(corpus: Corpus, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval) document numbers: a document is eval when its stable key falls in the
+    first ``eval_fraction`` of the buckets. A positive fraction never gives an empty eval
+    split (the last document goes there); an empty train split is an error."""
+    eval_fraction = float(eval_fraction)
+    if not 0.0 <= eval_fraction <= 1.0:
+        raise DataError(f"eval_fraction must be in [0, 1], got {eval_fraction}; set it between 0 and 1")
+    is_eval = (corpus.keys() % np.uint64(EVAL_BUCKETS)) < eval_fraction * EVAL_BUCKETS
+    if eval_fraction > 0 and not is_eval.any():
+        is_eval[-1] = True
+    numbers = np.arange(len(corpus), dtype=np.int64)
+    train, evaluation = numbers[~is_eval], numbers[is_eval]
+    if not len(train):
+        raise DataError(
+            f"all {len(corpus)} documents went to the eval split (eval_split_fraction {eval_fraction}); "
+            "add documents to dataset_path or lower eval_split_fraction"
+        )
+    return train, evaluation
+
+
+class CorpusBatches(BatchSource):
+    """Batches of packed rows of a corpus split, read by a grain pipeline.
+
+    Train shuffles its documents with ``seed`` (a new order each epoch) for ``epochs`` epochs
+    (None = endless); eval reads its documents in order, cycling. Each process packs its own
+    share (``[process_index::process_count]``) of the document stream into its rows.
+    ``read_threads`` threads read and tokenize documents; ``prefetch`` batches are prepared
+    ahead in a background thread (0 = none). An error in any of them is raised by ``next``.
+    """
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        documents: np.ndarray,
+        tokenizer: Tokenizer,
+        spec: RowSpec,
+        global_batch_size: int,
+        *,
+        split: str = "train",
+        seed: int = 0,
+        epochs: int | None = None,
+        read_threads: int = 2,
+        prefetch: int = 2,
+        stats_documents: int = 1000,
+    ) -> None:
+        if split not in ("train", "eval"):
+            raise DataError(f"unknown split {split!r}; use 'train' or 'eval'")
+        self.corpus, self.documents, self.tokenizer, self.spec = corpus, np.asarray(documents), tokenizer, spec
+        self.seq_len = spec.seq_len
+        self.global_batch_size = _positive("global_batch_size", global_batch_size)
+        self.split, self.seed = split, _seed(seed)
+        self.epochs = None if epochs is None else _positive("data_num_epochs", epochs)
+        self.read_threads, self.prefetch = max(int(read_threads), 0), max(int(prefetch), 0)
+        if not len(self.documents):
+            raise DataError(f"the {split} split of the dataset has no documents; add documents or change eval_split_fraction")
+        self._stats = self._measure(max(int(stats_documents), 1))
+        if self._stats["bad_records"] and not spec.skip_bad_records:
+            raise DataError(
+                f"bad record: {self._stats['first_problem']}; fix or remove it, or set skip_bad_records=true to skip such records"
+            )
+
+    def _documents(self, process_index: int, process_count: int, **kw: Any):
+        train = self.split == "train"
+        return document_iterator(
+            self.corpus, self.documents, self.tokenizer, self.spec,
+            seed=self.seed if train else None, epochs=self.epochs if train else None,
+            process_index=process_index, process_count=process_count, **kw,
+        )  # fmt: skip
+
+    def iterator(self, process_index: int = 0, process_count: int = 1) -> DataIterator:
+        rows = local_rows(self.global_batch_size, process_count)
+        docs = self._documents(process_index, process_count, read_threads=self.read_threads)
+        return _Prefetched(BatchIterator(RowPacker(docs, self.spec, self.tokenizer.pad_id), rows), self.prefetch)
+
+    def _measure(self, limit: int) -> dict:
+        """Counts from packing up to ``limit`` documents spread evenly over the split."""
+        total = len(self.documents)
+        pick = self.documents[np.linspace(0, total - 1, min(limit, total)).round().astype(np.int64)]
+        sample = CorpusSample(self.corpus, np.unique(pick), self.tokenizer, self.spec)
+        counts = sample.counts
+        seen = counts["documents"] + counts["bad_records"]
+        scale = total / max(seen, 1)
+        slots = counts["rows"] * self.seq_len
+        return {
+            "split": self.split,
+            "documents": total,
+            "sampled_documents": seen,
+            "tokens": round(counts["tokens"] * scale),
+            "bad_records": round(counts["bad_records"] * scale),
+            "first_problem": sample.first_problem,
+            "rows_per_epoch": round(counts["rows"] * scale),
+            "packing_efficiency": counts["real_targets"] / slots if slots else 0.0,
+            "loss_tokens_per_epoch": round(counts["loss_targets"] * scale),
+        }
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def describe(self) -> str:
+        s = self._stats
+        exact = s["sampled_documents"] == s["documents"]
+        measured = "" if exact else f", estimated from {s['sampled_documents']:,} of them"
+        bad = ""
+        if s["bad_records"]:
+            bad = f"; {'' if exact else '~'}{s['bad_records']:,} bad records will be skipped (first: {s['first_problem']})"
+        order = f"shuffled with seed {self.seed}, {'endless' if self.epochs is None else f'{self.epochs} epochs'}"
+        return (
+            f"{self.split} data: {s['documents']:,} of {self.corpus.describe()}, "
+            f"{'' if exact else '~'}{s['tokens']:,} tokens ({self.tokenizer.name} tokenizer{measured}) -> "
+            f"{'' if exact else '~'}{s['rows_per_epoch']:,} rows of {self.seq_len} per epoch, "
+            f"{self.spec.packing} packing {100 * s['packing_efficiency']:.1f}% full; "
+            f"{self.global_batch_size} rows per batch, {order if self.split == 'train' else 'in order'}{bad}"
+        )
+
+
+class _Prefetched:
+    """``batches`` prepared ``size`` ahead in a background thread (grain keeps the state of the
+    batch last handed out); ``close`` stops that thread and the reader threads."""
+
+    def __init__(self, batches: BatchIterator, size: int) -> None:
+        self.batches, self.ahead = batches, ThreadPrefetchDatasetIterator(batches, size)
+
+    def __iter__(self) -> _Prefetched:
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self.ahead)
+
+    def get_state(self) -> dict[str, Any]:
+        return self.ahead.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.ahead.set_state(state)
+
+    def close(self) -> None:
+        self.ahead.close()
+        self.batches.close()
+        self.ahead = ThreadPrefetchDatasetIterator(self.batches, 0)  # drop the closed one now, not at exit
+
+
+class CorpusSample:
+    """Packs some documents once, in order, to count them (the start-up statistics)."""
+
+    def __init__(self, corpus: Corpus, documents: np.ndarray, tokenizer: Tokenizer, spec: RowSpec) -> None:
+        skip = RowSpec(**{**spec.__dict__, "skip_bad_records": True})  # count bad records here; training decides
+        docs = document_iterator(corpus, documents, tokenizer, skip, seed=None, epochs=1, read_threads=2)
+        packer = RowPacker(docs, skip, tokenizer.pad_id)
+        try:
+            for _ in packer:
+                pass
+        finally:
+            docs.close()
+        self.counts, self.first_problem = packer.counts, packer.first_problem

@@ -1,4 +1,4 @@
-"""Finding and reading the text files of a dataset (one file = one document)."""
+"""Finding the files of a dataset: files, directories and globs."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import glob
 import os
 import pathlib
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from nnxtron.errors import DataError
 
-__all__ = ["PYTHON_STDLIB", "expand_pattern", "load_documents", "resolve_paths"]
+__all__ = ["PYTHON_STDLIB", "expand_pattern", "resolve_paths"]
 
 PYTHON_STDLIB = "{python_stdlib}"
 _GLOB_CHARS = ("*", "?", "[")
@@ -74,26 +74,3 @@ def resolve_paths(patterns: Sequence[str | os.PathLike] | str | os.PathLike) -> 
             raise DataError(f"dataset_path {shown} matched no files; check the path or glob")
         seen.update(pathlib.Path(h).resolve() for h in hits)
     return sorted(seen, key=str)
-
-
-def load_documents(paths: Iterable[str | os.PathLike]) -> list[str]:
-    """The UTF-8 text of each file; DataError for unreadable, non-UTF-8 or empty files."""
-    docs = []
-    for path in paths:
-        try:
-            raw = pathlib.Path(path).read_bytes()
-        except OSError as e:
-            raise DataError(
-                f"cannot read dataset file '{path}' ({e.strerror or e}); fix its permissions or remove it from dataset_path"
-            ) from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"dataset file '{path}' is not valid UTF-8 (bad byte at offset {e.start}); "
-                "re-encode it as UTF-8 or remove it from dataset_path"
-            ) from None
-        if not text.strip():
-            raise DataError(f"dataset file '{path}' is empty (or only whitespace); add text to it or remove it from dataset_path")
-        docs.append(text)
-    return docs

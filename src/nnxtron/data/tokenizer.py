@@ -1,4 +1,5 @@
-"""Tokenizers: byte-level (no vocabulary files) and HuggingFace ``tokenizer.json`` files."""
+"""Tokenizers: byte-level (no files), HuggingFace ``tokenizer.json``, SentencePiece ``.model`` and
+tiktoken BPE files, all read from local paths."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import numpy as np
 
 from nnxtron.errors import DataError
 
-__all__ = ["TOKENIZERS", "ByteTokenizer", "HFTokenizer", "Tokenizer", "make_tokenizer"]
+__all__ = [
+    "TOKENIZERS", "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "Tokenizer", "make_tokenizer",
+]  # fmt: skip
 
 
 @runtime_checkable
@@ -64,11 +67,7 @@ class HFTokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _Tokenizer
 
-        file = Path(path).expanduser()
-        if file.is_dir():
-            file = file / "tokenizer.json"
-        if not file.is_file():
-            raise DataError(f"tokenizer file '{file}' does not exist; set tokenizer_path to a tokenizer.json or its directory")
+        file = _tokenizer_file(path, "tokenizer.json", "tokenizer.json")
         try:
             self._tokenizer = _Tokenizer.from_file(str(file))
         except Exception as err:  # noqa: BLE001 - the library raises plain Exceptions for bad files
@@ -120,17 +119,125 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-TOKENIZERS: dict[str, type] = {"byte": ByteTokenizer, "hf": HFTokenizer}
+def _tokenizer_file(path: str | Path, default_name: str, kind: str) -> Path:
+    """``path``, or ``path/default_name`` when it is a directory; DataError when missing."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        file = file / default_name
+    if not file.is_file():
+        raise DataError(f"tokenizer file '{file}' does not exist; set tokenizer_path to a {kind} file or its directory")
+    return file
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model (``tokenizer.model`` of Llama 2, Mistral, Gemma). BOS / EOS / PAD
+    are the model's own ids (-1 where it has none; PAD then falls back to 0)."""
+
+    name = "sentencepiece"
+
+    def __init__(self, path: str | Path):
+        import sentencepiece
+
+        file = _tokenizer_file(path, "tokenizer.model", "SentencePiece .model")
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(file))
+        except (OSError, RuntimeError) as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(f"'{file}' is not a SentencePiece model ({first}); point tokenizer_path at a .model file") from None
+        self.path = file
+        self.vocab_size = self._sp.GetPieceSize()
+        self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
+        self.pad_id = max(self._sp.pad_id(), 0)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Ids of ``text`` (no BOS/EOS: the caller adds them)."""
+        return np.asarray(self._sp.EncodeAsIds(text), dtype=np.int32)
+
+    def decode(self, ids: object) -> str:
+        """Text of ``ids``; control ids (BOS/EOS/PAD) are dropped."""
+        return self._sp.DecodeIds([int(i) for i in np.asarray(ids).ravel() if 0 <= int(i) < self.vocab_size])
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer('{self.path}')"
+
+
+#: The pre-tokenisation regex of Llama 3 (OpenAI's cl100k without possessive quantifiers).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class TiktokenTokenizer:
+    """A tiktoken BPE file (lines of ``base64(token) rank``, e.g. Llama 3's ``tokenizer.model``)
+    split with the Llama 3 pattern. BOS and EOS are added after the ranks, as Llama 3 does:
+    ``<|begin_of_text|>`` = number of ranks, ``<|end_of_text|>`` = that + 1; PAD is EOS."""
+
+    name = "tiktoken"
+
+    def __init__(self, path: str | Path):
+        import base64
+        import binascii
+
+        import tiktoken
+
+        file = _tokenizer_file(path, "tokenizer.model", "tiktoken BPE")
+        ranks: dict[bytes, int] = {}
+        number = 0
+        try:
+            for number, line in enumerate(file.read_bytes().splitlines(), 1):  # noqa: B007 - named in the error
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise DataError(
+                f"'{file}' line {number} is not 'base64-token rank', so it is not a tiktoken BPE file; point tokenizer_path at one"
+            ) from None
+        except OSError as err:
+            raise DataError(f"cannot read tokenizer file '{file}' ({err.strerror or err}); fix its permissions") from None
+        n = len(ranks)
+        if not n or sorted(ranks.values()) != list(range(n)):
+            raise DataError(f"the ranks in '{file}' are not 0..{n - 1} without gaps, so it is not a tiktoken BPE file")
+        specials = {"<|begin_of_text|>": n, "<|end_of_text|>": n + 1}
+        try:
+            self._enc = tiktoken.Encoding(file.stem, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+        except ValueError as err:
+            raise DataError(f"'{file}' is not a usable tiktoken BPE file ({err}); point tokenizer_path at one") from None
+        self.path = file
+        self.vocab_size = n + len(specials)
+        self.bos_id, self.eos_id = n, n + 1
+        self.pad_id = self.eos_id
+        self._ranks = n
+
+    def encode(self, text: str) -> np.ndarray:
+        """Ids of ``text``; special-token strings in the text are ordinary text."""
+        return np.asarray(self._enc.encode_ordinary(text), dtype=np.int32)
+
+    def decode(self, ids: object) -> str:
+        """Text of ``ids``; BOS/EOS and out-of-range ids are dropped, bad UTF-8 replaced."""
+        keep = [int(i) for i in np.asarray(ids).ravel() if 0 <= int(i) < self._ranks]
+        return self._enc.decode(keep, errors="replace")
+
+    def __repr__(self) -> str:
+        return f"TiktokenTokenizer('{self.path}')"
+
+
+TOKENIZERS: dict[str, type] = {
+    "byte": ByteTokenizer,
+    "hf": HFTokenizer,
+    "sentencepiece": SentencePieceTokenizer,
+    "tiktoken": TiktokenTokenizer,
+}
 
 
 def make_tokenizer(name: str, path: str = "") -> Tokenizer:
-    """The tokenizer called ``name``: ``"byte"``, or ``"hf"`` read from ``path``."""
+    """The tokenizer called ``name``: ``"byte"``, or one read from ``path`` (hf, sentencepiece, tiktoken)."""
     cls = TOKENIZERS.get(name)
     if cls is None:
         choices = ", ".join(repr(k) for k in sorted(TOKENIZERS))
-        raise DataError(f"unknown tokenizer {name!r}; set tokenizer to one of: {choices}")
-    if cls is HFTokenizer:
-        if not path:
-            raise DataError("tokenizer_type=hf needs tokenizer_path (a tokenizer.json or the directory holding one)")
-        return HFTokenizer(path)
-    return cls()
+        raise DataError(f"unknown tokenizer {name!r}; set tokenizer_type to one of: {choices}")
+    if cls is ByteTokenizer:
+        return cls()
+    if not path:
+        raise DataError(f"tokenizer_type={name} needs tokenizer_path (the tokenizer file or the directory holding it)")
+    return cls(path)

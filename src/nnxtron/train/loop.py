@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import datetime
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import yaml
 
 from nnxtron.config.derived import Derived, derive
 from nnxtron.config.loader import config_to_yaml
 from nnxtron.config.schema import Config
+from nnxtron.data.pipeline import BatchSource, DataIterator
 from nnxtron.data.sources import make_sources
-from nnxtron.errors import CheckpointError, ConfigError
+from nnxtron.errors import CheckpointError, ConfigError, DataError
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.perf import peak_flops_total, training_flops_per_token
 from nnxtron.train.checkpoint import Checkpointer
@@ -97,18 +100,19 @@ class Trainer:
         self.derived: Derived = derive(cfg, jax.device_count())
         self.run_dir = run_dir or resolve_run_dir(cfg)
         self.mesh = make_mesh(cfg)
+        self.train_source, self.eval_source = make_sources(cfg, self.derived.global_batch_size)  # bad data fails fast
         self.tx, self.schedule = make_optimizer(cfg, self.derived)
         self.setup = setup(cfg, self.mesh, self.tx)
-        self.train_source, self.eval_source = make_sources(cfg, self.derived.global_batch_size)
         self.batch_shardings = batch_sharding(cfg, self.setup)
         self.progress_enabled = progress
         self.train_step = make_train_step(cfg, self.setup, self.tx, self.schedule)
         self.eval_step = make_eval_step(cfg, self.setup)
 
-    def _host_batch(self, source, index: int) -> dict:
-        return source.batch(index, jax.process_index(), jax.process_count())
+    def _data(self, source: BatchSource) -> DataIterator:
+        return source.iterator(jax.process_index(), jax.process_count())
 
-    def initial_state(self, ckpt: Checkpointer | None) -> tuple[TrainState, int]:
+    def initial_state(self, ckpt: Checkpointer | None) -> tuple[TrainState, int, dict | None]:
+        """(state, first step, this process's saved data-iterator state or None for a new run)."""
         latest = ckpt.latest_step() if ckpt is not None else None
         if latest is not None:
             state, meta = ckpt.restore(latest, self.setup.abstract_state, self.setup.state_shardings)
@@ -116,21 +120,25 @@ class Trainer:
                 raise CheckpointError(
                     f"checkpoint {latest} in {ckpt.directory} is inconsistent (step/data position); use a new run_name"
                 )
-            return state, latest
+            return state, latest, _process_data_state(meta, ckpt.directory / str(latest))
         params = None
         if self.cfg.load_parameters_path:
             params = load_parameters(
                 self.cfg.load_parameters_path, self.setup.abstract_state["params"], self.setup.state_shardings["params"]
             )
-        return init_state(self.cfg, self.setup, self.tx, params), 0
+        return init_state(self.cfg, self.setup, self.tx, params), 0, None
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """``{"loss": token-mean eval loss}`` plus ``"mtp_acceptance"`` (fraction) when configured."""
         sums: dict[str, float] = {}
-        for i in range(self.cfg.eval_steps):
-            out = self.eval_step(state, device_batch(self._host_batch(self.eval_source, i), self.batch_shardings))
-            for key, value in out.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+        batches = self._data(self.eval_source)  # the same first eval_steps batches every time
+        try:
+            for _ in range(self.cfg.eval_steps):
+                out = self.eval_step(state, device_batch(next(batches), self.batch_shardings))
+                for key, value in out.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+        finally:
+            batches.close()
         result = {"loss": sums["loss_sum"] / max(sums["tokens"], 1.0)}
         if "mtp_accepted" in sums:
             result["mtp_acceptance"] = sums["mtp_accepted"] / max(sums["mtp_predictions"], 1.0)
@@ -143,46 +151,59 @@ class Trainer:
         if not (self.run_dir / "config.yml").exists():
             (self.run_dir / "config.yml").write_text(config_to_yaml(cfg))
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
-        state, start = self.initial_state(ckpt)
+        state, start, data_state = self.initial_state(ckpt)
+        batches = self._data(self.train_source)
+        if data_state is not None:
+            batches.set_state(data_state)
         result = TrainResult(self.run_dir, start, start)
         peak, peak_source = peak_flops_total(cfg)
         writer = MetricsWriter(self.run_dir, cfg.enable_tensorboard) if jax.process_index() == 0 else None
-        with ProgressBar(cfg.steps, start, self.progress_enabled) as bar:
-            bar.log(f"run {self.run_dir} | {'resumed at step ' + str(start) if start else 'new run'} | "
-                    f"mesh {self.derived.mesh_shape} | global batch {self.derived.global_batch_size} x {cfg.max_target_length}")  # fmt: skip
-            bar.log(f"data: {self.train_source.describe()}")
-            bar.log(f"parameters unsharded over model axes: {100 * self.setup.unsharded_fraction:.3f}% "
-                    f"(sharding_tolerance {100 * cfg.sharding_tolerance:g}%)")  # fmt: skip
-            bar.log(f"peak {peak / 1e12:.3f} TFLOP/s from {peak_source}")
-            if cfg.use_qwix_quantization:
-                from nnxtron.quant import summary
+        try:
+            with ProgressBar(cfg.steps, start, self.progress_enabled) as bar:
+                bar.log(f"run {self.run_dir} | {'resumed at step ' + str(start) if start else 'new run'} | "
+                        f"mesh {self.derived.mesh_shape} | global batch {self.derived.global_batch_size} x {cfg.max_target_length}")  # fmt: skip
+                bar.log(self.train_source.describe())
+                bar.log(f"parameters unsharded over model axes: {100 * self.setup.unsharded_fraction:.3f}% "
+                        f"(sharding_tolerance {100 * cfg.sharding_tolerance:g}%)")  # fmt: skip
+                bar.log(f"peak {peak / 1e12:.3f} TFLOP/s from {peak_source}")
+                if cfg.use_qwix_quantization:
+                    from nnxtron.quant import summary
 
-                bar.log(summary(cfg))
-            recorder = _Recorder(self, peak, writer, bar, result)
-            for step in range(start, cfg.steps):
-                batch = device_batch(self._host_batch(self.train_source, step), self.batch_shardings)
-                state, metrics = self.train_step(state, batch)
-                done = step + 1
-                recorder.submit(done, metrics)  # records the previous step while this one runs
-                if (
-                    cfg.eval_interval > 0
-                    and self.eval_source is not None
-                    and (done % cfg.eval_interval == 0 or done == cfg.steps)
-                ):
-                    recorder.flush()
-                    evaluation = self.evaluate(state)
-                    result.eval_losses[done] = evaluation["loss"]
-                    line = f"step {done}: eval loss {evaluation['loss']:.4f}"
-                    if "mtp_acceptance" in evaluation:
-                        result.eval_mtp_acceptance[done] = evaluation["mtp_acceptance"]
-                        line += f" | MTP acceptance {100 * evaluation['mtp_acceptance']:.1f}%"
-                    bar.log(line)
-                    if writer:
-                        writer.write({"step": done, **{f"eval_{k}": v for k, v in evaluation.items()}})
-                    recorder.restart_clock()
-                if ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps):
-                    ckpt.save(done, state, {"data_position": done, "config": cfg.model_dump(mode="json")})
-            recorder.flush()
+                    bar.log(summary(cfg))
+                recorder = _Recorder(self, peak, writer, bar, result)
+                for step in range(start, cfg.steps):
+                    batch = device_batch(_next_batch(batches, step, cfg), self.batch_shardings)
+                    state, metrics = self.train_step(state, batch)
+                    done = step + 1
+                    recorder.submit(done, metrics)  # records the previous step while this one runs
+                    if (
+                        cfg.eval_interval > 0
+                        and self.eval_source is not None
+                        and (done % cfg.eval_interval == 0 or done == cfg.steps)
+                    ):
+                        recorder.flush()
+                        evaluation = self.evaluate(state)
+                        result.eval_losses[done] = evaluation["loss"]
+                        line = f"step {done}: eval loss {evaluation['loss']:.4f}"
+                        if "mtp_acceptance" in evaluation:
+                            result.eval_mtp_acceptance[done] = evaluation["mtp_acceptance"]
+                            line += f" | MTP acceptance {100 * evaluation['mtp_acceptance']:.1f}%"
+                        bar.log(line)
+                        if writer:
+                            writer.write({"step": done, **{f"eval_{k}": v for k, v in evaluation.items()}})
+                        recorder.restart_clock()
+                    if ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps):
+                        data_states = all_process_states(batches.get_state())
+                        ckpt.save(
+                            done, state, {"data_position": done, "data_state": data_states, "config": cfg.model_dump(mode="json")}
+                        )
+                recorder.flush()
+                skipped = batches.get_state().get("counts", {}).get("bad_records", 0)
+                if skipped:
+                    bar.log(f"data: skipped {skipped:,} bad records so far (skip_bad_records=true); the first: "
+                            f"{batches.get_state().get('first_problem')}")  # fmt: skip
+        finally:
+            batches.close()
         if ckpt is not None:
             ckpt.wait()
         if writer:
@@ -190,6 +211,42 @@ class Trainer:
         result.end_step = max(start, cfg.steps)
         result.state = state
         return result
+
+
+def _next_batch(batches: DataIterator, step: int, cfg: Config) -> dict:
+    try:
+        return next(batches)
+    except StopIteration:
+        raise DataError(
+            f"the training data ran out at step {step} after data_num_epochs={cfg.data_num_epochs} epochs; "
+            "raise data_num_epochs (-1 = endless) or lower steps"
+        ) from None
+
+
+def all_process_states(state: dict) -> list[dict]:
+    """Every process's data-iterator state, in process order, on every process."""
+    if jax.process_count() == 1:
+        return [state]
+    from jax.experimental import multihost_utils
+
+    payload = np.frombuffer(json.dumps(state).encode("utf-8"), dtype=np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([payload.size], dtype=np.int64))
+    padded = np.zeros(int(sizes.max()), dtype=np.uint8)
+    padded[: payload.size] = payload
+    gathered = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row[: int(n)]).decode("utf-8")) for row, n in zip(gathered, sizes.ravel())]
+
+
+def _process_data_state(meta: dict, where: Path) -> dict:
+    states = meta.get("data_state")
+    if not isinstance(states, list) or not states:
+        raise CheckpointError(f"checkpoint '{where}' holds no data-iterator state; resume it with the nnxtron that wrote it")
+    if len(states) != jax.process_count():
+        raise CheckpointError(
+            f"checkpoint '{where}' was written by {len(states)} processes but this run has {jax.process_count()}; "
+            f"resume with {len(states)} processes (each one continues its own share of the data)"
+        )
+    return states[jax.process_index()]
 
 
 class _Recorder:

@@ -1,0 +1,236 @@
+"""The grain pipeline from a corpus to packed rows and batches, with exact, resumable state.
+
+``documents`` is a grain ``MapDataset`` over document numbers: shuffled with the seed (a new
+order each epoch), repeated, sliced ``[process_index::process_count]`` for this host, and
+mapped to token ids in reader threads. :class:`RowPacker` turns that stream into rows and
+:class:`BatchIterator` into batches. Their state is the documents iterator's state before the
+document now being packed, plus how many of its tokens are used, so ``set_state`` continues at
+exactly the next token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import grain
+import numpy as np
+
+from nnxtron.data.packing import BATCH_KEYS, row_arrays
+from nnxtron.data.records import BadRecord, Corpus
+from nnxtron.data.tokenizer import Tokenizer
+from nnxtron.errors import DataError
+
+__all__ = ["PACKING_MODES", "BatchIterator", "Document", "RowPacker", "RowSpec", "document_iterator"]
+
+PACKING_MODES = ("concat", "pad")
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One tokenized document (BOS/EOS included), or why it is unusable."""
+
+    index: int
+    tokens: np.ndarray | None
+    problem: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    """How documents become rows.
+
+    ``packing="concat"`` joins documents into one stream cut into rows (a document may
+    continue in the next row, its positions continuing); ``"pad"`` starts every row with a
+    new document (or the rest of a long one) and pads the rest of the row. With
+    ``truncate_documents`` a document keeps only the tokens that fit one row (``seq_len + 1``
+    with BOS/EOS). ``skip_bad_records`` counts and skips unusable documents instead of raising.
+    """
+
+    seq_len: int
+    packing: str = "concat"
+    truncate_documents: bool = False
+    add_bos: bool = True
+    add_eos: bool = True
+    skip_bad_records: bool = False
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKING_MODES:
+            raise DataError(f"unknown packing {self.packing!r}; set packing to one of: {', '.join(PACKING_MODES)}")
+        if self.seq_len < 1:
+            raise DataError(f"seq_len must be at least 1, got {self.seq_len}")
+
+
+class _Tokenize:
+    """grain map: document number -> :class:`Document` (runs in the reader threads)."""
+
+    def __init__(self, corpus: Corpus, tokenizer: Tokenizer, spec: RowSpec) -> None:
+        self.corpus, self.tokenizer = corpus, tokenizer
+        self.head = [tokenizer.bos_id] if spec.add_bos and tokenizer.bos_id >= 0 else []
+        self.tail = [tokenizer.eos_id] if spec.add_eos and tokenizer.eos_id >= 0 else []
+
+    def __call__(self, index: Any) -> Document:
+        index = int(index)
+        try:
+            text = self.corpus.text(index)
+        except BadRecord as err:
+            return Document(index, None, str(err))
+        ids = self.tokenizer.encode(text)
+        return Document(index, np.concatenate([self.head, ids, self.tail]).astype(np.int32))
+
+
+def document_iterator(
+    corpus: Corpus,
+    indices: np.ndarray,
+    tokenizer: Tokenizer,
+    spec: RowSpec,
+    *,
+    seed: int | None,
+    epochs: int | None,
+    process_index: int = 0,
+    process_count: int = 1,
+    read_threads: int = 2,
+    read_buffer: int = 64,
+) -> grain.DatasetIterator:
+    """Tokenized documents ``indices`` (corpus numbers), shuffled per epoch with ``seed``
+    (None: in order), ``epochs`` times (None: endless), this process's share only."""
+    if not len(indices):
+        raise DataError("the data split is empty; add documents or change eval_split_fraction")
+    ds = grain.MapDataset.source(np.asarray(indices, dtype=np.int64))
+    if seed is not None:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(epochs)[process_index::process_count]
+    ds = ds.map(_Tokenize(corpus, tokenizer, spec))
+    options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=read_buffer if read_threads else 0)
+    return ds.to_iter_dataset(options).__iter__()
+
+
+COUNTERS = ("documents", "tokens", "bad_records", "truncated_tokens", "rows", "real_targets", "loss_targets")
+
+
+class RowPacker:
+    """Rows of ``seq_len + 1`` stream tokens from a documents iterator (see :class:`RowSpec`)."""
+
+    def __init__(self, documents: grain.DatasetIterator, spec: RowSpec, pad_id: int) -> None:
+        self.documents, self.spec, self.pad_id = documents, spec, pad_id
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.first_problem = ""
+        self._before = documents.get_state()  # the documents state before self._doc
+        self._doc: np.ndarray | None = None
+        self._offset = 0  # tokens of self._doc already packed (the next row starts there)
+        self._serial = 0  # a number per document pulled, to tell documents apart inside a row
+
+    def _pull(self, count: bool = True) -> bool:
+        """Make the next usable document current; False when the stream has ended."""
+        while True:
+            before = self.documents.get_state()
+            try:
+                doc: Document = next(self.documents)
+            except StopIteration:
+                self._before, self._doc = before, None
+                return False
+            if doc.tokens is None or doc.tokens.size == 0:
+                problem = doc.problem or "the document has no tokens"
+                if not self.spec.skip_bad_records:
+                    raise DataError(f"bad record: {problem}; fix or remove it, or set skip_bad_records=true to skip such records")
+                if count:
+                    self.counts["bad_records"] += 1
+                    self.first_problem = self.first_problem or problem
+                continue
+            tokens = doc.tokens
+            limit = self.spec.seq_len + 1
+            if self.spec.truncate_documents and tokens.size > limit:
+                if count:
+                    self.counts["truncated_tokens"] += int(tokens.size - limit)
+                tokens = tokens[:limit]
+            if count:
+                self.counts["documents"] += 1
+                self.counts["tokens"] += int(tokens.size)
+            self._before, self._doc, self._offset = before, tokens, 0
+            self._serial += 1
+            return True
+
+    def _exhausted(self) -> bool:
+        return self._doc is None or self._offset >= self._doc.size
+
+    def __iter__(self) -> RowPacker:
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, document number or -1 for padding, position), each ``[seq_len + 1]``."""
+        width = self.spec.seq_len + 1
+        tokens = np.full(width, self.pad_id, np.int32)
+        doc_of = np.full(width, -1, np.int32)
+        pos_of = np.zeros(width, np.int32)
+        filled = 0
+        concat = self.spec.packing == "concat"
+        while filled < width:
+            if self._exhausted() and not self._pull():
+                break
+            take = min(width - filled, self._doc.size - self._offset)
+            tokens[filled : filled + take] = self._doc[self._offset : self._offset + take]
+            doc_of[filled : filled + take] = self._serial
+            pos_of[filled : filled + take] = np.arange(self._offset, self._offset + take)
+            filled += take
+            self._offset += take
+            if not concat:
+                break
+        if filled < 2:  # no (input, target) pair left: the stream has ended
+            raise StopIteration
+        if concat:
+            if filled == width:
+                self._offset -= 1  # a row's last token is the next row's first input
+        elif self._offset < self._doc.size:
+            self._offset -= 1  # the rest of a long document starts the next row
+        self.counts["rows"] += 1
+        self.counts["real_targets"] += filled - 1
+        self.counts["loss_targets"] += int((doc_of[1:filled] == doc_of[: filled - 1]).sum())
+        return tokens, doc_of, pos_of
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "documents": self._before,
+            "offset": None if self._doc is None else self._offset,
+            "counts": dict(self.counts),
+            "first_problem": self.first_problem,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        try:
+            self.documents.set_state(state["documents"])
+            self.counts = {k: int(state["counts"][k]) for k in COUNTERS}
+            self.first_problem = str(state.get("first_problem", ""))
+            self._doc, self._offset = None, 0
+            if state["offset"] is not None:
+                if not self._pull(count=False):
+                    raise ValueError("the documents ended before the saved position")
+                self._offset = int(state["offset"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise DataError(
+                f"the saved data position does not fit this dataset ({err}); resume with the same data settings or a new run_name"
+            ) from None
+
+
+class BatchIterator:
+    """Batches of ``rows`` packed rows: the ``BATCH_KEYS`` arrays, ``[rows, seq_len]``."""
+
+    def __init__(self, packer: RowPacker, rows: int) -> None:
+        self.packer, self.rows = packer, rows
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        parts = [next(self.packer) for _ in range(self.rows)]  # StopIteration ends the batches
+        tokens, doc_of, pos_of = (np.stack(p) for p in zip(*parts))
+        batch = row_arrays(tokens, doc_of, pos_of)
+        return {k: batch[k] for k in BATCH_KEYS}
+
+    def get_state(self) -> dict[str, Any]:
+        return self.packer.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.packer.set_state(state)
+
+    def close(self) -> None:
+        """Stops the documents iterator's reader threads."""
+        self.packer.documents.close()
