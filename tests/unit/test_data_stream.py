@@ -291,3 +291,16 @@ def test_synthetic_iterator_resumes():
     again = src.iterator(1, 2)
     again.set_state(it.get_state())
     _assert_batches_equal(_take(again, 2), [src.batch(i, 1, 2) for i in (3, 4)])
+
+
+def test_checkpointed_states_must_match_the_process_count(tmp_path):
+    from nnxtron.errors import CheckpointError
+    from nnxtron.train.loop import _process_data_state, all_process_states
+
+    state = {"index": 4}
+    assert all_process_states(state) == [state]
+    assert _process_data_state({"data_state": [state]}, tmp_path) == state
+    with pytest.raises(CheckpointError, match="written by 2 processes but this run has 1"):
+        _process_data_state({"data_state": [state, state]}, tmp_path)
+    with pytest.raises(CheckpointError, match="no data-iterator state"):
+        _process_data_state({}, tmp_path)
