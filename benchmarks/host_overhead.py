@@ -143,8 +143,13 @@ def make_plain_step(cfg: Config, tx: optax.GradientTransformation, schedule: opt
     def step(params, opt_state, count, batch):
         (loss, tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cfg)
         updates, opt_state = tx.update(grads, opt_state, params)
-        metrics = {"loss": loss, "tokens": tokens, "grad_norm": optax.tree.norm(grads),
-                   "learning_rate": jnp.asarray(schedule(count), jnp.float32)}  # fmt: skip
+        # the same non-finite guard as nnxtron's step (policy stop: report, do not mask the update)
+        squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)])
+        finite = jnp.isfinite(loss) & jnp.all(jnp.isfinite(squares))
+        metrics = {"loss": loss, "tokens": tokens, "grad_norm": jnp.sqrt(jnp.sum(squares)),
+                   "learning_rate": jnp.asarray(schedule(count), jnp.float32),
+                   "non_finite_leaf": jnp.where(finite, -1, jnp.argmax(~jnp.isfinite(squares))).astype(jnp.int32),
+                   "skipped": (~finite).astype(jnp.float32)}  # fmt: skip
         return optax.apply_updates(params, updates), opt_state, count + 1, metrics
 
     return jax.jit(step, donate_argnums=(0, 1, 2))

@@ -51,10 +51,26 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 def _cmd_train(ns: argparse.Namespace) -> int:
     from nnxtron.config import load_config
-    from nnxtron.train.loop import train
+    from nnxtron.distributed import initialize
 
     cfg = load_config(*_split_file_and_overrides(ns.args))
+    if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed):
+        return _train_and_report(cfg, ns)
+    import jax
+
+    code = _train_and_report(cfg, ns, quiet=jax.process_index() != 0)
+    jax.distributed.shutdown()
+    return code
+
+
+def _train_and_report(cfg, ns: argparse.Namespace, quiet: bool = False) -> int:
+    import jax
+
+    from nnxtron.train.loop import train
+
     result = train(cfg, progress=None if not ns.no_progress else False)
+    if quiet:  # another process of a multi-host run: process 0 reports
+        return 0
     first, last = (result.losses[0], result.losses[-1]) if result.losses else (None, None)
     if first is not None:
         print(
@@ -63,7 +79,10 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         )
     print(f"run directory: {result.run_dir}")
     if cfg.sample_after_training and result.state is not None:
-        _print_sample_from_state(cfg, result)
+        if jax.process_count() > 1:
+            print("no sample: decoding runs in one process; run `nnxtron generate` on the run directory")
+        else:
+            _print_sample_from_state(cfg, result)
     return 0
 
 
@@ -264,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (no arguments: the default small byte-level run)")
     p.add_argument("args", nargs="*", help=file_help)
     p.add_argument("--no-progress", action="store_true", help="print log lines instead of the live progress bar")
+    p.add_argument("--coordinator-address", help="multi-host: HOST:PORT of process 0 (with --num-processes, --process-id)")
+    p.add_argument("--num-processes", type=int, help="multi-host: how many processes take part")
+    p.add_argument("--process-id", type=int, help="multi-host: this process's number, 0 .. num-processes - 1")
+    p.add_argument(
+        "--distributed", action="store_true",
+        help="multi-host: let JAX detect the coordinator, count and id (SLURM, Open MPI, TPU VMs, Kubernetes)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("generate", help="sample from a run directory or an HF directory")
@@ -317,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         getattr(ns, target).extend(extra)  # key=value given after an --option
         return ns.func(ns)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always one line
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -18,3 +18,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """Unreadable, corrupted or foreign checkpoint directory."""
+
+
+class TrainingError(UserError):
+    """Training cannot go on (a non-finite loss or gradient); the message says what to change."""

@@ -43,7 +43,7 @@ def _check_keys(values: dict[str, Any], origin: str) -> None:
         if key not in Config.model_fields:
             close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else "; `nnxtron config show` lists every key"
-            raise ConfigError(f"unknown config key '{key}' in {origin}{hint}")
+            raise ConfigError(f"unknown config key {str(key)!r} in {origin}{hint}")
 
 
 def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
@@ -53,7 +53,7 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ConfigError(f"override '{item}' is not of the form key=value")
+            raise ConfigError(f"override {item!r} is not of the form key=value")
         field = Config.model_fields.get(key)
         if field is not None and field.annotation is str:
             values[key] = raw  # strings stay verbatim (run_name=007 is "007", not 7)
@@ -75,7 +75,7 @@ def _load_preset(name: str) -> dict[str, Any]:
     if not path.is_file():
         close = difflib.get_close_matches(name, preset_names(), n=1, cutoff=0.5)
         hint = f"; did you mean '{close[0]}'?" if close else f"; choose one of {', '.join(preset_names())}"
-        raise ConfigError(f"unknown model_name '{name}'{hint}")
+        raise ConfigError(f"unknown model_name {name!r}{hint}")
     values = _read_yaml(path.read_text(), f"preset {name}.yml")
     _check_keys(values, f"preset {name}.yml")
     return values

@@ -242,6 +242,7 @@ class Config(BaseModel):
     adam_eps: float = Field(gt=0)
     adam_weight_decay: float = Field(ge=0)
     gradient_clipping_threshold: float = Field(ge=0)  # 0 = off
+    non_finite_policy: Literal["stop", "skip"]  # a NaN/Inf loss or gradient: stop the run, or skip that update
     init_weights_seed: int
 
     # --- eval, checkpoints, logging ----------------------------------------------

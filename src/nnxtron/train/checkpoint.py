@@ -31,6 +31,11 @@ from nnxtron.errors import CheckpointError
 from nnxtron.params import LayerCounts, detect_layout, flatten_with_treedef, layer_groups
 
 FORMAT = "nnxtron-checkpoint-v1"
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """A step directory that cannot be read back (truncated, corrupted, half-written)."""
 
 
 class Checkpointer:
@@ -56,6 +61,28 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The committed steps, newest first (orbax never lists a half-written one)."""
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def set_aside(self, step: int) -> Path:
+        """Rename an unreadable step directory to ``<step>.unreadable[-n]`` (kept, never deleted)
+        so that neither a restore nor a later save of that step meets it."""
+        source = self.directory / str(step)
+        target = self.directory / f"{step}{UNREADABLE_SUFFIX}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}{UNREADABLE_SUFFIX}-{n}"
+        if jax.process_index() == 0:
+            source.rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"nnxtron set aside checkpoint {step}")
+        self.manager.reload()
+        return target
+
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Save a train state (or a params-only state) as the items ``params`` and ``train``.
 
@@ -78,7 +105,11 @@ class Checkpointer:
         path = self.directory / str(step) / "meta" / "metadata"
         try:
             meta = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as err:
+            if (self.directory / str(step) / "params").is_dir():  # ours, but the meta is damaged
+                raise UnreadableCheckpoint(
+                    f"checkpoint '{self.directory / str(step)}' has no readable meta ({_one_line(err)})"
+                ) from None
             meta = None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(
@@ -143,7 +174,7 @@ class Checkpointer:
                 ),
             )
         except Exception as err:
-            raise CheckpointError(
+            raise UnreadableCheckpoint(
                 f"checkpoint '{self.directory / str(step)}' is unreadable ({_one_line(err)}); "
                 "it may be corrupted: restore an older step or start a new run_name"
             ) from None
@@ -160,7 +191,7 @@ class Checkpointer:
         try:
             stored = self.manager.item_metadata(step)[item]
         except Exception as err:
-            raise CheckpointError(
+            raise UnreadableCheckpoint(
                 f"checkpoint '{self.directory / str(step)}' has no readable state ({_one_line(err)}); "
                 "it may be corrupted: restore an older step or start a new run_name"
             ) from None

@@ -18,10 +18,11 @@ from nnxtron.config.loader import config_to_yaml
 from nnxtron.config.schema import Config
 from nnxtron.data.pipeline import BatchSource, DataIterator
 from nnxtron.data.sources import make_sources
-from nnxtron.errors import CheckpointError, ConfigError, DataError
+from nnxtron.errors import CheckpointError, ConfigError, DataError, TrainingError
 from nnxtron.parallel.mesh import make_mesh
+from nnxtron.params import flatten_with_treedef
 from nnxtron.perf import peak_flops_total, training_flops_per_token
-from nnxtron.train.checkpoint import Checkpointer
+from nnxtron.train.checkpoint import Checkpointer, UnreadableCheckpoint
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import TrainState, init_state, setup
@@ -46,6 +47,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     eval_losses: dict[int, float] = field(default_factory=dict)
     eval_mtp_acceptance: dict[int, float] = field(default_factory=dict)  # with mtp_eval_target_module > 0
+    skipped_steps: list[int] = field(default_factory=list)  # non-finite updates dropped (non_finite_policy=skip)
     state: TrainState | None = None
 
 
@@ -105,6 +107,7 @@ class Trainer:
         self.setup = setup(cfg, self.mesh, self.tx)
         self.batch_shardings = batch_sharding(cfg, self.setup)
         self.progress_enabled = progress
+        self.notes: list[str] = []  # lines for the start-up print (checkpoints skipped on resume)
         self.train_step = make_train_step(cfg, self.setup, self.tx, self.schedule)
         self.eval_step = make_eval_step(cfg, self.setup)
 
@@ -112,15 +115,31 @@ class Trainer:
         return source.iterator(jax.process_index(), jax.process_count())
 
     def initial_state(self, ckpt: Checkpointer | None) -> tuple[TrainState, int, dict | None]:
-        """(state, first step, this process's saved data-iterator state or None for a new run)."""
-        latest = ckpt.latest_step() if ckpt is not None else None
-        if latest is not None:
-            state, meta = ckpt.restore(latest, self.setup.abstract_state, self.setup.state_shardings)
-            if int(state["step"]) != latest or meta.get("data_position") != latest:
+        """(state, first step, this process's saved data-iterator state or None for a new run).
+
+        Resumes from the newest checkpoint that reads back completely; newer unreadable ones
+        (truncated, corrupted) are reported in ``self.notes`` and renamed
+        ``<step>.unreadable``, never deleted. None readable at all is an error."""
+        unreadable: list[tuple[int, UnreadableCheckpoint]] = []
+        for step in ckpt.steps() if ckpt is not None else []:
+            try:
+                state, meta = ckpt.restore(step, self.setup.abstract_state, self.setup.state_shardings)
+            except UnreadableCheckpoint as err:
+                unreadable.append((step, err))
+                continue
+            if int(state["step"]) != step or meta.get("data_position") != step:
                 raise CheckpointError(
-                    f"checkpoint {latest} in {ckpt.directory} is inconsistent (step/data position); use a new run_name"
+                    f"checkpoint {step} in {ckpt.directory} is inconsistent (step/data position); use a new run_name"
                 )
-            return state, latest, _process_data_state(meta, ckpt.directory / str(latest))
+            for bad, err in unreadable:
+                kept = ckpt.set_aside(bad)
+                self.notes.append(f"skipped checkpoint {bad}: {str(err).split('; ')[0]}; kept as '{kept.name}'")
+            return state, step, _process_data_state(meta, ckpt.directory / str(step))
+        if unreadable:
+            raise CheckpointError(
+                f"none of the {len(unreadable)} checkpoints in '{ckpt.directory}' reads back (newest: "
+                f"{str(unreadable[0][1]).split('; ')[0]}); repair them or use a new run_name"
+            )
         params = None
         if self.cfg.load_parameters_path:
             params = load_parameters(
@@ -148,7 +167,7 @@ class Trainer:
         cfg = self.cfg
         _check_same_model(self.run_dir, cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not (self.run_dir / "config.yml").exists():
+        if jax.process_index() == 0 and not (self.run_dir / "config.yml").exists():
             (self.run_dir / "config.yml").write_text(config_to_yaml(cfg))
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
         state, start, data_state = self.initial_state(ckpt)
@@ -157,11 +176,13 @@ class Trainer:
             batches.set_state(data_state)
         result = TrainResult(self.run_dir, start, start)
         peak, peak_source = peak_flops_total(cfg)
-        writer = MetricsWriter(self.run_dir, cfg.enable_tensorboard) if jax.process_index() == 0 else None
+        writer = MetricsWriter(self.run_dir, cfg.enable_tensorboard, start) if jax.process_index() == 0 else None
         try:
-            with ProgressBar(cfg.steps, start, self.progress_enabled) as bar:
+            with ProgressBar(cfg.steps, start, self.progress_enabled, silent=jax.process_index() != 0) as bar:
                 bar.log(f"run {self.run_dir} | {'resumed at step ' + str(start) if start else 'new run'} | "
                         f"mesh {self.derived.mesh_shape} | global batch {self.derived.global_batch_size} x {cfg.max_target_length}")  # fmt: skip
+                for note in self.notes:
+                    bar.log(note)
                 bar.log(self.train_source.describe())
                 bar.log(f"parameters unsharded over model axes: {100 * self.setup.unsharded_fraction:.3f}% "
                         f"(sharding_tolerance {100 * cfg.sharding_tolerance:g}%)")  # fmt: skip
@@ -171,6 +192,7 @@ class Trainer:
 
                     bar.log(summary(cfg))
                 recorder = _Recorder(self, peak, writer, bar, result)
+                recorder.last_checkpoint = start
                 for step in range(start, cfg.steps):
                     batch = device_batch(_next_batch(batches, step, cfg), self.batch_shardings)
                     state, metrics = self.train_step(state, batch)
@@ -193,6 +215,10 @@ class Trainer:
                             writer.write({"step": done, **{f"eval_{k}": v for k, v in evaluation.items()}})
                         recorder.restart_clock()
                     if ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps):
+                        recorder.flush()  # the guard sees this step first, and the log holds every saved step
+                        if writer:
+                            writer.flush()
+                        recorder.last_checkpoint = done
                         data_states = all_process_states(batches.get_state())
                         ckpt.save(
                             done, state, {"data_position": done, "data_state": data_states, "config": cfg.model_dump(mode="json")}
@@ -202,10 +228,10 @@ class Trainer:
                 if skipped:
                     bar.log(f"data: skipped {skipped:,} bad records so far (skip_bad_records=true); the first: "
                             f"{batches.get_state().get('first_problem')}")  # fmt: skip
-        finally:
+        finally:  # also on an error: a save in flight is completed, never left half-written
             batches.close()
-        if ckpt is not None:
-            ckpt.wait()
+            if ckpt is not None:
+                ckpt.wait()
         if writer:
             writer.close()
         result.end_step = max(start, cfg.steps)
@@ -258,6 +284,8 @@ class _Recorder:
         self.peak, self.writer, self.bar, self.result = peak, writer, bar, result
         self.pending: tuple[int, dict] | None = None
         self.last_time = time.perf_counter()
+        self.leaf_names = list(flatten_with_treedef(trainer.setup.abstract_state["params"])[0])
+        self.last_checkpoint = 0  # the newest step saved or resumed from (for the non-finite report)
 
     def submit(self, step: int, metrics: dict) -> None:
         self.flush()
@@ -266,12 +294,30 @@ class _Recorder:
     def restart_clock(self) -> None:
         self.last_time = time.perf_counter()
 
+    def _guard(self, step: int, values: dict[str, float]) -> None:
+        """Stop (``non_finite_policy=stop``) or report a skipped update on a NaN/Inf step."""
+        leaf, loss = int(values.pop("non_finite_leaf")), values["loss"]
+        if not values["skipped"]:
+            return
+        where = self.leaf_names[leaf] if 0 <= leaf < len(self.leaf_names) else "none (only the loss)"
+        what = f"step {step}: the loss ({loss}) or a gradient is not finite (first parameter with one: {where})"
+        if self.cfg.non_finite_policy == "skip":
+            self.result.skipped_steps.append(step)
+            self.bar.log(f"{what}; update skipped (non_finite_policy=skip)")
+            return
+        last = f"step {self.last_checkpoint}" if self.last_checkpoint else "none written"
+        raise TrainingError(
+            f"{what}; stopped without saving it (last checkpoint: {last}). Lower learning_rate, set "
+            "gradient_clipping_threshold, or set non_finite_policy=skip to drop such updates"
+        )
+
     def flush(self) -> None:
         if self.pending is None:
             return
         step, metrics = self.pending
         self.pending = None
         values = {k: float(v) for k, v in metrics.items()}  # blocks until that step finished
+        self._guard(step, values)
         now = time.perf_counter()
         seconds = max(now - self.last_time, 1e-9)
         self.last_time = now

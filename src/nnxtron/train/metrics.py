@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    ``start_step``: the step a run resumes at. Records of later steps (written after that
+    checkpoint by a run that then died) and a torn last line are dropped first, so the log
+    of a resumed run reads exactly as if it had never stopped."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, start_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
+        _truncate_after(self.path, start_step)
         self.file = self.path.open("a", encoding="utf-8")
         self.tb = None
         if tensorboard:
@@ -43,12 +49,34 @@ class MetricsWriter:
             self.tb.close()
 
 
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the whole JSON records of ``path`` with ``step`` <= ``step`` (atomic rewrite)."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+
+
 class ProgressBar:
     """A rich progress bar showing step, loss, tokens/s, TFLOP/s and MFU (stderr)."""
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool | None = None):
+    def __init__(self, total_steps: int, start_step: int, enabled: bool | None = None, silent: bool = False):
         console = Console(file=sys.stderr)
-        self.enabled = console.is_terminal if enabled is None else enabled
+        self.silent = silent  # processes other than 0 of a multi-host run print nothing
+        self.enabled = (console.is_terminal if enabled is None else enabled) and not silent
         self.progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -79,6 +107,8 @@ class ProgressBar:
 
     def log(self, message: str) -> None:
         """A line above the bar (or plain stderr when the bar is off)."""
+        if self.silent:
+            return
         if self.enabled:
             self.progress.console.print(message, highlight=False, markup=False)
         else:

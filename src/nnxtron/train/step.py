@@ -16,6 +16,7 @@ from nnxtron.data.packing import BATCH_KEYS
 from nnxtron.layers.moe import update_router_bias
 from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
 from nnxtron.parallel.sharding import activate, constrain, logical_to_spec
+from nnxtron.params import flatten_with_treedef
 from nnxtron.train.loss import cross_entropy, cross_entropy_sum
 from nnxtron.train.state import ModelSetup, TrainState
 
@@ -174,7 +175,11 @@ def make_train_step(
     With ``gradient_accumulation_steps`` = k > 1 the batch is processed as k microbatches
     (``compute_gradients``); the update is the same as for the whole batch at once.
     Metrics: ``loss`` (token-mean cross-entropy), ``tokens``, ``grad_norm``,
-    ``learning_rate`` and ``aux/<name>`` for each auxiliary loss the model returns.
+    ``learning_rate``, ``aux/<name>`` for each auxiliary loss the model returns, and the
+    non-finite guard: ``skipped`` (1 when the loss or a gradient is NaN/Inf) and
+    ``non_finite_leaf`` (the flatten-order index of the first parameter whose gradient is
+    not finite, else -1). With ``non_finite_policy=skip`` such a step keeps the previous
+    parameters, optimizer and model state (only ``step`` advances).
 
     With ``routed_bias_update_rate`` > 0 the MoE routers' correction biases are updated
     after the gradient (loss-free balancing) from the expert load the step counted.
@@ -193,14 +198,23 @@ def make_train_step(
             updates, opt_state = tx.update(g.grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
             rest = update_router_bias(g.rest, cfg.routed_bias_update_rate) if cfg.routed_bias_update_rate > 0 else g.rest
+        squares = jnp.stack([jnp.sum(jnp.square(v.astype(jnp.float32))) for v in flatten_with_treedef(g.grads)[0].values()])
+        finite = jnp.isfinite(g.loss) & jnp.all(jnp.isfinite(squares))
         metrics = {
             "loss": g.loss,
             "tokens": g.tokens,
-            "grad_norm": optax.tree.norm(g.grads),
+            "grad_norm": jnp.sqrt(jnp.sum(squares)),
             "learning_rate": jnp.asarray(schedule(state["step"]), jnp.float32),
             **{f"aux/{name}": value for name, value in g.aux.items()},
+            # the first parameter (in flatten order) whose gradient is not finite, or -1
+            "non_finite_leaf": jnp.where(finite, -1, jnp.argmax(~jnp.isfinite(squares))).astype(jnp.int32),
         }
         new_state = {"params": params, "rest": rest, "opt_state": opt_state, "step": state["step"] + 1}
+        if cfg.non_finite_policy == "skip":  # keep the old weights, optimizer and model state; the data moves on
+            old = {k: state[k] for k in ("params", "rest", "opt_state")}
+            kept = jax.tree.map(lambda new, prev: jnp.where(finite, new, prev), {k: new_state[k] for k in old}, old)
+            new_state = {**kept, "step": new_state["step"]}
+        metrics["skipped"] = (~finite).astype(jnp.float32)
         return model_setup.to_storage(new_state), metrics
 
     shardings = model_setup.state_shardings
