@@ -34,7 +34,7 @@ keys = st.one_of(st.sampled_from(KEYS), st.text(min_size=1, max_size=10))
 overrides = st.lists(st.tuples(keys, values).map(lambda kv: f"{kv[0]}={kv[1]}"), min_size=1, max_size=4)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(overrides)
 def test_random_config_overrides_load_or_raise_one_user_error(items):
     try:
@@ -53,7 +53,7 @@ WORDS = [
 argvs = st.lists(st.one_of(st.sampled_from(WORDS), st.text(max_size=8)), max_size=6)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(argv=argvs)
 def test_random_command_lines_exit_0_or_2_with_one_error_line(argv, monkeypatch, capsys):
     import jax
