@@ -105,7 +105,9 @@ def load_config(file: str | Path | None = None, overrides: Iterable[str] = (), v
         try:
             text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else None
         except OSError as err:  # a name too long, a directory without permission...
-            raise ConfigError(f"cannot read config file {str(file)[:80]!r} ({err.strerror or err}); pass a readable YAML file") from None
+            raise ConfigError(
+                f"cannot read config file {str(file)[:80]!r} ({err.strerror or err}); pass a readable YAML file"
+            ) from None
         if text is None:
             raise ConfigError(f"config file {str(file)[:200]!r} does not exist; pass a YAML file or only key=value overrides")
         file_values = _read_yaml(text, f"config file '{file}'")
