@@ -191,8 +191,7 @@ class Trainer:
                     from nnxtron.quant import summary
 
                     bar.log(summary(cfg))
-                recorder = _Recorder(self, peak, writer, bar, result)
-                recorder.last_checkpoint = start
+                recorder = _Recorder(self, peak, writer, bar, result, start)
                 for step in range(start, cfg.steps):
                     batch = device_batch(_next_batch(batches, step, cfg), self.batch_shardings)
                     state, metrics = self.train_step(state, batch)
@@ -224,10 +223,11 @@ class Trainer:
                             done, state, {"data_position": done, "data_state": data_states, "config": cfg.model_dump(mode="json")}
                         )
                 recorder.flush()
-                skipped = batches.get_state().get("counts", {}).get("bad_records", 0)
+                data_state = batches.get_state()
+                skipped = data_state.get("counts", {}).get("bad_records", 0)
                 if skipped:
                     bar.log(f"data: skipped {skipped:,} bad records so far (skip_bad_records=true); the first: "
-                            f"{batches.get_state().get('first_problem')}")  # fmt: skip
+                            f"{data_state.get('first_problem')}")  # fmt: skip
         finally:  # also on an error: a save in flight is completed, never left half-written
             batches.close()
             if ckpt is not None:
@@ -278,14 +278,16 @@ def _process_data_state(meta: dict, where: Path) -> dict:
 class _Recorder:
     """Turns step metrics into records one step late, so reading them never stalls dispatch."""
 
-    def __init__(self, trainer: Trainer, peak: float, writer: MetricsWriter | None, bar: ProgressBar, result: TrainResult):
+    def __init__(
+        self, trainer: Trainer, peak: float, writer: MetricsWriter | None, bar: ProgressBar, result: TrainResult, start: int
+    ):
         self.cfg, self.tokens_per_step = trainer.cfg, trainer.derived.tokens_per_step
         self.flops_per_step = training_flops_per_token(trainer.cfg) * self.tokens_per_step
         self.peak, self.writer, self.bar, self.result = peak, writer, bar, result
         self.pending: tuple[int, dict] | None = None
         self.last_time = time.perf_counter()
         self.leaf_names = list(flatten_with_treedef(trainer.setup.abstract_state["params"])[0])
-        self.last_checkpoint = 0  # the newest step saved or resumed from (for the non-finite report)
+        self.last_checkpoint = start  # the newest step saved or resumed from (for the non-finite report)
 
     def submit(self, step: int, metrics: dict) -> None:
         self.flush()
