@@ -122,6 +122,7 @@ def _print_sample_from_state(cfg, result) -> None:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
+    from nnxtron.compile_cache import enable_compilation_cache
     from nnxtron.config.loader import parse_overrides
     from nnxtron.runs import is_hf_directory, load_model
 
@@ -133,6 +134,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         overrides.append(f"tokenizer_path={ns.path}")  # an HF directory brings its tokenizer.json
     model = load_model(ns.path, overrides)
     cfg = model.config
+    enable_compilation_cache(cfg)  # before prefill and the decode step compile
     tokenizer, stream = _sample(model, cfg, cfg.max_new_tokens)
     if ns.json:
         ids = list(stream)

@@ -1,8 +1,9 @@
-"""Load a Config: base.yml < preset(model_name) < YAML file < key=value overrides."""
+"""Load a Config: base.yml < JAX environment < preset(model_name) < YAML file < key=value overrides."""
 
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
@@ -15,6 +16,12 @@ from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 
 PRESET_DIR = resources.files("nnxtron.config") / "presets"
+# JAX's own environment variables for the compilation cache: when set, they replace the base.yml
+# defaults (a user who exports them gets what they asked for), and any value given explicitly wins
+ENVIRONMENT_DEFAULTS = {
+    "compilation_cache_dir": "JAX_COMPILATION_CACHE_DIR",  # "" = off
+    "compilation_cache_min_compile_seconds": "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+}
 
 
 def preset_names() -> list[str]:
@@ -70,6 +77,25 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
     return values
 
 
+def _environment_defaults() -> dict[str, Any]:
+    """The ``ENVIRONMENT_DEFAULTS`` keys whose environment variable is set."""
+    values: dict[str, Any] = {}
+    for key, variable in ENVIRONMENT_DEFAULTS.items():
+        raw = os.environ.get(variable)
+        if raw is None:
+            continue
+        if Config.model_fields[key].annotation is str:
+            values[key] = raw
+            continue
+        try:
+            values[key] = float(raw)
+        except ValueError:
+            raise ConfigError(
+                f"environment variable {variable}={raw[:80]!r} (the default of {key}) is not a number; fix or unset it"
+            ) from None
+    return values
+
+
 def _load_preset(name: str) -> dict[str, Any]:
     path = PRESET_DIR / f"{name}.yml"
     if not path.is_file():
@@ -93,12 +119,14 @@ def _format_validation_error(err: pydantic.ValidationError) -> str:
 
 
 def load_config(file: str | Path | None = None, overrides: Iterable[str] = (), values: dict[str, Any] | None = None) -> Config:
-    """Resolve the configuration: base.yml < preset(model_name) < file < values < overrides.
+    """Resolve the configuration: base.yml < environment < preset(model_name) < file < values < overrides.
 
     ``values`` are typed key/values from code (e.g. a converted HF config.json);
-    ``overrides`` are ``key=value`` strings from the command line.
+    ``overrides`` are ``key=value`` strings from the command line; the environment is
+    JAX's compilation-cache variables (``ENVIRONMENT_DEFAULTS``).
     """
     defaults = _read_yaml((PRESET_DIR / "base.yml").read_text(), "base.yml")
+    defaults.update(_environment_defaults())
     file_values: dict[str, Any] = {}
     if file is not None:
         path = Path(file)

@@ -69,6 +69,9 @@ class Config(BaseModel):
     run_name: str  # "" = a fresh timestamped name; an existing name resumes that run
     base_output_directory: str
     model_name: str  # preset chosen from config/presets/<model_name>.yml
+    # persistent compilation cache (nnxtron/compile_cache.py): a restarted run loads its compiled steps
+    compilation_cache_dir: str  # "" = off; "~" is expanded; env JAX_COMPILATION_CACHE_DIR replaces the base.yml default
+    compilation_cache_min_compile_seconds: float = Field(ge=0)  # only compiles at least this long are stored
 
     # --- model ----------------------------------------------------------------
     decoder_block: Literal[
@@ -111,6 +114,8 @@ class Config(BaseModel):
     inhomogeneous_layer_cycle_interval: int = Field(ge=0)  # layers per scanned block (0 = the pattern's period)
     trainable_position_size: int = Field(ge=0)  # > 0: learned absolute position embeddings (GPT-3), no RoPE
     attention_type: Literal["global", "mla", "compressed"]  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
+    # implementation of attention_type=global (docs/attention.md); auto: cudnn on a CUDA GPU where it runs, else xla
+    attention: Literal["auto", "xla", "dot_product", "cudnn"]
     use_qk_norm: bool  # q/k norm over head_dim: RMSNorm before RoPE (Qwen3, Gemma 3 (1+w)); weightless L2 after RoPE (Llama 4)
     q_lora_rank: int = Field(ge=0)  # mla: 0 = plain query projection
     kv_lora_rank: int = Field(gt=0)  # mla
@@ -306,6 +311,7 @@ class Config(BaseModel):
             )
         self._check_moe()
         self._check_mla_and_mtp()
+        self._check_attention()
         self._check_layer_pattern()
         self._check_deepseek4()
         self._check_pipeline()
@@ -402,6 +408,26 @@ class Config(BaseModel):
                 f"mtp_eval_target_module={self.mtp_eval_target_module} names an MTP depth beyond "
                 f"mtp_num_layers={self.mtp_num_layers}"
             )
+
+    def _check_attention(self) -> None:
+        """What ``attention=`` can run whatever the backend; that ``cudnn`` has a CUDA GPU is
+        checked where the model is built (``layers.attention.resolve_attention``)."""
+        if self.attention in ("dot_product", "cudnn") and self.attention_type != "global":
+            raise ValueError(
+                f"attention={self.attention} supports attention_type=global only ({self.attention_type} runs its own "
+                "einsum attention); use attention=auto or xla"
+            )
+        if self.attention == "cudnn":
+            from nnxtron.layers.attention import cudnn_unsupported
+
+            reason = cudnn_unsupported(
+                self.dtype,
+                self.resolved_head_dim,
+                chunked=self.chunk_attn_window_size > 0,
+                sequence_sharded=self.ici_context_parallelism != 1,
+            )
+            if reason is not None:
+                raise ValueError(f"attention=cudnn {reason}; use attention=auto, dot_product or xla")
 
     def _check_layer_pattern(self) -> None:
         """Window, chunk and pattern sizes; whether a cycle fits the pattern is checked by

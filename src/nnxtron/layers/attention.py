@@ -1,20 +1,99 @@
 """Grouped-query attention: causal, sliding-window, chunked and packed-segment masks; qk-norms;
-NoPE layers with temperature tuning (Llama 4)."""
+NoPE layers with temperature tuning (Llama 4); the selectable implementation (``attention=``,
+docs/attention.md)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from nnxtron.errors import ConfigError
 from nnxtron.infer.cache import CacheSpec, TokenCache, cache_mask, cache_size
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm, l2_norm
 from nnxtron.layers.rope import RopeSpec, apply_rope
 from nnxtron.parallel.sharding import constrain
 
+if TYPE_CHECKING:
+    from nnxtron.config.schema import Config
+
 QK_NORMS = ("none", "rms", "gemma", "l2")
+IMPLEMENTATIONS = ("xla", "dot_product", "cudnn")  # what attention=auto resolves to, per layer
+CUDNN_MAX_HEAD_DIM = 256  # cuDNN flash: head_dim a multiple of 8, <= 256 from Hopper (sm90) on ...
+CUDNN_AUTO_MAX_HEAD_DIM = 128  # ... <= 128 before it: auto picks cudnn only where every CUDA GPU runs it
+
+
+def cudnn_unsupported(
+    dtype: str | jnp.dtype, head_dim: int, *, chunked: bool = False, sequence_sharded: bool = False,
+    max_head_dim: int = CUDNN_MAX_HEAD_DIM,
+) -> str | None:  # fmt: skip
+    """Why cuDNN flash attention cannot run this attention (``None``: it can).
+
+    The limits are those ``jax._src.cudnn.fused_attention_stablehlo`` checks (dtype and head
+    dim) plus what nnxtron cannot express with it: aligned chunks (Llama 4) and queries
+    sharded over the sequence (its sharding rule refuses that).
+    """
+    name = jnp.dtype(dtype).name
+    if name not in ("bfloat16", "float16"):
+        return f"needs dtype=bfloat16 (cuDNN flash attention has no {name} kernel)"
+    if head_dim % 8 or head_dim > max_head_dim:
+        return f"needs head_dim a multiple of 8 and at most {max_head_dim}, got {head_dim}"
+    if chunked:
+        return "cannot express chunked attention (chunk_attn_window_size > 0)"
+    if sequence_sharded:
+        return "cannot shard queries over the sequence (ici_context_parallelism > 1)"
+    return None
+
+
+def resolve_attention(
+    value: str, backend: str, dtype: str | jnp.dtype, head_dim: int, *, chunked: bool = False, sequence_sharded: bool = False
+) -> str:
+    """The implementation ``attention=value`` runs as: ``xla``, ``dot_product`` or ``cudnn``.
+
+    ``backend`` is ``cpu``, ``tpu``, ``gpu`` (a CUDA GPU) or ``rocm``. ``auto`` is ``cudnn``
+    on a CUDA GPU where cuDNN flash runs on every GPU generation (bfloat16/float16,
+    head_dim <= 128 and a multiple of 8, not chunked, sequence not sharded), else ``xla``.
+    An explicit ``cudnn`` that cannot run raises a ConfigError naming the key.
+    """
+    if value == "auto":
+        fits = cudnn_unsupported(
+            dtype, head_dim, chunked=chunked, sequence_sharded=sequence_sharded, max_head_dim=CUDNN_AUTO_MAX_HEAD_DIM
+        )
+        return "cudnn" if backend == "gpu" and fits is None else "xla"
+    if value not in IMPLEMENTATIONS:
+        raise ConfigError(f"attention={value!r} is not one of {['auto', *IMPLEMENTATIONS]}")
+    if value == "cudnn":
+        if backend != "gpu":
+            raise ConfigError(f"attention=cudnn needs a CUDA GPU; this backend is {backend}; use attention=auto or xla")
+        reason = cudnn_unsupported(dtype, head_dim, chunked=chunked, sequence_sharded=sequence_sharded)
+        if reason is not None:
+            raise ConfigError(f"attention=cudnn {reason}; use attention=auto, dot_product or xla")
+    return value
+
+
+def attention_backend() -> str:
+    """This process's backend as ``resolve_attention`` names it (``gpu`` only for CUDA)."""
+    backend = jax.default_backend()
+    if backend == "gpu" and "cuda" not in jax.extend.backend.get_backend().platform_version.lower():
+        return "rocm"
+    return backend
+
+
+def configured_attention(cfg: Config, *, chunked: bool = False) -> str:
+    """``resolve_attention`` of ``cfg.attention`` for a layer built on this process's backend."""
+    return resolve_attention(
+        cfg.attention,
+        attention_backend(),
+        cfg.dtype,
+        cfg.resolved_head_dim,
+        chunked=chunked,
+        sequence_sharded=cfg.ici_context_parallelism != 1,
+    )
 
 
 def attention_mask(segment_ids: jax.Array, sliding_window: int = 0, chunk_size: int = 0) -> jax.Array:
@@ -46,14 +125,34 @@ def attend(
     sliding_window: int,
     dtype: jnp.dtype,
     chunk_size: int = 0,
+    implementation: str = "xla",
 ) -> jax.Array:
-    """Masked softmax attention (HF eager semantics); queries share key/value heads in groups.
+    """Masked softmax attention; queries share key/value heads in groups.
 
-    ``q`` [B, S, N, dk], ``k`` [B, S, K, dk], ``v`` [B, S, K, dv] with N a multiple of K;
-    logits are ``(q.k) * scale`` in the activation dtype, the softmax runs in float32.
-    Returns [B, S, N, dv].
+    ``q`` [B, S, N, dk], ``k`` [B, S, K, dk], ``v`` [B, S, K, dv] with N a multiple of K
+    (``dot_product`` and ``cudnn`` need dk == dv). Returns [B, S, N, dv]. ``implementation``:
+
+    * ``xla``: ``masked_attention`` (HF eager numerics: logits ``(q.k) * scale`` in the
+      activation dtype, softmax in float32);
+    * ``dot_product``: ``jax.nn.dot_product_attention`` (XLA) with the same boolean mask;
+      logits in float32 (same result in float32, rounding differences in bfloat16);
+    * ``cudnn``: cuDNN flash attention: causal and sliding window as kernel masks, the
+      packed segments as a [B, 1, S, S] mask (no chunks).
     """
-    return masked_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_size), scale=scale, dtype=dtype)
+    if implementation == "xla":
+        return masked_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_size), scale=scale, dtype=dtype)
+    if implementation == "dot_product":
+        mask = attention_mask(segment_ids, sliding_window, chunk_size)[:, None]  # [B, 1, S, S], broadcast over heads
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
+    if implementation == "cudnn":
+        if chunk_size:
+            raise ConfigError("attention=cudnn cannot express chunked attention; use attention=auto, dot_product or xla")
+        same_segment = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        window = (sliding_window - 1, 0) if sliding_window > 0 else None  # s - t <= W - 1
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=same_segment, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
+        )
+    raise ConfigError(f"attention implementation {implementation!r} is not one of {list(IMPLEMENTATIONS)}")
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, dtype: jnp.dtype) -> jax.Array:
@@ -109,6 +208,10 @@ class Attention(nnx.Module):
 
     ``temperature_tuning=(floor_scale, scale)`` (Llama 4 NoPE layers) multiplies q by
     ``log1p(floor((position + 1) / floor_scale)) * scale + 1`` (computed in float32).
+
+    ``implementation`` (``xla``, ``dot_product``, ``cudnn``; see ``attend``) runs training
+    and evaluation; with a KV cache (prefill and decode) attention always runs the einsum
+    path (``masked_attention``).
     """
 
     def __init__(
@@ -125,12 +228,15 @@ class Attention(nnx.Module):
         norm_eps: float = 1e-6,
         scale: float | None = None,
         temperature_tuning: tuple[float, float] | None = None,
+        implementation: str = "xla",
         dtype: jnp.dtype,
         weight_dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={qk_norm!r} is not one of {QK_NORMS}")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS} (resolve attention=auto first)")
         kw = dict(dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
         self.query = Linear([emb_dim], [num_heads, head_dim], ("embed", "q_heads", "head_dim"), **kw)
         self.key = Linear([emb_dim], [num_kv_heads, head_dim], ("embed", "kv_heads", "head_dim"), **kw)
@@ -147,6 +253,7 @@ class Attention(nnx.Module):
         self.sliding_window = sliding_window
         self.chunk_size = chunk_size
         self.temperature_tuning = temperature_tuning
+        self.implementation = implementation
         self.dtype = dtype
 
     def cache_spec(self, max_length: int) -> CacheSpec:
@@ -175,6 +282,6 @@ class Attention(nnx.Module):
         if hasattr(self, "cache"):
             out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype, **window)
         else:
-            out = attend(q, k, v, segment_ids, scale=self.scale, dtype=self.dtype, **window)
+            out = attend(q, k, v, segment_ids, scale=self.scale, dtype=self.dtype, implementation=self.implementation, **window)
         out = constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")

@@ -22,6 +22,10 @@ HF weight layout (``Linear`` kernels are ``[*in, *out]``, head-major)::
 
 The two latent RMSNorms use eps 1e-6 whatever ``normalization_layer_epsilon`` is: HF builds
 them as ``DeepseekV3RMSNorm(rank)`` with its default eps.
+
+MLA always runs the einsum path (``attention=xla``): key and value head dims differ
+(nope + rope vs v), which ``jax.nn.dot_product_attention`` does not take; ``attention=auto``
+means ``xla`` here and the config rejects ``dot_product``/``cudnn`` with ``attention_type=mla``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 from nnxtron.infer.cache import CacheSpec
-from nnxtron.layers.attention import attend, attend_with_cache, key_value_cache
+from nnxtron.layers.attention import attend, attend_with_cache, configured_attention, key_value_cache
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.mlp import MLP
 from nnxtron.layers.norms import LayerNorm
@@ -56,6 +56,7 @@ class FusedQKVAttention(nnx.Module):
         self.qkv = Linear([dim], [3, heads, head_dim], ("embed", None, "q_heads", "head_dim"), **kw)
         self.out = Linear([heads, head_dim], [dim], ("q_heads", "head_dim", "embed"), **kw)
         self.scale = head_dim**-0.5
+        self.implementation = configured_attention(cfg)  # without a cache; with one, the einsum path
         self.dtype = jnp.dtype(cfg.dtype)
 
     def cache_spec(self, max_length: int) -> CacheSpec:
@@ -71,7 +72,9 @@ class FusedQKVAttention(nnx.Module):
         if hasattr(self, "cache"):
             out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype)
         else:
-            out = attend(q, k, v, segment_ids, scale=self.scale, sliding_window=0, dtype=self.dtype)
+            out = attend(
+                q, k, v, segment_ids, scale=self.scale, sliding_window=0, dtype=self.dtype, implementation=self.implementation
+            )
         out = constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")
 

@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.layers.attention import Attention
+from nnxtron.layers.attention import Attention, configured_attention
 from nnxtron.layers.mla import MLA
 from nnxtron.layers.mlp import GatedMLP
 from nnxtron.layers.moe import MoE
@@ -42,7 +42,8 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
     ``qk_norm`` is what ``use_qk_norm`` means for the family (``rms``, ``gemma`` or
     ``l2``; ``l2`` applies on RoPE layers only, as in Llama 4). Sliding layers of a
     ``sliding_window_pattern`` use ``local_rope_max_timescale`` (unscaled) when set;
-    NoPE layers take ``temperature_tuning``.
+    NoPE layers take ``temperature_tuning``. ``cfg.attention`` is resolved per layer for
+    this backend (``auto`` is never ``cudnn`` on a chunked layer).
     """
     head_dim = cfg.resolved_head_dim
     rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None
@@ -64,6 +65,7 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
         norm_eps=cfg.normalization_layer_epsilon,
         scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
         temperature_tuning=tuning,
+        implementation=configured_attention(cfg, chunked=kind.attention == "chunked"),
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
         rngs=rngs,

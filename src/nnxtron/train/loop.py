@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import yaml
 
+from nnxtron.compile_cache import enable_compilation_cache
 from nnxtron.config.derived import Derived, derive
 from nnxtron.config.loader import config_to_yaml
 from nnxtron.config.schema import Config
@@ -99,6 +100,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
         self.cfg = cfg
+        self.compilation_cache = enable_compilation_cache(cfg)  # before anything compiles; None = off
         self.derived: Derived = derive(cfg, jax.device_count())
         self.run_dir = run_dir or resolve_run_dir(cfg)
         self.mesh = make_mesh(cfg)
@@ -187,6 +189,7 @@ class Trainer:
                 bar.log(f"parameters unsharded over model axes: {100 * self.setup.unsharded_fraction:.3f}% "
                         f"(sharding_tolerance {100 * cfg.sharding_tolerance:g}%)")  # fmt: skip
                 bar.log(f"peak {peak / 1e12:.3f} TFLOP/s from {peak_source}")
+                bar.log(_cache_line(cfg, self.compilation_cache))
                 if cfg.use_qwix_quantization:
                     from nnxtron.quant import summary
 
@@ -237,6 +240,13 @@ class Trainer:
         result.end_step = max(start, cfg.steps)
         result.state = state
         return result
+
+
+def _cache_line(cfg: Config, directory: str | None) -> str:
+    """The start-up line saying where compiled steps are stored (or that they are not)."""
+    if directory is None:
+        return "compilation cache: off (compilation_cache_dir is empty)"
+    return f"compilation cache: {directory} (compiles of {cfg.compilation_cache_min_compile_seconds:g} s or more are kept)"
 
 
 def _next_batch(batches: DataIterator, step: int, cfg: Config) -> dict:
