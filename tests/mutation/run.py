@@ -217,6 +217,22 @@ MUTATIONS = [
              "window = ((last + 1) // m - count)[:, None] + jnp.arange(count)[None, :]",
              "window = ((last + 1) // m - 1)[:, None] - jnp.arange(count)[None, :]",
              ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[deepseek4-test]",)),
+    # performance (issue 12): attention implementations and the persistent compilation cache
+    Mutation("dot-product-attention-ignores-segments", "layers/attention.py",
+             "mask = attention_mask(segment_ids, sliding_window, chunk_size)[:, None]",
+             "mask = attention_mask(jnp.ones_like(segment_ids), sliding_window, chunk_size)[:, None]",
+             ("tests/unit/test_attention_impl.py",)),
+    Mutation("auto-attention-never-picks-cudnn", "layers/attention.py",
+             'return "cudnn" if backend == "gpu" and fits is None else "xla"', 'return "xla"',
+             ("tests/unit/test_attention_impl.py",)),
+    Mutation("attention-option-not-passed-to-layers", "models/llama.py",
+             'implementation=configured_attention(cfg, chunked=kind.attention == "chunked"),', 'implementation="xla",',
+             ("tests/unit/test_attention_impl.py",)),
+    Mutation("trainer-without-compilation-cache", "train/loop.py",
+             "self.compilation_cache = enable_compilation_cache(cfg)", "self.compilation_cache = None",
+             ("tests/integration/test_compile_cache.py",)),
+    Mutation("cache-directory-never-moves", "compile_cache.py", "    compilation_cache.reset_cache()", "    pass",
+             ("tests/integration/test_compile_cache.py",)),
 ]  # fmt: skip
 
 

@@ -1,0 +1,63 @@
+"""benchmarks/suite.py (the one-command benchmark suite) and benchmarks/gpu_mfu.py: they run
+and report consistent ratios; no timing threshold."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnxtron.config import load_config
+from nnxtron.decoder import build_model
+from tests.scripts import load_script
+
+
+def _suite():
+    return load_script("benchmarks/suite.py")
+
+
+def test_compile_case_reports_trace_and_compile_apart_and_their_ratio():
+    (row,) = _suite().case_compile(quick=True)
+    small, large = (row["detail"][n] for n in (2, 6))
+    for run in (small, large):
+        assert run["compile_seconds"] == pytest.approx(run["trace_lower_seconds"] + run["xla_compile_seconds"])
+        assert run["trace_lower_seconds"] > 0 and run["xla_compile_seconds"] > 0
+    assert row["ratio"] == pytest.approx(large["compile_seconds"] / small["compile_seconds"])
+    assert row["target"] == "<= 1.3" and "6 layers vs 2" in row["case"]
+
+
+def test_suite_command_writes_the_table_and_the_raw_numbers(tmp_path, capsys):
+    out = tmp_path / "suite.md"
+    rows = _suite().main(["--quick", "--only", "gpu_mfu", "--out", str(out)])
+    table = out.read_text()
+    assert capsys.readouterr().out == table
+    assert "| case | measured | baseline (same run) | ratio | target |" in table
+    assert table.startswith("Machine: ") and f"backend {jax.default_backend()}" in table
+    (row,) = rows
+    if jax.default_backend() != "gpu":  # said in the table, not silently left out
+        assert row["ratio"] is None and "not run: no GPU" in row["measured"]
+        assert "| GPU MFU, llama-style 1B | not run: no GPU (cpu backend) | - | - | >= 0.5 |" in table
+    raw = json.loads(out.with_suffix(".json").read_text())
+    assert raw["rows"] == json.loads(json.dumps(rows)) and raw["machine"]["backend"] == jax.default_backend()
+
+
+def test_render_formats_ratios_with_their_names():
+    about = {"cpu": "X", "usable_cpus": 2, "memory_gib": 1.0, "backend": "cpu", "device_kind": "cpu", "devices": 1,
+             "jax": "0", "python": "3"}  # fmt: skip
+    rows = [{"case": "c", "measured": "2 s", "baseline": "1 s", "ratio": 2.0, "ratio_name": "time ratio", "target": "<= 1.3"}]
+    assert "| c | 2 s | 1 s | time ratio 2 | <= 1.3 |" in _suite().render(rows, about)
+
+
+def test_gpu_mfu_model_is_llama_1b_and_refuses_a_cpu():
+    mfu = load_script("benchmarks/gpu_mfu.py")
+    cfg = load_config(None, mfu.overrides(mfu.build_parser().parse_args([])))
+    params = jax.eval_shape(lambda: nnx.state(build_model(cfg), nnx.Param))
+    count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
+    assert count == 1_235_814_400  # Llama 3.2 1B (tied embeddings)
+    assert (cfg.dtype, cfg.weight_dtype, cfg.dataset_type) == ("bfloat16", "float32", "synthetic")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(SystemExit, match="measures a GPU"):
+            mfu.main(["--out", "-"])
