@@ -27,6 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the cases' scripts (host_overhead, data_pipeline, gpu_mfu)
 
 # The CPU throughput model of the performance issue: llama2-style, emb 256, 4 heads of 64,
 # MLP 1024, 4 layers, vocab 32000, batch 4 x 256, bfloat16 activations, float32 weights.
@@ -43,6 +44,11 @@ def _devices_batch(per_device: int) -> list[str]:
     import jax
 
     return [f"per_device_batch_size={per_device / jax.device_count():g}"]
+
+
+def _throughput_model(quick: bool) -> list[str]:
+    """The overrides of the throughput model (batch 4 in all), or the tiny model with ``quick``."""
+    return QUICK_MODEL if quick else THROUGHPUT_MODEL + _devices_batch(4)
 
 
 def matmul_peak(dtype: str, quick: bool) -> float:
@@ -68,9 +74,10 @@ def _train_row(name: str, overrides: list[str], steps: int, quick: bool) -> dict
 
 
 def case_throughput(quick: bool) -> list[dict[str, Any]]:
-    """Target 3: the CPU throughput model, tokens/s and MFU; and each attention implementation."""
-    model = QUICK_MODEL if quick else THROUGHPUT_MODEL + _devices_batch(4)
-    rows = [_train_row("train step: throughput model (llama2-style, bf16/f32)", model, 3 if quick else 10, quick)]
+    """Target 3: the CPU throughput model, tokens/s and MFU (``attention=auto``)."""
+    rows = [
+        _train_row("train step: throughput model (llama2-style, bf16/f32)", _throughput_model(quick), 3 if quick else 10, quick)
+    ]
     rows[0]["target"] = "as fast as XLA allows"
     return rows
 
@@ -79,7 +86,7 @@ def case_attention(quick: bool) -> list[dict[str, Any]]:
     """Target 4: the attention implementations on the throughput model, step time vs `xla`."""
     from nnxtron.bench import run_bench
 
-    model = QUICK_MODEL if quick else THROUGHPUT_MODEL + _devices_batch(4)
+    model = _throughput_model(quick)
     times = {impl: run_bench(None, [*model, f"attention={impl}"], steps=3 if quick else 10)["step_seconds"]
              for impl in ("xla", "dot_product")}  # fmt: skip
     return [{
@@ -111,7 +118,7 @@ def case_compile(quick: bool) -> list[dict[str, Any]]:
     """Target 2: cold compile of the scanned step, 48 layers vs 4 (trace and XLA apart)."""
     from nnxtron.bench import run_bench
 
-    model = QUICK_MODEL if quick else THROUGHPUT_MODEL + _devices_batch(4)
+    model = _throughput_model(quick)
     depths = (2, 6) if quick else (4, 48)
     runs = {n: run_bench(None, [*model, *NO_CACHE, "scan_layers=true", f"base_num_decoder_layers={n}"], steps=1)
             for n in depths}  # fmt: skip
@@ -127,7 +134,7 @@ def case_compile(quick: bool) -> list[dict[str, Any]]:
 
 def case_compile_cache(quick: bool) -> list[dict[str, Any]]:
     """Target 2: a restarted process loads the step from the persistent compilation cache."""
-    model = QUICK_MODEL if quick else THROUGHPUT_MODEL + ["per_device_batch_size=4"]
+    model = _throughput_model(quick)
     with tempfile.TemporaryDirectory(prefix="nnxtron-cache-") as cache:
         settings = [f"compilation_cache_dir={cache}", "compilation_cache_min_compile_seconds=0"]
         cold, warm = (_child_bench([*model, *settings]) for _ in range(2))
@@ -149,7 +156,6 @@ def _child_bench(overrides: list[str]) -> dict[str, Any]:
 
 def case_host_overhead(quick: bool) -> list[dict[str, Any]]:
     """Target 1: nnxtron's train step vs a minimal plain-JAX step of the same function."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import host_overhead
 
     args = ["--out", "-"] + (["--repeats", "3", "--steps", "5"] if quick else [])
@@ -207,7 +213,6 @@ def case_decode(quick: bool) -> list[dict[str, Any]]:
 
 def case_data(quick: bool) -> list[dict[str, Any]]:
     """Data pipeline: tokens/s of the default pipeline vs what the default model trains on."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import data_pipeline
 
     small = ["--documents", "30", "--batches", "20", "--repeats", "1", "--train-steps", "2"] if quick else ["--repeats", "3"]
@@ -227,7 +232,6 @@ def case_gpu_mfu(quick: bool) -> list[dict[str, Any]]:
     if jax.default_backend() != "gpu":
         return [{"case": "GPU MFU, llama-style 1B", "measured": f"not run: no GPU ({jax.default_backend()} backend)",
                  "baseline": "-", "ratio": None, "ratio_name": "MFU", "target": ">= 0.5", "detail": None}]  # fmt: skip
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_mfu
 
     result = gpu_mfu.main(["--out", "-"])
