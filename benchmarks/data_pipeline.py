@@ -14,7 +14,7 @@ fills them all). Cases run interleaved, ``--repeats`` times each, with a fresh i
 every time; the table shows the median. Every row is also given as a ratio to the
 baseline measured in the same run: text files, ``read_threads=0, prefetch=0`` (all work
 in the calling thread). ``--train-demand`` also compiles and times the default model's
-train step (``nnxtron.bench.run_bench``) and gives each row's ratio to its tokens/s:
+train step (``nnxtron.tools.bench.run_bench``) and gives each row's ratio to its tokens/s:
 above 1 the pipeline outruns training on this machine.
 
     python benchmarks/data_pipeline.py [--documents N] [--seq-len 1024] [--batch 8] [--batches 500]
@@ -38,8 +38,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from nnxtron.config.options import DATASET_FORMATS
 from nnxtron.data import CorpusBatches, RowSpec, Tokenizer, make_tokenizer, open_corpus, split_documents
-from nnxtron.data.records import FORMATS, Corpus
+from nnxtron.data.records import Corpus
 
 BASELINE = ("text", 0, 0)  # format, read threads, prefetch
 STATS_DOCUMENTS = 16  # CorpusBatches packs this many documents up front for its statistics (not timed)
@@ -115,7 +116,7 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
     tok = args.tokenizer
     out = [(BASELINE[0], tok, BASELINE[1], BASELINE[2])]
     out += [("text", tok, threads, args.prefetch) for threads in args.threads_sweep]
-    for kind in (k for k in FORMATS if k != "text"):  # each format single-threaded (its reading cost) and as training runs it
+    for kind in (k for k in DATASET_FORMATS if k != "text"):  # each format single-threaded (its reading cost) and as training runs it
         out += [(kind, tok, BASELINE[1], BASELINE[2]), (kind, tok, args.read_threads, args.prefetch)]
     if tok != "byte":  # the same pipeline with the byte tokenizer: what the tokenizer itself costs
         out.append(("text", "byte", args.read_threads, args.prefetch))
@@ -142,7 +143,7 @@ def machine() -> dict[str, Any]:
 
 def train_demand(steps: int, overrides: list[str]) -> dict[str, Any]:
     """Tokens/s of the default model's train step (compiles it: tens of seconds on a small CPU)."""
-    from nnxtron.bench import run_bench
+    from nnxtron.tools.bench import run_bench
 
     result = run_bench(None, overrides, steps=steps)
     keys = ("model_name", "params", "global_batch", "seq_len", "backend", "device_kind", "step_seconds", "tokens_per_s")

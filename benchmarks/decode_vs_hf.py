@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from nnxtron.hf import from_hf
+from nnxtron.convert.hf import from_hf
 from nnxtron.infer.decode import generate
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "assets" / "golden"

@@ -7,7 +7,7 @@ The model is Llama 3.2 1B's shape (emb 2048, 16 layers, 32 query / 8 key-value h
 64, MLP 8192, vocab 128256, tied embeddings) with bfloat16 activations and float32
 master weights, synthetic data, on one device. It runs ``nnxtron bench`` (the Trainer's
 own step) and reports tokens/s and MFU against the device's dense bf16 peak
-(``nnxtron.perf.KNOWN_PEAK_TFLOPS``, or ``--set peak_tflops=...``).
+(``nnxtron.runtime.peak.KNOWN_PEAK_TFLOPS``, or ``--set peak_tflops=...``).
 
 It refuses to run without a GPU: the 1B model on a CPU says nothing about GPU MFU.
 The project never needs a GPU; this script is the one place that measures one.
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if jax.default_backend() != "gpu":
         raise SystemExit(f"gpu_mfu.py measures a GPU; this machine's JAX backend is {jax.default_backend()!r}")
-    from nnxtron.bench import run_bench
+    from nnxtron.tools.bench import run_bench
 
     result = run_bench(None, overrides(args), steps=args.steps)
     print(json.dumps(result, indent=1))

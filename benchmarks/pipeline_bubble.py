@@ -19,7 +19,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from nnxtron.bench import run_bench  # noqa: E402
+from nnxtron.tools.bench import run_bench  # noqa: E402
 
 MODEL = [
     "base_num_decoder_layers=8",

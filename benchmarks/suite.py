@@ -53,15 +53,15 @@ def _throughput_model(quick: bool) -> list[str]:
 
 def matmul_peak(dtype: str, quick: bool) -> float:
     """FLOP/s of a square matmul measured now (best of 5): the MFU baseline of this run."""
-    from nnxtron.perf import measure_matmul_flops
+    from nnxtron.runtime.peak import measure_matmul_flops
 
     return measure_matmul_flops(dtype, size=512 if quick else 2048, repeats=5)
 
 
 def _train_row(name: str, overrides: list[str], steps: int, quick: bool) -> dict[str, Any]:
     """Tokens/s and MFU of one config's real train step against this run's matmul peak."""
-    from nnxtron.bench import run_bench
     from nnxtron.config.loader import load_config
+    from nnxtron.tools.bench import run_bench
 
     dtype = load_config(None, overrides).dtype
     peak = matmul_peak(dtype, quick)
@@ -84,7 +84,7 @@ def case_throughput(quick: bool) -> list[dict[str, Any]]:
 
 def case_attention(quick: bool) -> list[dict[str, Any]]:
     """Target 4: the attention implementations on the throughput model, step time vs `xla`."""
-    from nnxtron.bench import run_bench
+    from nnxtron.tools.bench import run_bench
 
     model = _throughput_model(quick)
     times = {impl: run_bench(None, [*model, f"attention={impl}"], steps=3 if quick else 10)["step_seconds"]
@@ -116,7 +116,7 @@ def case_families(quick: bool) -> list[dict[str, Any]]:
 
 def case_compile(quick: bool) -> list[dict[str, Any]]:
     """Target 2: cold compile of the scanned step, 48 layers vs 4 (trace and XLA apart)."""
-    from nnxtron.bench import run_bench
+    from nnxtron.tools.bench import run_bench
 
     model = _throughput_model(quick)
     depths = (2, 6) if quick else (4, 48)
@@ -186,8 +186,8 @@ def memory_bandwidth(quick: bool) -> float:
 def case_decode(quick: bool) -> list[dict[str, Any]]:
     """Decoding: tokens/s, and bytes a decode step must read (weights + KV cache) per
     second against this run's memory bandwidth (model bandwidth utilisation)."""
-    from nnxtron.bench import run_decode_bench
     from nnxtron.config.loader import load_config
+    from nnxtron.tools.bench import run_decode_bench
 
     base = ["model_name=llama2-tiny", "vocab_size=256", "max_target_length=32", "max_new_tokens=8"] if quick else []
     bandwidth = memory_bandwidth(quick)

@@ -5,14 +5,14 @@ __version__ = "0.1.0"
 
 def from_hf(path, dtype=None, **overrides):
     """Load a HuggingFace checkpoint directory (config.json + safetensors) as a Decoder."""
-    from nnxtron.hf import from_hf as _from_hf
+    from nnxtron.convert.hf import from_hf as _from_hf
 
     return _from_hf(path, dtype=dtype, **overrides)
 
 
 def to_hf(model, path, overwrite=False):
     """Write a Decoder as a HuggingFace checkpoint directory."""
-    from nnxtron.hf import to_hf as _to_hf
+    from nnxtron.convert.hf import to_hf as _to_hf
 
     return _to_hf(model, path, overwrite=overwrite)
 

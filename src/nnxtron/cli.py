@@ -51,7 +51,7 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 def _cmd_train(ns: argparse.Namespace) -> int:
     from nnxtron.config import load_config
-    from nnxtron.distributed import initialize
+    from nnxtron.runtime.distributed import initialize
 
     cfg = load_config(*_split_file_and_overrides(ns.args))
     if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed):
@@ -111,7 +111,7 @@ def _sample(model, cfg, max_new_tokens: int):
 def _print_sample_from_state(cfg, result) -> None:
     from flax import nnx
 
-    from nnxtron.decoder import abstract_model
+    from nnxtron.models.build import abstract_model
 
     graphdef = nnx.split(abstract_model(cfg))[0]
     model = nnx.merge(graphdef, result.state["params"], result.state["rest"])
@@ -122,9 +122,9 @@ def _print_sample_from_state(cfg, result) -> None:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from nnxtron.compile_cache import enable_compilation_cache
     from nnxtron.config.loader import parse_overrides
-    from nnxtron.runs import is_hf_directory, load_model
+    from nnxtron.convert.runs import is_hf_directory, load_model
+    from nnxtron.runtime.compile_cache import enable_compilation_cache
 
     overrides = list(ns.overrides)
     if ns.prompt is not None:
@@ -154,9 +154,9 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_convert(ns: argparse.Namespace) -> int:
-    from nnxtron import hf
     from nnxtron.config.loader import config_to_yaml, parse_overrides
-    from nnxtron.runs import load_model
+    from nnxtron.convert import hf
+    from nnxtron.convert.runs import load_model
 
     if ns.direction == "to-hf":
         model = load_model(ns.source, ns.overrides)
@@ -181,7 +181,7 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    from nnxtron.bench import run_bench, run_decode_bench
+    from nnxtron.tools.bench import run_bench, run_decode_bench
 
     run = run_decode_bench if ns.decode else run_bench
     print(json.dumps(run(*_split_file_and_overrides(ns.args), steps=ns.steps)))
@@ -217,7 +217,7 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
             os.environ.update(_fake_device_env(devices))
 
     from nnxtron.config import load_config
-    from nnxtron.plan import format_plan, make_plan, to_json_ready
+    from nnxtron.tools.plan import format_plan, make_plan, to_json_ready
 
     if ns.device_memory_gib is not None and ns.device_memory_gib <= 0:
         raise UserError(f"--device-memory-gib must be positive, got {ns.device_memory_gib}")

@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 
 from nnxtron.config import load_config
+from nnxtron.convert.runs import load_model
 from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.params import detect_layout, flatten, split_layer_path, stack_layers, unstack_layers
-from nnxtron.runs import load_model
 from nnxtron.train.checkpoint import Checkpointer
 from nnxtron.train.loop import Trainer, _check_same_model, load_parameters
 from nnxtron.train.state import model_shardings

@@ -16,16 +16,16 @@ import pytest
 from jax._src import compilation_cache
 
 from nnxtron.cli import _fake_device_env, main
-from nnxtron.compile_cache import count_cache_events, enable_compilation_cache
 from nnxtron.config import load_config
 from nnxtron.errors import ConfigError
+from nnxtron.runtime.compile_cache import count_cache_events, enable_compilation_cache
 from tests.conftest import tiny_config
 
 # A launch of a tiny training run in a fresh process, reporting which modules the persistent
 # cache served (JAX logs hits and misses per module at DEBUG level) and the event counts.
 CHILD = """
 import json, logging, sys
-from nnxtron.compile_cache import count_cache_events
+from nnxtron.runtime.compile_cache import count_cache_events
 from nnxtron.config import load_config
 from nnxtron.train.loop import Trainer
 

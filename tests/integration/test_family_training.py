@@ -47,7 +47,7 @@ def test_deepseek4_trains_on_synthetic_data_and_keeps_its_hash_table(tmp_path):
     import numpy as np
     from flax import nnx
 
-    from nnxtron.decoder import build_model
+    from nnxtron.models.build import build_model
     from nnxtron.params import flatten
 
     extra = dict(

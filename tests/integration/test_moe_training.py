@@ -85,8 +85,8 @@ def test_multi_stack_checkpoint_restores_into_the_other_layer_layout(tmp_path, m
     import jax.numpy as jnp
     from flax import nnx
 
-    from nnxtron.decoder import abstract_model, build_model
-    from nnxtron.models.pattern import layer_counts
+    from nnxtron.config.stacks import layer_counts
+    from nnxtron.models.build import abstract_model, build_model
     from nnxtron.params import layer_list_layout
     from nnxtron.train.checkpoint import Checkpointer
     from tests.conftest import tiny_config

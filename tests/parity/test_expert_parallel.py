@@ -11,7 +11,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from nnxtron.layers.moe import MoE
 from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
-from nnxtron.testing import GradResult, assert_grad_parity
+from nnxtron.tools.parity import GradResult, assert_grad_parity
 from tests.conftest import tiny_config
 
 AXES = ("data", "fsdp", "context", "expert", "tensor")

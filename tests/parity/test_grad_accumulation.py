@@ -30,12 +30,13 @@ import pytest
 from flax import nnx
 
 from nnxtron.config.derived import derive
-from nnxtron.decoder import Decoder, build_model
 from nnxtron.errors import ConfigError
+from nnxtron.models.build import build_model
+from nnxtron.models.decoder import Decoder
+from nnxtron.models.loss import cross_entropy
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.params import flatten
-from nnxtron.testing import assert_grad_parity, loss_and_grads
-from nnxtron.train.loss import cross_entropy
+from nnxtron.tools.parity import assert_grad_parity, loss_and_grads
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import setup
 from nnxtron.train.step import batch_sharding, device_batch, make_train_step
@@ -98,9 +99,9 @@ class ToyAuxDecoder(Decoder):
         super().__init__(cfg, rngs)
         self.rows_seen = nnx.BatchStat(jnp.zeros((), jnp.float32))
 
-    def from_embeddings(self, x, positions=None, segment_ids=None, targets=None, loss_mask=None, tokens=None):
-        out = super().from_embeddings(x, positions, segment_ids, targets, loss_mask, tokens)
-        self.rows_seen[...] = self.rows_seen[...] + x.shape[0]
+    def __call__(self, tokens, positions=None, segment_ids=None, targets=None, loss_mask=None):
+        out = super().__call__(tokens, positions, segment_ids, targets, loss_mask)
+        self.rows_seen[...] = self.rows_seen[...] + tokens.shape[0]
         return out.replace(aux={"losses": {"toy": toy_aux_loss(out.logits, segment_ids)}})
 
 

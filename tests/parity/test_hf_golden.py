@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from nnxtron.hf import from_hf, hf_config_to_nnxtron, to_hf
+from nnxtron.convert.hf import from_hf, hf_config_to_nnxtron, to_hf
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
 CASES = (

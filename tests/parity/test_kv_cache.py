@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from nnxtron.decoder import build_model
-from nnxtron.hf import from_hf
+from nnxtron.convert.hf import from_hf
 from nnxtron.infer.decode import decode, generate, prompt_batch, with_caches
 from nnxtron.infer.sample import generate_tokens
+from nnxtron.models.build import build_model
 from tests.conftest import tiny_config
 from tests.parity.test_hf_golden import CASES, GOLDEN
 

@@ -3,7 +3,7 @@
 Each row is a ``Strategy`` (config overrides + the mesh it runs on + gradient
 accumulation); each is compared with the baseline — one device, unrolled layers, no
 remat, no accumulation — on loss, input cotangent and every parameter gradient with the
-DESIGN.md bounds (``nnxtron.testing.assert_grad_parity``). Later features add rows (or a
+DESIGN.md bounds (``nnxtron.tools.parity.assert_grad_parity``). Later features add rows (or a
 new axis to ``ROWS``), not new harnesses.
 
 Bounds, measured on this CPU in float32 (2026-11): the worst row differs from the
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from nnxtron.decoder import build_model
+from nnxtron.config.options import REMAT_POLICIES
+from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.parallel.remat import POLICIES
-from nnxtron.testing import GradResult, assert_grad_parity, loss_and_grads
+from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config
 
 BOUNDS = dict(loss_rtol=2e-6, rel=2e-5, abs_frac=2e-6, aggregate_rel=1e-5)
@@ -67,7 +67,7 @@ class Strategy:
 BASELINE = Strategy()
 ROWS = [
     Strategy(scan, remat, mesh, accumulation)
-    for scan, remat, mesh, accumulation in itertools.product((False, True), POLICIES, MESHES, (1, 4))
+    for scan, remat, mesh, accumulation in itertools.product((False, True), REMAT_POLICIES, MESHES, (1, 4))
     if Strategy(scan, remat, mesh, accumulation) != BASELINE
 ]
 
@@ -192,5 +192,5 @@ def test_family_strategy_matches_baseline(model, strategy):
 
 
 def test_matrix_covers_every_axis():
-    assert len(ROWS) == 2 * len(POLICIES) * len(MESHES) * 2 - 1
-    assert {s.remat for s in ROWS} == set(POLICIES) and {s.mesh for s in ROWS} == set(MESHES)
+    assert len(ROWS) == 2 * len(REMAT_POLICIES) * len(MESHES) * 2 - 1
+    assert {s.remat for s in ROWS} == set(REMAT_POLICIES) and {s.mesh for s in ROWS} == set(MESHES)

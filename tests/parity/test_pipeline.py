@@ -3,7 +3,7 @@
 Each case runs the same weights on the same batch twice — pipelined over the ``stage``
 mesh axis on 4 or 8 fake devices, and sequentially (no pipeline) — and compares the
 loss, the input cotangent, every parameter gradient and the non-trainable state after
-the batch (``nnxtron.testing.assert_grad_parity``). Measured on this CPU in float32
+the batch (``nnxtron.tools.parity.assert_grad_parity``). Measured on this CPU in float32
 (2026-11): every case agrees to <= 1e-6 relative (aggregate gradients ~8e-7, loss
 ~1e-7); the bounds leave headroom and are far below what a schedule bug produces (a
 missed stage shift, a wrong circular order or a dropped microbatch changes the loss
@@ -17,10 +17,10 @@ import functools
 import jax
 import pytest
 
-from nnxtron.decoder import build_model
+from nnxtron.config.pipeline import pipeline_spec
+from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.parallel.schedule import pipeline_spec
-from nnxtron.testing import GradResult, assert_grad_parity, loss_and_grads
+from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config
 
 BOUNDS = dict(loss_rtol=2e-6, rel=1e-5, abs_frac=1e-6, aggregate_rel=5e-6)

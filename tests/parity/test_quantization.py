@@ -19,9 +19,9 @@ import jax
 import numpy as np
 import pytest
 
-from nnxtron.decoder import build_model
+from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.testing import GradResult, assert_grad_parity, loss_and_grads
+from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config
 
 LLAMA = dict(base_num_decoder_layers=2)

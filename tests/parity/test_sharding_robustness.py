@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from nnxtron.decoder import build_model
+from nnxtron.models.build import build_model
+from nnxtron.models.loss import cross_entropy
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.sharding import (
     activate,
@@ -18,7 +19,6 @@ from nnxtron.parallel.sharding import (
     variable_names,
 )
 from nnxtron.params import flatten
-from nnxtron.train.loss import cross_entropy
 from nnxtron.train.state import model_shardings
 from tests.conftest import random_batch, tiny_config
 

@@ -1,7 +1,7 @@
 """Strategy parity: scanned vs unrolled, remat policies, sharded meshes vs one device.
 
 Every pair runs the same weights on the same batch and compares the loss, the input
-cotangent and every parameter gradient (nnxtron.testing.assert_grad_parity).
+cotangent and every parameter gradient (nnxtron.tools.parity.assert_grad_parity).
 Measured on this CPU in float32 (2026-11): scan vs unroll and remat pairs agree to
 <= 3e-7 relative (aggregate), sharded vs single device to <= 5e-7; the bounds below
 leave ~10x headroom and are far below what a real bug produces (a dropped residual or
@@ -16,12 +16,12 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from nnxtron.decoder import build_model
-from nnxtron.models.pattern import layer_counts
+from nnxtron.config.stacks import layer_counts
+from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.sharding import logical_to_spec, state_shardings
 from nnxtron.params import flatten, layer_list_layout
-from nnxtron.testing import assert_grad_parity, loss_and_grads
+from nnxtron.tools.parity import assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config
 
 BOUNDS = dict(loss_rtol=1e-6, rel=1e-5, abs_frac=1e-6, aggregate_rel=5e-6)

@@ -19,11 +19,11 @@ import pytest
 from flax import nnx
 
 from nnxtron.config import load_config
-from nnxtron.decoder import abstract_model, build_model
 from nnxtron.errors import ConfigError
 from nnxtron.layers import attention
 from nnxtron.layers.attention import attend, resolve_attention
-from nnxtron.testing import assert_grad_parity, loss_and_grads
+from nnxtron.models.build import abstract_model, build_model
+from nnxtron.tools.parity import assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config
 
 # row 0: three documents then padding (segment 0); row 1: one document (plain causal)

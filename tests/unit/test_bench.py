@@ -9,11 +9,11 @@ import jax
 import pytest
 from flax import nnx
 
-from nnxtron.bench import pipeline_fields, run_bench
 from nnxtron.config import load_config
-from nnxtron.decoder import Decoder
+from nnxtron.config.flops import training_flops_per_token
 from nnxtron.errors import UserError
-from nnxtron.perf import training_flops_per_token
+from nnxtron.models.decoder import Decoder
+from nnxtron.tools.bench import pipeline_fields, run_bench
 from tests.scripts import load_script
 
 OVERRIDES = [
@@ -114,7 +114,7 @@ def test_pipeline_fields_are_the_bubble_model():
 
 
 def test_decode_bench_reports_prefill_and_decode_throughput():
-    from nnxtron.bench import run_decode_bench
+    from nnxtron.tools.bench import run_decode_bench
 
     overrides = ["model_name=llama2-tiny", "per_device_batch_size=0.25", "max_target_length=16", "max_new_tokens=4"]
     result = run_decode_bench(None, overrides, steps=2)

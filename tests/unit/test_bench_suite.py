@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from nnxtron.config import load_config
-from nnxtron.decoder import build_model
+from nnxtron.models.build import build_model
 from tests.scripts import load_script
 
 

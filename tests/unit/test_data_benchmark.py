@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from nnxtron.data.records import FORMATS
+from nnxtron.config.options import DATASET_FORMATS
 from tests.scripts import load_script
 
 
@@ -19,7 +19,7 @@ def test_data_pipeline_benchmark_reports_every_format(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned))
     rows = result["rows"]
-    assert {row["format"] for row in rows} == set(FORMATS)
+    assert {row["format"] for row in rows} == set(DATASET_FORMATS)
     assert all(row["tokens_per_s"] > 0 and row["ratio_vs_baseline"] > 0 for row in rows)
     baseline = [row for row in rows if row["baseline"]]
     assert len(baseline) == 1 and rows[0] is baseline[0]

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxtron.decoder import build_model
-from nnxtron.models.pattern import layer_stacks
+from nnxtron.config.stacks import layer_stacks
+from nnxtron.models.build import build_model
 from tests.conftest import random_batch, tiny_config
 
 WEIGHT = 0.05

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from nnxtron.convert.hf import from_hf, hf_config_to_nnxtron, read_hf_config, to_hf
 from nnxtron.errors import CheckpointError, ConfigError
-from nnxtron.hf import from_hf, hf_config_to_nnxtron, read_hf_config, to_hf
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
 CASES = ("llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek3", "gemma3", "llama4", "gpt2", "deepseek4")

@@ -3,8 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from nnxtron.decoder import build_model
 from nnxtron.layers.rope import RopeSpec, apply_rope, inverse_frequencies
+from nnxtron.models.build import build_model
 from tests.conftest import tiny_config
 
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxtron.train.loss import cross_entropy
+from nnxtron.models.loss import cross_entropy
 
 
 def test_masked_token_mean_matches_a_direct_computation():

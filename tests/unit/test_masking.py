@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from nnxtron.decoder import build_model
 from nnxtron.layers.attention import attention_mask
+from nnxtron.models.build import build_model
 from tests.conftest import tiny_config
 
 

@@ -13,7 +13,7 @@ from nnxtron.layers.moe import ExpertLoad, MoE, RouterBias, update_router_bias
 from nnxtron.layers.router import RouterSpec, route
 from nnxtron.parallel.remat import RematSpec
 from nnxtron.parallel.scan import LayerStack
-from nnxtron.testing import GradResult, assert_grad_parity
+from nnxtron.tools.parity import GradResult, assert_grad_parity
 from tests.conftest import tiny_config
 
 BASE = dict(num_experts=4, num_experts_per_tok=2, base_moe_mlp_dim=32)

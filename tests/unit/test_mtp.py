@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnxtron.decoder import build_model
-from nnxtron.mtp import shift_left, valid_ahead
-from nnxtron.testing import loss_and_grads
+from nnxtron.models.build import build_model
+from nnxtron.models.mtp import shift_left, valid_ahead
+from nnxtron.tools.parity import loss_and_grads
 from tests.conftest import random_batch, tiny_config
 
 FACTOR = 0.3

@@ -5,7 +5,7 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.config import derive
-from nnxtron.decoder import build_model
+from nnxtron.models.build import build_model
 from nnxtron.params import flatten
 from nnxtron.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 from tests.conftest import tiny_config

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from flax import nnx
 
-from nnxtron.decoder import abstract_model
+from nnxtron.config.layout import LayerKind, layer_kind
+from nnxtron.config.stacks import layer_stacks
 from nnxtron.errors import ConfigError
-from nnxtron.models.pattern import LayerKind, layer_kind, layer_stacks
+from nnxtron.models.build import abstract_model
 from nnxtron.params import flatten
 from tests.conftest import tiny_config
 

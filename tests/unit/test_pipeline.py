@@ -15,12 +15,12 @@ from flax import nnx
 from jax._src import ad_checkpoint
 
 from nnxtron.config import load_config
-from nnxtron.decoder import abstract_model, build_model
+from nnxtron.config.pipeline import PipelineSpec, pipeline_spec
 from nnxtron.errors import ConfigError
+from nnxtron.models.build import abstract_model, build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.pipeline import PipelinedStack
 from nnxtron.parallel.remat import RematSpec
-from nnxtron.parallel.schedule import PipelineSpec, pipeline_spec
 from nnxtron.parallel.sharding import activate, check_unsharded, logical_to_spec, state_shardings
 from tests.conftest import random_batch, tiny_config
 

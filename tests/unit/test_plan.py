@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-import nnxtron.plan
+import nnxtron.tools.plan
 from nnxtron.cli import main
 from nnxtron.config import load_config
-from nnxtron.plan import format_plan, make_plan, to_json_ready
-from nnxtron.plan_pipeline import format_pipeline, layer_ranges
+from nnxtron.tools.plan import format_plan, make_plan, to_json_ready
+from nnxtron.tools.plan_pipeline import format_pipeline, layer_ranges
 from tests.conftest import tiny_config
 
 SMALL = ["per_device_batch_size=1", "max_target_length=32"]  # keeps the AOT compile short
@@ -136,7 +136,7 @@ def test_cli_in_process(capsys, monkeypatch, plan):
         seen.append((cfg, device_memory_gib))
         return plan
 
-    monkeypatch.setattr(nnxtron.plan, "make_plan", fake_make_plan)
+    monkeypatch.setattr(nnxtron.tools.plan, "make_plan", fake_make_plan)
     assert main(["plan", *TINY, "devices=8", "--device-memory-gib", "2"]) == 0
     out = capsys.readouterr().out
     assert seen[0][0] == load_config(None, TINY) and seen[0][1] == 2.0

@@ -16,10 +16,10 @@ import optax
 import pytest
 from flax import nnx
 
-from nnxtron import quant
-from nnxtron.config.schema import QUANTIZATION_OPTIONS_OFF
-from nnxtron.decoder import abstract_model, build_model
+from nnxtron.config.options import QUANTIZATION_OPTIONS_OFF
 from nnxtron.errors import ConfigError
+from nnxtron.models import quant
+from nnxtron.models.build import abstract_model, build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.train.state import setup
 from nnxtron.train.step import compute_gradients

@@ -10,9 +10,10 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # public as print_saved_residuals
 
 from nnxtron.config import load_config
-from nnxtron.decoder import build_model
+from nnxtron.config.options import REMAT_POLICIES
 from nnxtron.errors import ConfigError
-from nnxtron.parallel.remat import ACTIVATIONS, POLICIES, QKV, RematSpec
+from nnxtron.models.build import build_model
+from nnxtron.parallel.remat import ACTIVATIONS, QKV, RematSpec
 from tests.conftest import tiny_config
 
 DOTS = ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
@@ -89,7 +90,7 @@ def test_unknown_policy_fails_at_config_load():
         load_config(overrides=["remat_policy=save_everything"])
     with pytest.raises(ConfigError, match="query_proj"):
         load_config(overrides=["query_proj=keep"])
-    assert "custom" in POLICIES and len(POLICIES) == 12
+    assert "custom" in REMAT_POLICIES and len(REMAT_POLICIES) == 12
 
 
 def test_remat_reduces_compiled_temporary_memory():

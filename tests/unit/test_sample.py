@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnxtron.decoder import build_model
 from nnxtron.infer.sample import generate_tokens, sample_logits
+from nnxtron.models.build import build_model
 from tests.conftest import tiny_config
 
 

@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 from jax._src import ad_checkpoint
 
-from nnxtron.decoder import build_model
-from nnxtron.parallel.remat import POLICIES
+from nnxtron.config.options import REMAT_POLICIES
+from nnxtron.models.build import build_model
 from nnxtron.parallel.scan import add_stack_axis, remove_stack_axis
 from nnxtron.parallel.sharding import variable_names
 from tests.conftest import random_batch, tiny_config
@@ -62,7 +62,7 @@ def _subjaxprs(eqn):
 
 
 @pytest.mark.parametrize("scan", [True, False])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", REMAT_POLICIES)
 def test_remat_applied_by_identity(scan, policy):
     """Every policy but none puts a checkpoint around each layer (one inside the scan body)."""
     expected = 0 if policy == "none" else "per_layer"

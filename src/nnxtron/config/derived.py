@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.parallel.schedule import pipeline_spec
 
 MESH_AXES = ("stage", "data", "fsdp", "context", "expert", "tensor")  # stage outermost (pipeline, across hosts)
 BATCH_AXES = ("stage", "data", "fsdp", "expert")  # activation_batch splits over these (see logical_axis_rules)

@@ -111,8 +111,6 @@ def _format_validation_error(err: pydantic.ValidationError) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
-    if not loc:  # model-level (cross-key) check
-        return f"inconsistent config: {msg}"
     got = first.get("input")
     shown = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     return f"config key '{loc.split('.')[0]}': {msg}{shown}"

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nnxtron.config.options import DATASET_FORMATS
 from nnxtron.data.text import resolve_paths
 from nnxtron.errors import DataError
 
-__all__ = ["FORMATS", "ArrayRecords", "BadRecord", "Corpus", "JsonLines", "ParquetColumn", "TextFiles", "open_corpus"]
+__all__ = ["ArrayRecords", "BadRecord", "Corpus", "JsonLines", "ParquetColumn", "TextFiles", "open_corpus"]
 
 _SCAN_CHUNK = 1 << 24  # bytes per newline scan of a JSON Lines file
 
@@ -335,9 +336,6 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-FORMATS = ("text", "jsonl", "parquet", "arrayrecord")
-
-
 def open_corpus(kind: str, patterns: Sequence[str | os.PathLike] | str | os.PathLike, text_field: str = "") -> Corpus:
     """The corpus of ``kind`` over the files named by ``patterns`` (files, directories, globs).
 
@@ -354,4 +352,4 @@ def open_corpus(kind: str, patterns: Sequence[str | os.PathLike] | str | os.Path
         return ParquetColumn(paths, text_field or "text")
     if kind == "arrayrecord":
         return ArrayRecords(paths, text_field)
-    raise DataError(f"unknown dataset_type {kind!r}; use one of: synthetic, {', '.join(FORMATS)}")
+    raise DataError(f"unknown dataset_type {kind!r}; use one of: synthetic, {', '.join(DATASET_FORMATS)}")

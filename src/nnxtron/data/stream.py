@@ -16,14 +16,13 @@ from typing import Any
 import grain
 import numpy as np
 
+from nnxtron.config.options import PACKING_MODES
 from nnxtron.data.packing import BATCH_KEYS, row_arrays
 from nnxtron.data.records import BadRecord, Corpus
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import DataError
 
-__all__ = ["PACKING_MODES", "BatchIterator", "Document", "RowPacker", "RowSpec", "document_iterator"]
-
-PACKING_MODES = ("concat", "pad")
+__all__ = ["BatchIterator", "Document", "RowPacker", "RowSpec", "document_iterator"]
 
 
 @dataclasses.dataclass(frozen=True)

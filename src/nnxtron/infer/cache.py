@@ -1,109 +1,11 @@
-"""Decoding caches: one ring buffer of per-token entries per attention layer.
-
-A ``TokenCache`` holds ``size`` slots of named per-token entries (keys and values for
-grouped-query attention; the compressed latent and the RoPE key for MLA) and the absolute
-position stored in each slot (-1 = empty). A token at position ``p`` lives in slot
-``p % size``, so one mechanism serves every attention kind:
-
-* global attention: ``size`` = the maximum decoded length (slot = position);
-* sliding window ``W``: ``size = W`` — a ring buffer holding the last W positions;
-* chunked attention (Llama 4) of ``C``: ``size = C`` — a query only sees its own chunk;
-* DeepSeek-V4 compressors: a buffer of the last ``m`` (CSA: ``2m``) tokens' projections and
-  the pooled entries keyed by window index (``layers/compressed.py``).
-
-``extend`` returns the cached entries followed by the new tokens' entries, with their
-positions, for the attention to mask by position; then it writes the new tokens (only the
-last ``size`` positions of each row, and only valid tokens) into their slots. Prefill (a
-whole prompt, longer than the window if need be) and decode (one token) are the same call.
-
-Caches are non-parameter ``nnx.Variable``s attached to the attention modules by
-``attach_caches``: scanned stacks get them stacked along the stack axis and carry them
-through ``lax.scan`` like any other non-parameter state.
-"""
+"""Decoding caches for a whole model: one ``TokenCache`` (``layers/kv_cache.py``) per
+attention layer of every layer stack."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-EMPTY = -1
-CACHE_AXES = ("cache_batch", "cache_length")
-
-
-class CacheEntry(nnx.Variable):
-    """Decoding-cache contents: not a parameter, never saved in checkpoints."""
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """What an attention layer caches per token: slots and ``{name: (shape, logical axes)}``."""
-
-    size: int
-    entries: Mapping[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
-    dtype: jnp.dtype
-
-
-class TokenCache(nnx.Module):
-    """Ring buffer of ``spec.size`` slots for ``batch`` rows; ``lead`` are stacked layer dims."""
-
-    def __init__(self, batch: int, spec: CacheSpec, lead: tuple[int, ...] = (), lead_axes: tuple[str, ...] = ()):
-        self.size = spec.size
-        shape = (*lead, batch, spec.size)
-        self.positions = CacheEntry(jnp.full(shape, EMPTY, jnp.int32), out_sharding=(*lead_axes, *CACHE_AXES))
-        self.entries = nnx.Dict(
-            {
-                name: CacheEntry(jnp.zeros((*shape, *dims), spec.dtype), out_sharding=(*lead_axes, *CACHE_AXES, *axes))
-                for name, (dims, axes) in spec.entries.items()
-            }
-        )
-
-    def extend(
-        self, new: Mapping[str, jax.Array], positions: jax.Array, valid: jax.Array
-    ) -> tuple[dict[str, jax.Array], jax.Array]:
-        """``new`` entries ``[B, S, ...]`` of tokens at ``positions [B, S]`` (``valid [B, S]``:
-        padding is neither attended to nor written). Returns ``(entries [B, size + S, ...],
-        key positions [B, size + S])`` — cache first, then the new tokens — and stores the
-        new tokens."""
-        batch = positions.shape[0]
-        new_positions = jnp.where(valid, positions, EMPTY)
-        old = {name: self.entries[name][...] for name in new}
-        every = {name: jnp.concatenate([old[name], new[name].astype(old[name].dtype)], axis=1) for name in new}
-        key_positions = jnp.concatenate([self.positions[...], new_positions], axis=1)
-        # write the last `size` valid positions of each row; the rest go out of bounds (dropped)
-        latest = jnp.max(new_positions, axis=1, keepdims=True)
-        keep = valid & (positions > latest - self.size)
-        slots = jnp.where(keep, positions % self.size, self.size)
-        rows = jnp.arange(batch)[:, None]
-        for name, value in new.items():
-            self.entries[name][...] = old[name].at[rows, slots].set(value.astype(old[name].dtype), mode="drop")
-        self.positions[...] = self.positions[...].at[rows, slots].set(positions, mode="drop")
-        return every, key_positions
-
-
-def cache_mask(q_positions: jax.Array, k_positions: jax.Array, sliding_window: int = 0, chunk_size: int = 0) -> jax.Array:
-    """Boolean [B, S, T]: key ``t`` (position ``pk``, -1 = empty) is visible to query ``s``
-    (position ``pq``) iff ``0 <= pk <= pq``, within the window (``pq - pk < W``) and the
-    chunk (``pq // C == pk // C``) — the training mask on one document per row."""
-    pq, pk = q_positions[:, :, None], k_positions[:, None, :]
-    visible = (pk >= 0) & (pk <= pq)
-    if sliding_window > 0:
-        visible = visible & (pq - pk < sliding_window)
-    if chunk_size > 0:
-        visible = visible & (pq // chunk_size == pk // chunk_size)
-    return visible
-
-
-def cache_size(max_length: int, sliding_window: int = 0, chunk_size: int = 0) -> int:
-    """Slots a layer needs to decode up to ``max_length`` tokens."""
-    if chunk_size > 0:
-        return min(chunk_size, max_length)
-    if sliding_window > 0:
-        return min(sliding_window, max_length)
-    return max_length
+from nnxtron.layers.kv_cache import CacheSpec, TokenCache
 
 
 def attach_caches(model: nnx.Module, batch: int, max_length: int) -> None:

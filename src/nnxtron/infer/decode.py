@@ -22,8 +22,9 @@ from flax import nnx
 
 from nnxtron.config.schema import Config
 from nnxtron.errors import UserError
-from nnxtron.infer.cache import CacheEntry, attach_caches
+from nnxtron.infer.cache import attach_caches
 from nnxtron.infer.sample import sample_logits
+from nnxtron.layers.kv_cache import CacheEntry
 
 MIN_BUCKET = 16
 

@@ -1,6 +1,6 @@
 """Grouped-query attention: causal, sliding-window, chunked and packed-segment masks; qk-norms;
 NoPE layers with temperature tuning (Llama 4); the selectable implementation (``attention=``,
-docs/attention.md)."""
+docs/attention.md); ``gqa_attention`` builds the attention of a layer of a given kind from the config."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from nnxtron.config.checks import CUDNN_AUTO_MAX_HEAD_DIM, cudnn_unsupported
+from nnxtron.config.layout import LayerKind
+from nnxtron.config.options import ATTENTION_IMPLEMENTATIONS
 from nnxtron.errors import ConfigError
-from nnxtron.infer.cache import CacheSpec, TokenCache, cache_mask, cache_size
+from nnxtron.layers.kv_cache import CacheSpec, TokenCache, cache_mask, cache_size
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm, l2_norm
 from nnxtron.layers.rope import RopeSpec, apply_rope
@@ -23,31 +26,6 @@ if TYPE_CHECKING:
     from nnxtron.config.schema import Config
 
 QK_NORMS = ("none", "rms", "gemma", "l2")
-IMPLEMENTATIONS = ("xla", "dot_product", "cudnn")  # what attention=auto resolves to, per layer
-CUDNN_MAX_HEAD_DIM = 256  # cuDNN flash: head_dim a multiple of 8, <= 256 from Hopper (sm90) on ...
-CUDNN_AUTO_MAX_HEAD_DIM = 128  # ... <= 128 before it: auto picks cudnn only where every CUDA GPU runs it
-
-
-def cudnn_unsupported(
-    dtype: str | jnp.dtype, head_dim: int, *, chunked: bool = False, sequence_sharded: bool = False,
-    max_head_dim: int = CUDNN_MAX_HEAD_DIM,
-) -> str | None:  # fmt: skip
-    """Why cuDNN flash attention cannot run this attention (``None``: it can).
-
-    The limits are those ``jax._src.cudnn.fused_attention_stablehlo`` checks (dtype and head
-    dim) plus what nnxtron cannot express with it: aligned chunks (Llama 4) and queries
-    sharded over the sequence (its sharding rule refuses that).
-    """
-    name = jnp.dtype(dtype).name
-    if name not in ("bfloat16", "float16"):
-        return f"needs dtype=bfloat16 (cuDNN flash attention has no {name} kernel)"
-    if head_dim % 8 or head_dim > max_head_dim:
-        return f"needs head_dim a multiple of 8 and at most {max_head_dim}, got {head_dim}"
-    if chunked:
-        return "cannot express chunked attention (chunk_attn_window_size > 0)"
-    if sequence_sharded:
-        return "cannot shard queries over the sequence (ici_context_parallelism > 1)"
-    return None
 
 
 def resolve_attention(
@@ -60,13 +38,14 @@ def resolve_attention(
     head_dim <= 128 and a multiple of 8, not chunked, sequence not sharded), else ``xla``.
     An explicit ``cudnn`` that cannot run raises a ConfigError naming the key.
     """
+    dtype = jnp.dtype(dtype).name
     if value == "auto":
         fits = cudnn_unsupported(
             dtype, head_dim, chunked=chunked, sequence_sharded=sequence_sharded, max_head_dim=CUDNN_AUTO_MAX_HEAD_DIM
         )
         return "cudnn" if backend == "gpu" and fits is None else "xla"
-    if value not in IMPLEMENTATIONS:
-        raise ConfigError(f"attention={value!r} is not one of {['auto', *IMPLEMENTATIONS]}")
+    if value not in ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(f"attention={value!r} is not one of {['auto', *ATTENTION_IMPLEMENTATIONS]}")
     if value == "cudnn":
         if backend != "gpu":
             raise ConfigError(f"attention=cudnn needs a CUDA GPU; this backend is {backend}; use attention=auto or xla")
@@ -152,7 +131,7 @@ def attend(
         return jax.nn.dot_product_attention(
             q, k, v, mask=same_segment, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
         )
-    raise ConfigError(f"attention implementation {implementation!r} is not one of {list(IMPLEMENTATIONS)}")
+    raise ConfigError(f"attention implementation {implementation!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}")
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, dtype: jnp.dtype) -> jax.Array:
@@ -235,8 +214,10 @@ class Attention(nnx.Module):
     ):
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={qk_norm!r} is not one of {QK_NORMS}")
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation={implementation!r} is not one of {IMPLEMENTATIONS} (resolve attention=auto first)")
+        if implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation={implementation!r} is not one of {ATTENTION_IMPLEMENTATIONS} (resolve attention=auto first)"
+            )
         kw = dict(dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
         self.query = Linear([emb_dim], [num_heads, head_dim], ("embed", "q_heads", "head_dim"), **kw)
         self.key = Linear([emb_dim], [num_kv_heads, head_dim], ("embed", "kv_heads", "head_dim"), **kw)
@@ -285,3 +266,39 @@ class Attention(nnx.Module):
             out = attend(q, k, v, segment_ids, scale=self.scale, dtype=self.dtype, implementation=self.implementation, **window)
         out = constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")
+
+
+def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "rms") -> Attention:
+    """The GQA attention of a layer of ``kind``.
+
+    ``qk_norm`` is what ``use_qk_norm`` means for the family (``rms``, ``gemma`` or
+    ``l2``; ``l2`` applies on RoPE layers only, as in Llama 4). Sliding layers of a
+    ``sliding_window_pattern`` use ``local_rope_max_timescale`` (unscaled) when set;
+    NoPE layers take ``temperature_tuning``. ``cfg.attention`` is resolved per layer for
+    this backend (``auto`` is never ``cudnn`` on a chunked layer).
+    """
+    head_dim = cfg.resolved_head_dim
+    rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None
+    if rope is not None and kind.attention == "sliding" and cfg.sliding_window_pattern and cfg.local_rope_max_timescale:
+        rope = RopeSpec(head_dim=head_dim, theta=cfg.local_rope_max_timescale, interleave=cfg.rope_interleave)
+    norm = qk_norm if cfg.use_qk_norm and (kind.rope or qk_norm != "l2") else "none"
+    tuning = (
+        (cfg.temperature_tuning_floor_scale, cfg.temperature_tuning_scale) if cfg.temperature_tuning and not kind.rope else None
+    )
+    return Attention(
+        cfg.base_emb_dim,
+        cfg.base_num_query_heads,
+        cfg.base_num_kv_heads,
+        head_dim,
+        rope,
+        sliding_window=cfg.sliding_window_size if kind.attention == "sliding" else 0,
+        chunk_size=cfg.chunk_attn_window_size if kind.attention == "chunked" else 0,
+        qk_norm=norm,
+        norm_eps=cfg.normalization_layer_epsilon,
+        scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
+        temperature_tuning=tuning,
+        implementation=configured_attention(cfg, chunked=kind.attention == "chunked"),
+        dtype=jnp.dtype(cfg.dtype),
+        weight_dtype=jnp.dtype(cfg.weight_dtype),
+        rngs=rngs,
+    )

@@ -36,8 +36,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.config.schema import Config
-from nnxtron.infer.cache import CacheSpec, cache_mask, cache_size
 from nnxtron.layers.attention import attend, masked_attention
+from nnxtron.layers.kv_cache import CacheSpec, cache_mask, cache_size
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.layers.rope import RopeSpec, apply_rope, softmax_scale_multiplier

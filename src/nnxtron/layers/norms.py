@@ -3,9 +3,14 @@ norm (Llama 4 qk-norm) and LayerNorm with bias (GPT-3)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+if TYPE_CHECKING:
+    from nnxtron.config.schema import Config
 
 
 def _normalise(x32: jax.Array, eps: float) -> jax.Array:
@@ -65,3 +70,15 @@ class LayerNorm(nnx.Module):
         var = jnp.mean(centred * centred, axis=-1, keepdims=True)
         out = centred * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
         return out.astype(self.dtype)
+
+
+def rms_norm(cfg: Config, dim: int | None = None, zero_centered: bool = False) -> RMSNorm:
+    """An RMSNorm over ``dim`` (default ``base_emb_dim``) with the config's eps and dtypes
+    (``zero_centered``: Gemma's ``1 + w``)."""
+    return RMSNorm(
+        dim or cfg.base_emb_dim,
+        eps=cfg.normalization_layer_epsilon,
+        dtype=jnp.dtype(cfg.dtype),
+        weight_dtype=jnp.dtype(cfg.weight_dtype),
+        zero_centered=zero_centered,
+    )

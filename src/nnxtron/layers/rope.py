@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nnxtron.config.options import ROPE_TYPES
+
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
-
-SCALINGS = ("default", "llama3", "yarn", "linear")
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,8 @@ class RopeSpec:
 
 def inverse_frequencies(spec: RopeSpec) -> np.ndarray:
     """``theta^(-2i/d)`` in float32 (as HF computes it), with llama3/yarn scaling if requested."""
-    if spec.scaling not in SCALINGS:
-        raise ValueError(f"unknown RoPE scaling '{spec.scaling}'; supported: {', '.join(SCALINGS)}")
+    if spec.scaling not in ROPE_TYPES:
+        raise ValueError(f"unknown RoPE scaling '{spec.scaling}'; supported: {', '.join(ROPE_TYPES)}")
     exponents = np.arange(0, spec.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(spec.head_dim)
     # torch's float32 pow is (nearly) correctly rounded; NumPy's float32 pow is often 1 ulp off,
     # which at position 16k moves angles by ~1e-3 rad. Power in float64, then round.

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+from nnxtron.config.options import ROUTER_SCORE_FUNCS
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class RouterSpec:
     scales_input: bool = False
 
     def __post_init__(self):
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"routed_score_func={self.score_func!r}; choose one of {SCORE_FUNCS}")
+        if self.score_func not in ROUTER_SCORE_FUNCS:
+            raise ValueError(f"routed_score_func={self.score_func!r}; choose one of {ROUTER_SCORE_FUNCS}")
         if not 1 <= self.k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.k} must be between 1 and num_experts={self.num_experts}")
         if self.n_groups > 0 and self.num_experts % self.n_groups:
@@ -86,7 +86,7 @@ def scores(logits: jax.Array, score_func: str) -> jax.Array:
         return jax.nn.sigmoid(logits)
     if score_func == "sqrtsoftplus":
         return jnp.sqrt(jax.nn.softplus(logits))
-    raise ValueError(f"unknown routed_score_func {score_func!r}; choose one of {SCORE_FUNCS}")
+    raise ValueError(f"unknown routed_score_func {score_func!r}; choose one of {ROUTER_SCORE_FUNCS}")
 
 
 def group_limit(choice: jax.Array, n_groups: int, topk_groups: int) -> jax.Array:

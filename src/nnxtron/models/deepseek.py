@@ -13,19 +13,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.llama import (
+from nnxtron.models.family import WeightMap
+from nnxtron.models.hf_common import (
     NORM_WEIGHTS,
     check_exportable,
     common_config_from_hf,
     common_config_to_hf,
     gated_mlp_weights,
-    register_pre_norm_family,
+    routed_expert_weights,
 )
-from nnxtron.models.mixtral import routed_expert_weights
-from nnxtron.models.pattern import LayerKind
-from nnxtron.models.registry import WeightMap
+from nnxtron.models.prenorm import pre_norm_family
 
 
 def mla_weights(cfg: Config) -> tuple[WeightMap, ...]:
@@ -116,4 +116,4 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-register_pre_norm_family("deepseek", "deepseek_v3", "DeepseekV3ForCausalLM", layer_weights, config_from_hf, config_to_hf)
+FAMILIES = (pre_norm_family("deepseek", "deepseek_v3", "DeepseekV3ForCausalLM", layer_weights, config_from_hf, config_to_hf),)

@@ -12,7 +12,7 @@ sliding-window with its own RoPE base (``local_rope_max_timescale``, unscaled); 
 layers use ``rope_max_timescale`` with linear scaling. Token embeddings are multiplied by
 ``sqrt(emb_dim)`` rounded to the table's dtype (as HF); the head is tied and
 ``final_logits_soft_cap`` applies when set. Scanned as blocks of whole patterns plus a
-``remainder_layers`` block (``models/pattern.py``).
+``remainder_layers`` block (``config/layout.py``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.layers.attention import gqa_attention
 from nnxtron.layers.mlp import GatedMLP
-from nnxtron.layers.norms import RMSNorm
-from nnxtron.models.llama import RESIDUAL, common_config_to_hf, gated_mlp_weights, gqa_attention, top_weights
-from nnxtron.models.pattern import PLAIN, LayerKind
-from nnxtron.models.registry import Family, WeightMap, register, rms_norm
-from nnxtron.parallel.sharding import constrain
+from nnxtron.layers.norms import RMSNorm, rms_norm
+from nnxtron.models.family import Family, WeightMap
+from nnxtron.models.hf_common import common_config_to_hf, gated_mlp_weights, top_weights
+from nnxtron.parallel.sharding import RESIDUAL, constrain
 
 
 def gemma_norm(cfg: Config, dim: int | None = None) -> RMSNorm:
@@ -171,8 +172,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-register(
-    ("gemma3",),
+FAMILIES = (
     Family(
         name="gemma3",
         hf_model_type="gemma3_text",

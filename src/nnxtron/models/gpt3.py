@@ -24,17 +24,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.infer.cache import CacheSpec
 from nnxtron.layers.attention import attend, attend_with_cache, configured_attention, key_value_cache
+from nnxtron.layers.kv_cache import CacheSpec
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.mlp import MLP
 from nnxtron.layers.norms import LayerNorm
-from nnxtron.models.llama import RESIDUAL
-from nnxtron.models.pattern import PLAIN, LayerKind
-from nnxtron.models.registry import Family, WeightMap, register
-from nnxtron.parallel.sharding import constrain
+from nnxtron.models.family import Family, WeightMap
+from nnxtron.parallel.sharding import RESIDUAL, constrain
 
 
 def layer_norm(cfg: Config, dim: int | None = None) -> LayerNorm:
@@ -194,8 +193,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     }
 
 
-register(
-    ("gpt3",),
+FAMILIES = (
     Family(
         name="gpt3",
         hf_model_type="gpt2",

@@ -1,6 +1,6 @@
 """Llama 4 (text decoder): NoPE layers, chunked attention, interleaved MoE with top-1 sigmoid routing.
 
-HF ``Llama4ForCausalLM`` (``model_type: llama4_text``). The Llama pre-norm block with:
+HF ``Llama4ForCausalLM`` (``model_type: llama4_text``). The pre-norm block (``models/prenorm.py``) with:
 
 * RoPE layers: interleaved RoPE (llama3 scaling from the checkpoint), then — with
   ``use_qk_norm`` — a weightless L2 norm of q and k; attention within aligned chunks of
@@ -22,18 +22,12 @@ from typing import Any
 
 from flax import nnx
 
+from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.llama import (
-    GQA_WEIGHTS,
-    LlamaBlock,
-    common_config_from_hf,
-    common_config_to_hf,
-    gated_mlp_weights,
-    top_weights,
-)
-from nnxtron.models.pattern import PLAIN, LayerKind
-from nnxtron.models.registry import Family, WeightMap, register
+from nnxtron.models.family import WeightMap
+from nnxtron.models.hf_common import GQA_WEIGHTS, common_config_from_hf, common_config_to_hf, gated_mlp_weights
+from nnxtron.models.prenorm import PreNormBlock, pre_norm_family
 
 NORM_WEIGHTS = (
     WeightMap("pre_attention_norm/scale", "input_layernorm.weight"),
@@ -47,8 +41,8 @@ MOE_WEIGHTS = (
 ) + gated_mlp_weights("mlp/shared", "feed_forward.shared_expert")
 
 
-def make_block(cfg: Config, rngs: nnx.Rngs, kind: LayerKind = PLAIN) -> LlamaBlock:
-    return LlamaBlock(cfg, rngs, kind, qk_norm="l2")
+def make_block(cfg: Config, rngs: nnx.Rngs, kind: LayerKind = PLAIN) -> PreNormBlock:
+    return PreNormBlock(cfg, rngs, kind, qk_norm="l2")
 
 
 def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
@@ -145,16 +139,6 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-register(
-    ("llama4",),
-    Family(
-        name="llama4",
-        hf_model_type="llama4_text",
-        hf_architecture="Llama4ForCausalLM",
-        make_block=make_block,
-        layer_weights=layer_weights,
-        top_weights=top_weights,
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-    ),
+FAMILIES = (
+    pre_norm_family("llama4", "llama4_text", "Llama4ForCausalLM", layer_weights, config_from_hf, config_to_hf, make_block),
 )

@@ -1,4 +1,4 @@
-"""Mixtral: the Llama block with a routed MoE feed-forward (softmax top-k, renormalised).
+"""Mixtral: the pre-norm block (``models/prenorm.py``) with a routed MoE feed-forward (softmax top-k, renormalised).
 
 HF ``MixtralForCausalLM``. The hub checkpoint (what ``save_pretrained`` writes) keeps
 one tensor per expert (``block_sparse_moe.experts.{e}.w1/w3/w2``); transformers >= 5
@@ -10,33 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.llama import (
+from nnxtron.models.family import WeightMap
+from nnxtron.models.hf_common import (
     GQA_WEIGHTS,
     NORM_WEIGHTS,
     check_exportable,
     common_config_from_hf,
     common_config_to_hf,
-    register_pre_norm_family,
+    routed_expert_weights,
 )
-from nnxtron.models.pattern import LayerKind
-from nnxtron.models.registry import WeightMap
-
-
-def routed_expert_weights(
-    router: str, experts: str, names: tuple[str, str, str], fused_router: str = ""
-) -> tuple[WeightMap, ...]:
-    """The MoE router and experts <-> HF: ``{experts}.{e}.{gate,up,down name}.weight`` per
-    expert (hub layout) or the fused ``mlp.experts.gate_up_proj`` / ``down_proj``."""
-    gate, up, down = names
-    return (
-        WeightMap("mlp/router/kernel", f"{router}.weight", 1, fused_key=f"{fused_router}.weight" if fused_router else ""),
-        WeightMap("mlp/wi_0", f"{experts}.{{e}}.{gate}.weight", 1, "mlp.experts.gate_up_proj", 0, 2),
-        WeightMap("mlp/wi_1", f"{experts}.{{e}}.{up}.weight", 1, "mlp.experts.gate_up_proj", 1, 2),
-        WeightMap("mlp/wo", f"{experts}.{{e}}.{down}.weight", 1, "mlp.experts.down_proj"),
-    )
-
+from nnxtron.models.prenorm import pre_norm_family
 
 MOE_WEIGHTS = routed_expert_weights("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2"), "mlp.gate")
 
@@ -77,4 +63,4 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-register_pre_norm_family("mixtral", "mixtral", "MixtralForCausalLM", layer_weights, config_from_hf, config_to_hf)
+FAMILIES = (pre_norm_family("mixtral", "mixtral", "MixtralForCausalLM", layer_weights, config_from_hf, config_to_hf),)

@@ -1,4 +1,4 @@
-"""Qwen3 dense and MoE: the Llama block with per-head q/k RMSNorm before RoPE.
+"""Qwen3 dense and MoE: the pre-norm block (``models/prenorm.py``) with per-head q/k RMSNorm before RoPE.
 
 HF ``Qwen3ForCausalLM`` (``decoder_block=qwen3``) and ``Qwen3MoeForCausalLM``
 (``decoder_block=qwen3_moe``: softmax top-k routing, renormalised when
@@ -11,21 +11,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.llama import (
+from nnxtron.models.family import WeightMap
+from nnxtron.models.hf_common import (
     GQA_WEIGHTS,
-    LAYER_WEIGHTS,
     NORM_WEIGHTS,
     QK_NORM_WEIGHTS,
     check_exportable,
     common_config_from_hf,
     common_config_to_hf,
-    register_pre_norm_family,
+    routed_expert_weights,
 )
-from nnxtron.models.mixtral import routed_expert_weights
-from nnxtron.models.pattern import LayerKind
-from nnxtron.models.registry import WeightMap
+from nnxtron.models.llama import LAYER_WEIGHTS
+from nnxtron.models.prenorm import pre_norm_family
 
 MOE_WEIGHTS = routed_expert_weights("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"))
 
@@ -81,5 +81,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-register_pre_norm_family("qwen3", "qwen3", "Qwen3ForCausalLM", layer_weights, config_from_hf, config_to_hf)
-register_pre_norm_family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", layer_weights, config_from_hf, config_to_hf)
+FAMILIES = (
+    pre_norm_family("qwen3", "qwen3", "Qwen3ForCausalLM", layer_weights, config_from_hf, config_to_hf),
+    pre_norm_family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", layer_weights, config_from_hf, config_to_hf),
+)

@@ -1,7 +1,7 @@
 """Pipeline parallelism: a scanned layer stack run as a GPipe or circular schedule.
 
 The stack's stacked weights ``[P, ...]`` are viewed as ``[repeats, stages, lps, ...]``
-with the ``stage`` mesh axis on the stage dimension (``parallel.schedule`` says which
+with the ``stage`` mesh axis on the stage dimension (``config.pipeline`` says which
 block runs where and when). Every iteration:
 
 1. stage 0 takes the current activation of its microbatch from a buffer ``[M, mb, ...]``
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnxtron.config.pipeline import PipelineSpec
 from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
 from nnxtron.parallel.remat import RematSpec, jax_policy
 from nnxtron.parallel.scan import Aux, LayerStack, apply_stacked
-from nnxtron.parallel.schedule import PipelineSpec
 from nnxtron.parallel.sharding import Rules, activate, active_mesh, logical_to_spec, variable_names
 
 STAGE = "stage"
@@ -194,7 +194,7 @@ def run_pipeline(
 
         def iteration(carry: tuple, t: jax.Array) -> tuple:
             buffer, shift, previous, state, aux_sum = carry
-            item = t - delay * stage_ids  # what each stage works on (see parallel.schedule)
+            item = t - delay * stage_ids  # what each stage works on (see config.pipeline)
             valid = (item >= 0) & (item < micro * repeats)
             item = jnp.clip(item, 0, micro * repeats - 1)
             micro_ids, repeat_ids = item % micro, item // micro

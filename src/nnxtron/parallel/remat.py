@@ -1,4 +1,5 @@
-"""Remat (activation checkpointing) policies by name, MaxText-compatible.
+"""Remat (activation checkpointing) policies by name, MaxText-compatible (the names:
+``config.options.REMAT_POLICIES``).
 
 Blocks tag their activations with ``jax.ad_checkpoint.checkpoint_name`` using the names
 in ``ACTIVATIONS``; a policy says which tagged values the backward pass may keep on
@@ -12,6 +13,7 @@ from typing import Any
 
 import jax
 
+from nnxtron.config.options import REMAT_POLICIES
 from nnxtron.errors import ConfigError
 
 # Every named activation a block may tag (the same names in every family).
@@ -34,10 +36,6 @@ _SAVED_NAMES = {
     "save_qkv_proj": QKV,
     "save_out_proj": ("out_proj",),
 }
-POLICIES = (
-    "none", "full", "minimal", "minimal_with_context", *_SAVED_NAMES,
-    "qkv_proj_offloaded", "minimal_offloaded", "custom",
-)  # fmt: skip
 OFFLOADING = ("qkv_proj_offloaded", "minimal_offloaded")
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"
 
@@ -97,7 +95,7 @@ def jax_policy(spec: RematSpec) -> Any:
             offload_src=OFFLOAD_SRC,
             offload_dst=OFFLOAD_DST,
         )
-    raise ConfigError(f"unknown remat_policy '{name}'; choose one of {', '.join(POLICIES)}")
+    raise ConfigError(f"unknown remat_policy '{name}'; choose one of {', '.join(REMAT_POLICIES)}")
 
 
 def host_memory_available() -> bool:

@@ -18,9 +18,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxtron.errors import ConfigError
+from nnxtron.params import flatten
 
 Rules = Sequence[tuple[str, Sequence[str]]]
 SHARDING_KEY = "out_sharding"
+RESIDUAL = ("activation_batch", "activation_length", "activation_embed")  # logical axes of the residual stream [B, S, D]
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("nnxtron_sharding", default=None)
 
@@ -117,8 +119,6 @@ def unsharded_report(abstract_params: Any, param_shardings: Any, mesh: Mesh) -> 
     An axis is active when the mesh has it with size > 1. With no active model axis
     (one device, or pure data parallelism) nothing can be sharded and the fraction is 0.
     """
-    from nnxtron.params import flatten
-
     active = {axis for axis in MODEL_AXES if mesh.shape.get(axis, 1) > 1}
     if not active:
         return 0.0, []

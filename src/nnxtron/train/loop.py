@@ -13,16 +13,18 @@ import jax
 import numpy as np
 import yaml
 
-from nnxtron.compile_cache import enable_compilation_cache
 from nnxtron.config.derived import Derived, derive
+from nnxtron.config.flops import training_flops_per_token
 from nnxtron.config.loader import config_to_yaml
 from nnxtron.config.schema import Config
 from nnxtron.data.pipeline import BatchSource, DataIterator
 from nnxtron.data.sources import make_sources
 from nnxtron.errors import CheckpointError, ConfigError, DataError, TrainingError
+from nnxtron.models.quant import summary
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.params import flatten_with_treedef
-from nnxtron.perf import peak_flops_total, training_flops_per_token
+from nnxtron.runtime.compile_cache import enable_compilation_cache
+from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.train.checkpoint import Checkpointer, UnreadableCheckpoint
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
@@ -191,8 +193,6 @@ class Trainer:
                 bar.log(f"peak {peak / 1e12:.3f} TFLOP/s from {peak_source}")
                 bar.log(_cache_line(cfg, self.compilation_cache))
                 if cfg.use_qwix_quantization:
-                    from nnxtron.quant import summary
-
                     bar.log(summary(cfg))
                 recorder = _Recorder(self, peak, writer, bar, result, start)
                 for step in range(start, cfg.steps):

@@ -10,7 +10,7 @@ from flax import nnx
 
 from nnxtron.config.derived import Derived
 from nnxtron.config.schema import Config
-from nnxtron.decoder import abstract_model
+from nnxtron.models.build import abstract_model
 from nnxtron.parallel.scan import is_stack_axis
 from nnxtron.parallel.sharding import variable_names
 

@@ -18,8 +18,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxtron.config.schema import Config
-from nnxtron.decoder import Decoder, abstract_model
 from nnxtron.errors import ConfigError
+from nnxtron.models.build import abstract_model
+from nnxtron.models.decoder import Decoder
+from nnxtron.models.quant import check_backend
 from nnxtron.parallel.remat import RematSpec, check_offload_supported, host_memory_available
 from nnxtron.parallel.sharding import check_unsharded, state_shardings
 
@@ -119,8 +121,6 @@ def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSet
     """Trace the model abstractly and compute the shardings of the whole train state."""
     check_offload_supported(RematSpec.from_config(cfg))
     if cfg.use_qwix_quantization:
-        from nnxtron.quant import check_backend  # imports qwix: only for quantized configs
-
         check_backend(cfg)
     graphdef, params, rest, param_sh, rest_sh = model_shardings(cfg, mesh)
     unsharded = check_unsharded(params, param_sh, mesh, cfg.sharding_tolerance)

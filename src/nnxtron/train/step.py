@@ -14,10 +14,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nnxtron.config.schema import Config
 from nnxtron.data.packing import BATCH_KEYS
 from nnxtron.layers.moe import update_router_bias
-from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
+from nnxtron.models.loss import cross_entropy, cross_entropy_sum
+from nnxtron.parallel.microbatch import split_microbatches
 from nnxtron.parallel.sharding import activate, constrain, logical_to_spec
 from nnxtron.params import flatten_with_treedef
-from nnxtron.train.loss import cross_entropy, cross_entropy_sum
 from nnxtron.train.state import ModelSetup, TrainState
 
 Batch = dict[str, jax.Array]
@@ -53,7 +53,6 @@ class Gradients(NamedTuple):
     grads: Any  # d J / d params, same tree and dtypes as params (J includes the aux losses)
     rest: Any  # the model's non-parameter state after the batch (carried through the microbatches)
     aux: dict[str, jax.Array]  # each aux loss as a batch value (token-share weighted over microbatches)
-    input_grad: jax.Array | None = None  # d J / d embedding output [B, S, D], only when requested
 
 
 def _aux_losses(out: Any) -> dict[str, jax.Array]:
@@ -61,23 +60,12 @@ def _aux_losses(out: Any) -> dict[str, jax.Array]:
     return {name: jnp.asarray(value, jnp.float32) for name, value in dict(aux.get("losses", {})).items()}
 
 
-def _apply(graphdef: nnx.GraphDef, params: Any, rest: Any, batch: Batch, delta: jax.Array | None):
-    """Run the model on ``batch``; ``delta`` (zeros) is added to the embedding output so
-    that its gradient is the input cotangent. Returns (output, new non-parameter state)."""
+def _apply(graphdef: nnx.GraphDef, params: Any, rest: Any, batch: Batch):
+    """Run the model on ``batch``. Returns (output, new non-parameter state)."""
     model = nnx.merge(graphdef, params, rest)
     extra = (batch.get("positions"), batch.get("segment_ids"), batch.get("targets"), batch.get("loss_mask"))
-    if delta is None:
-        out = model(batch["inputs"], *extra)
-    else:
-        x = model.embed(batch["inputs"])
-        out = model.from_embeddings(x + delta.astype(x.dtype), *extra, tokens=batch["inputs"])
+    out = model(batch["inputs"], *extra)
     return out, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
-
-
-def _embedding_zeros(graphdef: nnx.GraphDef, params: Any, rest: Any, inputs: Any) -> jax.Array:
-    """Zeros shaped like the embedding output of ``inputs`` (an array or a ShapeDtypeStruct)."""
-    spec = jax.eval_shape(lambda p, r, t: nnx.merge(graphdef, p, r).embed(t), params, rest, inputs)
-    return jnp.zeros(spec.shape, spec.dtype)
 
 
 def _constrain_tree(tree: Any, shardings: Any | None) -> Any:
@@ -91,7 +79,6 @@ def compute_gradients(
     batch: Batch,
     accumulation_steps: int = 1,
     *,
-    input_grad: bool = False,
     grad_shardings: Any | None = None,
 ) -> Gradients:
     """Loss, token count, gradients, new non-parameter state and aux losses of one batch.
@@ -104,8 +91,6 @@ def compute_gradients(
     total token count at the end, so the result is the large-batch token-mean step, not
     a mean of per-microbatch means. k = 1 differentiates the whole batch directly.
 
-    ``input_grad``: also return d J / d (embedding output), [B, S, D] in batch row order
-    (under accumulation, the per-microbatch cotangents scaled by the same 1 / T).
     ``grad_shardings``: shardings of the parameters (a tree like ``params``), applied to
     the gradient accumulator. Call inside ``parallel.sharding.activate`` to shard
     activations (and the microbatches) by the logical rules.
@@ -113,29 +98,25 @@ def compute_gradients(
     k = int(accumulation_steps)
     if k < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {k}")
-    argnums = (0, 1) if input_grad else 0
-
     if k == 1:
 
-        def objective(params, delta):
-            out, new_rest = _apply(graphdef, params, rest, batch, delta)
+        def objective(params):
+            out, new_rest = _apply(graphdef, params, rest, batch)
             loss, tokens = cross_entropy(out.logits, batch["targets"], batch.get("loss_mask"))
             aux = _aux_losses(out)
             total = loss + sum(aux.values()) if aux else loss
             return total, (loss, tokens, new_rest, aux)
 
-        delta = _embedding_zeros(graphdef, params, rest, batch["inputs"]) if input_grad else None
-        (_, (loss, tokens, new_rest, aux)), grads = jax.value_and_grad(objective, argnums=argnums, has_aux=True)(params, delta)
-        grads, g_input = grads if input_grad else (grads, None)
-        return Gradients(loss, tokens, grads, new_rest, aux, g_input)
+        (_, (loss, tokens, new_rest, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return Gradients(loss, tokens, grads, new_rest, aux)
 
     micro = split_microbatches(batch, k)
     mask = batch.get("loss_mask")
     total_tokens = jnp.float32(batch["targets"].size) if mask is None else jnp.sum(mask.astype(jnp.float32))
     norm = jnp.maximum(total_tokens, 1.0)
 
-    def objective(params, delta, rest, mb):
-        out, new_rest = _apply(graphdef, params, rest, mb, delta)
+    def objective(params, rest, mb):
+        out, new_rest = _apply(graphdef, params, rest, mb)
         loss_sum, tokens = cross_entropy_sum(out.logits, mb["targets"], mb.get("loss_mask"))
         # aux weight in "sum" units: tokens_i (/ T at the end = the token share), or 1/k if T = 0
         weight = jnp.where(total_tokens > 0, tokens, 1.0 / k)
@@ -143,28 +124,25 @@ def compute_gradients(
         total = loss_sum + sum(aux.values()) if aux else loss_sum
         return total, (loss_sum, tokens, new_rest, aux)
 
-    grad_fn = jax.value_and_grad(objective, argnums=argnums, has_aux=True)
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
     mb_spec = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], b), micro)
-    aux_names = jax.eval_shape(lambda p, r, b: _aux_losses(_apply(graphdef, p, r, b, None)[0]), params, rest, mb_spec)
+    aux_names = jax.eval_shape(lambda p, r, b: _aux_losses(_apply(graphdef, p, r, b)[0]), params, rest, mb_spec)
 
     def body(carry, mb):
         acc, loss_sum, tokens, aux_sum, rest = carry
         mb = {key: constrain(v, ("activation_batch", "activation_length")[: v.ndim]) for key, v in mb.items()}
-        delta = _embedding_zeros(graphdef, params, rest, mb_spec["inputs"]) if input_grad else None
-        (_, (mb_loss, mb_tokens, rest, mb_aux)), grads = grad_fn(params, delta, rest, mb)
-        grads, g_input = grads if input_grad else (grads, None)
+        (_, (mb_loss, mb_tokens, rest, mb_aux)), grads = grad_fn(params, rest, mb)
         acc = _constrain_tree(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), grad_shardings)
         aux_sum = {name: aux_sum[name] + mb_aux[name] for name in aux_sum}
-        return (acc, loss_sum + mb_loss, tokens + mb_tokens, aux_sum, rest), g_input
+        return (acc, loss_sum + mb_loss, tokens + mb_tokens, aux_sum, rest), None
 
     zeros = _constrain_tree(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings)
     scalar = jnp.zeros((), jnp.float32)
     init = (zeros, scalar, scalar, {name: scalar for name in aux_names}, rest)
-    (acc, loss_sum, tokens, aux_sum, new_rest), g_inputs = jax.lax.scan(body, init, micro)
+    (acc, loss_sum, tokens, aux_sum, new_rest), _ = jax.lax.scan(body, init, micro)
     grads = jax.tree.map(lambda a, p: (a / norm).astype(p.dtype), acc, params)
     aux = {name: value / norm for name, value in aux_sum.items()}
-    g_input = None if g_inputs is None else merge_microbatches(g_inputs / norm.astype(g_inputs.dtype))
-    return Gradients(loss_sum / norm, tokens, grads, new_rest, aux, g_input)
+    return Gradients(loss_sum / norm, tokens, grads, new_rest, aux)
 
 
 def make_train_step(
@@ -236,7 +214,7 @@ def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState
     def eval_step(state: TrainState, batch: Batch):
         state = model_setup.to_compute(state)
         with activate(model_setup.mesh, cfg.logical_axis_rules):
-            out, _ = _apply(graphdef, state["params"], state["rest"], batch, None)
+            out, _ = _apply(graphdef, state["params"], state["rest"], batch)
             loss_sum, tokens = cross_entropy_sum(out.logits, batch["targets"], batch["loss_mask"])
         result = {"loss_sum": loss_sum, "tokens": tokens}
         if cfg.mtp_eval_target_module:

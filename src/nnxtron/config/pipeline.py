@@ -22,27 +22,17 @@ stage before it re-enters the first.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from nnxtron.config.layout import StackLayout, pattern_stacks
+from nnxtron.config.options import PIPELINE_OPTIONS_OFF
 from nnxtron.errors import ConfigError
 
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
 
-# option -> the value that means "not used"; set with one stage, any other value is an error
-PIPELINE_OPTIONS_OFF: dict[str, Any] = {
-    "num_pipeline_microbatches": -1,
-    "num_pipeline_repeats": -1,
-    "num_layers_per_pipeline_stage": 1,
-    "pipeline_parallel_layers": -1,
-    "scan_pipeline_iterations": True,
-    "scan_pipeline_repeats": True,
-    "set_remat_policy_on_pipeline_iterations": True,
-    "set_remat_policy_on_layers_per_stage": False,
-    "pipeline_delay_activation_forwarding": False,
-    "pipeline_fsdp_ag_once": False,
-}
 PIPELINED_STACKS = ("moe_layers", "layers")  # the main stack of a decoder (DeepSeek: after the dense prefix)
 UNPIPELINED = "unpipelined_layers"  # main-stack blocks after the first pipeline_parallel_layers
 
@@ -96,10 +86,9 @@ class PipelineSpec:
         ]
 
 
-def _main_stack(cfg: Config) -> Any:
-    from nnxtron.models.pattern import layer_stacks
-
-    stacks = {stack.name: stack for stack in layer_stacks(cfg, pipelined=False)}
+def main_stack(cfg: Config) -> StackLayout:
+    """The stack a pipeline runs: ``moe_layers`` after a dense prefix, else ``layers``."""
+    stacks = {stack.name: stack for stack in pattern_stacks(cfg)}
     for name in PIPELINED_STACKS:
         if name in stacks:
             return stacks[name]
@@ -109,12 +98,13 @@ def _main_stack(cfg: Config) -> Any:
     )
 
 
+@functools.cache
 def pipeline_spec(cfg: Config) -> PipelineSpec | None:
     """The schedule of ``cfg``, or None with one stage. Raises ConfigError when impossible."""
     stages = cfg.pipeline_stages
     if stages == 1:
         return None
-    main = _main_stack(cfg)
+    main = main_stack(cfg)
     per_block = main.layers_per_block
     layers = main.total_layers if cfg.pipeline_parallel_layers == -1 else cfg.pipeline_parallel_layers
     if layers > main.total_layers or layers < 1:

@@ -75,7 +75,9 @@ def expand(post: jax.Array, comb: jax.Array, y: jax.Array, x: jax.Array) -> jax.
 
 
 class HyperHead(nnx.Module):
-    """Collapse the streams before the final norm: ``h = sum_j (sigmoid(scale * z_j + b_j) + eps) X_j``."""
+    """The residual streams of the whole decoder: ``expand`` repeats the embeddings into the
+    k streams; calling it collapses them before the final norm:
+    ``h = sum_j (sigmoid(scale * z_j + b_j) + eps) X_j``."""
 
     def __init__(self, dim: int, streams: int, *, eps: float, norm_eps: float, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(stddev=0.02)
@@ -83,6 +85,11 @@ class HyperHead(nnx.Module):
         self.base = nnx.Param(jnp.zeros((streams,), jnp.float32), out_sharding=(None,))
         self.scale = nnx.Param(jnp.ones((1,), jnp.float32), out_sharding=(None,))
         self.eps, self.norm_eps = eps, norm_eps
+        self.streams = streams
+
+    def expand(self, x: jax.Array) -> jax.Array:
+        """``[B, S, D]`` -> ``[B, S, k, D]``: the embeddings copied into each stream."""
+        return jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.streams, x.shape[-1]))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         mixes = _flat_normed(x, self.norm_eps) @ self.fn[...].T

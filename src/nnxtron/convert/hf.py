@@ -26,11 +26,13 @@ from safetensors.numpy import save_file
 
 from nnxtron.config.loader import load_config
 from nnxtron.config.schema import Config
-from nnxtron.decoder import Decoder, abstract_model
+from nnxtron.config.stacks import layer_stacks
 from nnxtron.errors import CheckpointError
 from nnxtron.layers.moe import ExpertLoad
-from nnxtron.models.pattern import layer_stacks
-from nnxtron.models.registry import WeightMap, family_for, family_for_hf
+from nnxtron.models.build import abstract_model
+from nnxtron.models.decoder import Decoder
+from nnxtron.models.family import WeightMap
+from nnxtron.models.registry import family_for, family_for_hf
 
 __all__ = ["from_hf", "to_hf", "read_hf_config", "hf_config_to_nnxtron"]
 

@@ -25,8 +25,8 @@ from flax import nnx
 from nnxtron.config.schema import Config
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
+from nnxtron.models.loss import cross_entropy_sum
 from nnxtron.parallel.scan import sum_aux
-from nnxtron.train.loss import cross_entropy_sum
 
 Aux = dict[str, jax.Array]
 

@@ -1,9 +1,9 @@
 """The decoder: embed -> layer stacks -> final norm -> logits (+ multi-token prediction).
 
-The layer stacks come from ``models.pattern.layer_stacks``: one ``layers`` stack; for MoE
+The layer stacks come from ``config.stacks.built_stacks``: one ``layers`` stack; for MoE
 models with a dense prefix ``dense_layers`` then ``moe_layers``; for layer patterns
 (Gemma 3, Llama 4) ``layers`` of whole cycles then ``remainder_layers`` — each scanned
-with its own stack axis name. Token embeddings are scaled by ``sqrt(emb_dim)`` for
+with its own stack axis name, or run as a pipeline (``parallel.pipeline``). Token embeddings are scaled by ``sqrt(emb_dim)`` for
 families that do (Gemma) and learned position embeddings are added when
 ``trainable_position_size`` > 0 (GPT-3). Auxiliary outputs are explicit: ``DecoderOutput.aux``
 holds ``"losses"`` (already weighted, added to the training objective by the step:
@@ -19,18 +19,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from nnxtron.config.layout import LayerKind
+from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
+from nnxtron.config.stacks import built_stacks
 from nnxtron.layers.embed import Embed
 from nnxtron.layers.linear import Linear
-from nnxtron.layers.mhc import HyperHead
-from nnxtron.models.pattern import layer_stacks, make_stack_block
+from nnxtron.models.mtp import MultiTokenPrediction
 from nnxtron.models.registry import family_for
-from nnxtron.mtp import MultiTokenPrediction
+from nnxtron.models.stack import make_stack_block
 from nnxtron.parallel.pipeline import PipelinedStack
 from nnxtron.parallel.remat import RematSpec
 from nnxtron.parallel.scan import LayerStack, sum_aux
-from nnxtron.parallel.schedule import UNPIPELINED, pipeline_spec
-from nnxtron.parallel.sharding import constrain
+from nnxtron.parallel.sharding import RESIDUAL, constrain
 
 
 @struct.dataclass
@@ -57,44 +58,38 @@ class Decoder(nnx.Module):
                 axes=(None, "embed"),
             )
         self.embed_scale = cfg.base_emb_dim**0.5 if family.scale_embeddings else 0.0
-        self.streams = cfg.mhc_expansion_rate if family.hyper_connections else 0
-        if self.streams:
-            self.hyper_head = HyperHead(
-                cfg.base_emb_dim,
-                self.streams,
-                eps=cfg.mhc_eps,
-                norm_eps=cfg.normalization_layer_epsilon,
-                rngs=nnx.Rngs(jax.random.fold_in(k_head, 2)),
-            )
+        if family.make_stream_head is not None:  # the residual is several streams (hyper-connections)
+            self.hyper_head = family.make_stream_head(cfg, nnx.Rngs(jax.random.fold_in(k_head, 2)))
         self.takes_tokens = family.block_takes_tokens
-        stacks = layer_stacks(cfg)
+        stacks = built_stacks(cfg)
 
-        def make_layer(r: nnx.Rngs, kind) -> nnx.Module:
+        def make_layer(r: nnx.Rngs, kind: LayerKind) -> nnx.Module:
             return family.make_block(cfg, r, kind)
 
         pipeline = pipeline_spec(cfg)
         remat = RematSpec.from_config(cfg)
-        # stack keys follow the layout without a pipeline split, so a partial pipeline
-        # (``unpipelined_layers``) builds the same weights as the unsplit stack
-        unsplit = [layout.name for layout in layer_stacks(cfg, pipelined=False)]
-        for layout in stacks:
-            first = 0
-            if layout.name == UNPIPELINED:
-                first, index = pipeline.blocks, unsplit.index(pipeline.stack)
-            else:
-                index = unsplit.index(layout.name)
-            key = k_layers if index == 0 else jax.random.fold_in(k_layers, index)
+        for built in stacks:
+            layout = built.layout
+            # keyed by the unsplit stack, so a partial pipeline (``unpipelined_layers``) builds
+            # the same weights as the unsplit stack
+            key = k_layers if built.pattern_index == 0 else jax.random.fold_in(k_layers, built.pattern_index)
             block = make_stack_block(make_layer, layout)
             if pipeline is not None and layout.name == pipeline.stack:
                 stack = PipelinedStack(block, layout.num_layers, key=key, remat=remat, axis_name=layout.name, pipeline=pipeline)
             else:
                 stack = LayerStack(
-                    block, layout.num_layers, key=key, scan=cfg.scan_layers, remat=remat, axis_name=layout.name, first_block=first
+                    block,
+                    layout.num_layers,
+                    key=key,
+                    scan=cfg.scan_layers,
+                    remat=remat,
+                    axis_name=layout.name,
+                    first_block=built.first_block,
                 )
             setattr(self, layout.name, stack)
-        self.stack_names = tuple(layout.name for layout in stacks)
+        self.stack_names = tuple(built.layout.name for built in stacks)
         if cfg.mtp_num_layers:  # MTP blocks are of the last layer's kind
-            last_kind = stacks[-1].kinds[-1]
+            last_kind = stacks[-1].layout.kinds[-1]
             self.mtp = MultiTokenPrediction(cfg, lambda r: family.make_block(cfg, r, last_kind), jax.random.fold_in(k_head, 1))
         self.final_norm = family.make_final_norm(cfg)
         if not cfg.logits_via_embedding:
@@ -123,48 +118,21 @@ class Decoder(nnx.Module):
         ``targets`` (and ``loss_mask``) are only needed by multi-token prediction, whose
         losses are computed when targets are given.
         """
-        return self.from_embeddings(self.embed(tokens), positions, segment_ids, targets, loss_mask, tokens)
-
-    def embed_scale_and_positions(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Token embeddings -> decoder input: the Gemma ``sqrt(emb_dim)`` scale (HF rounds it to
-        the table's dtype first) and learned position embeddings (GPT-3)."""
-        if self.embed_scale:
-            x = x * jnp.asarray(self.embed_scale, self.embed.embedding.dtype).astype(x.dtype)
-        if hasattr(self, "position_embed"):
-            x = x + self.position_embed(positions)
-        return x
-
-    def from_embeddings(
-        self,
-        x: jax.Array,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        targets: jax.Array | None = None,
-        loss_mask: jax.Array | None = None,
-        tokens: jax.Array | None = None,
-    ) -> DecoderOutput:
-        """Everything after the embedding lookup (x [B, S, D]); lets tests take the input cotangent.
-
-        ``tokens`` are needed by families whose blocks route by token id (DeepSeek-V4)."""
-        shape = x.shape[:2]
+        shape = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
         if segment_ids is None:
             segment_ids = jnp.ones(shape, jnp.int32)
-        x = self.embed_scale_and_positions(x, positions)
-        embedded = x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
-        args = (positions, segment_ids)
-        if self.takes_tokens:
-            if tokens is None:
-                raise ValueError(f"decoder_block {self.config.decoder_block} routes by token id: pass tokens=")
-            args += (tokens,)
-        if self.streams:  # hyper-connections: k copies of the residual stream
-            x = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.streams, x.shape[-1]))
+        x = self.embed_scale_and_positions(self.embed(tokens), positions)
+        embedded = x = constrain(x, RESIDUAL)
+        args = (positions, segment_ids, tokens) if self.takes_tokens else (positions, segment_ids)
+        if hasattr(self, "hyper_head"):  # k copies of the residual stream
+            x = self.hyper_head.expand(x)
         stack_aux = []
         for name in self.stack_names:
             x, aux = getattr(self, name)(x, *args)
             stack_aux.append(aux)
-        if self.streams:
+        if hasattr(self, "hyper_head"):
             x = self.hyper_head(x)
         logits = self.head(x)
         out_aux: dict[str, Any] = {"losses": sum_aux(*stack_aux)}
@@ -176,6 +144,15 @@ class Decoder(nnx.Module):
             del out_aux["losses"]
         return DecoderOutput(logits=logits, aux=out_aux)
 
+    def embed_scale_and_positions(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Token embeddings -> decoder input: the Gemma ``sqrt(emb_dim)`` scale (HF rounds it to
+        the table's dtype first) and learned position embeddings (GPT-3)."""
+        if self.embed_scale:
+            x = x * jnp.asarray(self.embed_scale, self.embed.embedding.dtype).astype(x.dtype)
+        if hasattr(self, "position_embed"):
+            x = x + self.position_embed(positions)
+        return x
+
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and output head: hidden states [B, S, D] -> float32 logits [B, S, V]."""
         x = self.final_norm(x)
@@ -184,24 +161,3 @@ class Decoder(nnx.Module):
         if self.soft_cap > 0:
             logits = self.soft_cap * jnp.tanh(logits / self.soft_cap)
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
-
-
-def _quantized(model: Decoder) -> Decoder:
-    """The model with qwix-quantized matmuls when its config asks for it (``nnxtron.quant``)."""
-    if not model.config.use_qwix_quantization:
-        return model
-    from nnxtron.quant import quantize  # imports qwix: only for quantized configs
-
-    return quantize(model)
-
-
-def build_model(cfg: Config, seed: int | None = None) -> Decoder:
-    """Construct a Decoder eagerly (unsharded); see train.state for sharded creation."""
-    with nnx.use_eager_sharding(False):
-        return _quantized(Decoder(cfg, nnx.Rngs(cfg.init_weights_seed if seed is None else seed)))
-
-
-def abstract_model(cfg: Config) -> Decoder:
-    """The Decoder with ShapeDtypeStruct leaves: shapes, dtypes and metadata, no arrays."""
-    with nnx.use_eager_sharding(False):
-        return _quantized(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(cfg.init_weights_seed))))

@@ -1,23 +1,6 @@
-"""DeepSeek-V4: hyper-connected streams, compressed attention (sliding / CSA / HCA), hash + top-k MoE.
+"""DeepSeek-V4 <-> HF: weight names and the ``config.json`` mapping.
 
-HF ``DeepseekV4ForCausalLM`` (``model_type: deepseek_v4``; transformers 5.24 is the ground
-truth). The residual is ``mhc_expansion_rate`` streams ``[B, S, k, D]``; each layer::
-
-    post, comb, u = attention_hc(X);  X = post * attention(pre_attention_norm(u)) + comb^T X
-    post, comb, u = mlp_hc(X);        X = post * moe(post_attention_norm(u), tokens) + comb^T X
-
-Attention kind per layer from ``compress_ratios`` (``layers/compressed.py``); the MoE is
-``sqrtsoftplus`` scoring with the correction bias on top-k layers and the token -> expert
-table (``HashTable``) on the first ``first_num_hash_layers`` layers, SwiGLU clamped at
-``mlp_activations_limit`` on routed and shared experts, one shared expert. The decoder
-repeats the embedding into the streams and collapses them with a ``HyperHead`` before the
-final norm (``models/registry.Family.hyper_connections``).
-
-Layout (``models/pattern.py``): the hash-routed prefix is one ``hash_layers`` block (applied
-unrolled), then ``layers`` scans blocks of the period of ``compress_ratios`` (2 for the
-release: HCA, CSA) and ``remainder_layers`` holds any leftover.
-
-HF names: ``save_pretrained`` writes the upstream hub names (``attn.wq_a``, ``ffn.gate.bias``,
+``save_pretrained`` writes the upstream hub names (``attn.wq_a``, ``ffn.gate.bias``,
 ``hc_attn_fn``, ``head.weight``, per-expert ``ffn.experts.{e}.w1/w3/w2``...); the
 in-memory module names (``self_attn.q_a_proj``, fused ``mlp.experts.gate_up_proj``...) load too.
 Export writes the hub names.
@@ -27,51 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-from flax import nnx
-
+from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.layers.compressed import CompressedAttention
-from nnxtron.layers.mhc import HyperConnection, expand
-from nnxtron.layers.moe import MoE
-from nnxtron.models.llama import rope_from_hf
-from nnxtron.models.pattern import PLAIN, LayerKind
-from nnxtron.models.registry import Family, WeightMap, register, rms_norm
-
-
-def hyper_connection(cfg: Config, rngs: nnx.Rngs) -> HyperConnection:
-    return HyperConnection(
-        cfg.base_emb_dim,
-        cfg.mhc_expansion_rate,
-        iterations=cfg.sinkhorn_iterations,
-        eps=cfg.mhc_eps,
-        norm_eps=cfg.normalization_layer_epsilon,
-        rngs=rngs,
-    )
-
-
-class DeepSeek4Block(nnx.Module):
-    """One DeepSeek-V4 layer of ``kind`` (attention ``sliding``/``csa``/``hca``; ``hash`` routing)."""
-
-    def __init__(self, cfg: Config, rngs: nnx.Rngs, kind: LayerKind = PLAIN):
-        if not kind.moe:
-            raise ConfigError("decoder_block deepseek4 has MoE layers only; set num_experts > 1")
-        self.attention_hc = hyper_connection(cfg, rngs)
-        self.pre_attention_norm = rms_norm(cfg)
-        self.attention = CompressedAttention(cfg, kind.attention, rngs)
-        self.mlp_hc = hyper_connection(cfg, rngs)
-        self.post_attention_norm = rms_norm(cfg)
-        self.mlp = MoE(cfg, rngs, hash_routed=kind.hash)
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, tokens: jax.Array
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        post, comb, collapsed = self.attention_hc(x)
-        x = expand(post, comb, self.attention(self.pre_attention_norm(collapsed), positions, segment_ids), x)
-        post, comb, collapsed = self.mlp_hc(x)
-        y, aux = self.mlp(self.post_attention_norm(collapsed), tokens)
-        return expand(post, comb, y, x), aux
+from nnxtron.models.family import WeightMap
+from nnxtron.models.hf_common import rope_from_hf
 
 
 def _w(path: str, hub: str, module: str, in_dims: int = 0, **kw: Any) -> WeightMap:
@@ -300,20 +243,3 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
         "num_nextn_predict_layers": 0,
         "dtype": cfg.weight_dtype,
     }
-
-
-register(
-    ("deepseek4",),
-    Family(
-        name="deepseek4",
-        hf_model_type="deepseek_v4",
-        hf_architecture="DeepseekV4ForCausalLM",
-        make_block=DeepSeek4Block,
-        layer_weights=layer_weights,
-        top_weights=top_weights,
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-        hyper_connections=True,
-        block_takes_tokens=True,
-    ),
-)

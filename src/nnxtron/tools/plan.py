@@ -25,16 +25,17 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxtron.config.derived import derive
+from nnxtron.config.flops import training_flops_per_token
 from nnxtron.config.schema import Config
 from nnxtron.data.packing import BATCH_KEYS
-from nnxtron.decoder import abstract_model
-from nnxtron.models.pattern import CycleBlock
+from nnxtron.models.build import abstract_model
+from nnxtron.models.quant import summary
+from nnxtron.models.stack import CycleBlock
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.scan import LayerStack
 from nnxtron.parallel.sharding import unsharded_report, variable_names
-from nnxtron.params import path_str
-from nnxtron.perf import training_flops_per_token
-from nnxtron.plan_pipeline import format_pipeline, pipeline_plan
+from nnxtron.params import flatten, path_str
+from nnxtron.tools.plan_pipeline import format_pipeline, pipeline_plan
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import setup
 from nnxtron.train.step import batch_sharding, make_train_step
@@ -90,8 +91,6 @@ def _tree_bytes(abstract: Any) -> int:
 
 def _param_table(model: nnx.Module, param_shardings: dict) -> list[dict[str, Any]]:
     """One row per parameter: path, shape, dtype, logical axes, PartitionSpec, shard shape."""
-    from nnxtron.params import flatten
-
     _, params, _ = nnx.split(model, nnx.Param, ...)
     shardings = flatten(param_shardings)
     rows = []
@@ -218,8 +217,6 @@ def _device_memory_bytes(device_memory_gib: float | None) -> tuple[int | None, s
 def _quantization(cfg: Config) -> str | None:
     if not cfg.use_qwix_quantization:
         return None
-    from nnxtron.quant import summary  # imports qwix: only for quantized configs
-
     return summary(cfg)
 
 

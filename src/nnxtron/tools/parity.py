@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from nnxtron.models.pattern import layer_counts
+from nnxtron.config.stacks import layer_counts
+from nnxtron.parallel.microbatch import merge_microbatches
 from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
 from nnxtron.params import layer_list_layout
 from nnxtron.train.step import compute_gradients
@@ -32,6 +33,50 @@ class GradResult:
     rest: dict[str, np.ndarray] = field(default_factory=dict)  # non-parameter state after the batch (layer-list layout)
 
 
+class _ProbedEmbed(nnx.Module):
+    """The model's token embedding plus ``probe``: a zero parameter added to the embedding
+    output, so that its gradient is the input cotangent, taken from outside the train step.
+
+    ``probe`` is ``[k, B / k, S, D]``: microbatch ``i`` of ``k`` (rows ``i, i + k, ...``, as
+    ``split_microbatches`` forms them) adds ``probe[i]``; ``calls``, carried from one
+    microbatch to the next like any non-parameter state, says which one runs.
+    """
+
+    def __init__(self, embed: nnx.Module, shape: tuple[int, ...], dtype: jnp.dtype, microbatches: int):
+        batch, *rest = shape
+        self.inner = embed
+        self.probe = nnx.Param(jnp.zeros((microbatches, batch // microbatches, *rest), dtype))
+        self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+
+    @property
+    def embedding(self) -> nnx.Param:
+        return self.inner.embedding
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return self.inner.attend(x)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.inner(tokens)
+        delta = self.probe[...][self.calls[...] % self.probe.shape[0]]
+        self.calls[...] = self.calls[...] + 1
+        return x + delta.astype(x.dtype)
+
+
+def _probed(model: nnx.Module, inputs: jax.Array, microbatches: int) -> nnx.Module:
+    """A copy of ``model`` whose embedding carries a ``_ProbedEmbed`` probe (``model`` is untouched)."""
+    copy = nnx.merge(*nnx.split(model))
+    out = jax.eval_shape(copy.embed, inputs)
+    copy.embed = _ProbedEmbed(copy.embed, out.shape, out.dtype, microbatches)
+    return copy
+
+
+def _unprobed(flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The probed model's leaves under the plain model's names, without the probe's own."""
+    return {
+        key.replace("embed/inner/", "embed/"): value for key, value in flat.items() if key not in ("embed/probe", "embed/calls")
+    }
+
+
 def loss_and_grads(
     model: nnx.Module, batch: dict[str, jax.Array], mesh: Mesh | None = None, accumulation_steps: int = 1
 ) -> GradResult:
@@ -40,15 +85,16 @@ def loss_and_grads(
     Computed by the train step's own ``compute_gradients``: the objective is token-mean
     cross-entropy plus the model's aux losses, the parameter gradients are exactly those
     the optimizer receives (including the embedding lookup), and the input cotangent is
-    d objective / d (embedding output). ``accumulation_steps`` = k > 1 runs the batch as
-    k microbatches (rows i, i+k, ... form microbatch i); the input cotangent is then the
-    per-microbatch cotangents put back in row order, scaled like the k = 1 one.
+    d objective / d (embedding output), the gradient of a zero probe added to it
+    (``_ProbedEmbed``). ``accumulation_steps`` = k > 1 runs the batch as k microbatches
+    (rows i, i+k, ... form microbatch i); the input cotangent is then the per-microbatch
+    cotangents put back in row order, scaled like the k = 1 one.
 
     With ``mesh``, parameters are placed by the config's logical rules and activations
     are constrained as in training, so the result checks the sharded computation.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     cfg = model.config
+    graphdef, params, rest = nnx.split(_probed(model, batch["inputs"], accumulation_steps), nnx.Param, ...)
     num_layers = layer_counts(cfg)
     rules = cfg.logical_axis_rules
     grad_shardings = None
@@ -64,15 +110,14 @@ def loss_and_grads(
     @jax.jit
     def run(params, rest, batch):
         with activate(mesh, rules) if mesh is not None else contextlib.nullcontext():
-            g = compute_gradients(
-                graphdef, params, rest, batch, accumulation_steps, input_grad=True, grad_shardings=grad_shardings
-            )
-        return g.loss, g.input_grad, g.grads, g.aux, g.rest
+            g = compute_gradients(graphdef, params, rest, batch, accumulation_steps, grad_shardings=grad_shardings)
+        return g.loss, g.grads, g.aux, g.rest
 
-    loss, g_x, g_params, aux, new_rest = run(params, rest, batch)
-    grads = {k: np.asarray(v) for k, v in layer_list_layout(g_params, num_layers).items()}
-    new_rest = {k: np.asarray(v) for k, v in layer_list_layout(new_rest, num_layers).items()}
-    return GradResult(float(loss), np.asarray(g_x), grads, {k: float(v) for k, v in aux.items()}, new_rest)
+    loss, g_params, aux, new_rest = run(params, rest, batch)
+    g_input = merge_microbatches(g_params["embed"]["probe"])
+    grads = _unprobed({k: np.asarray(v) for k, v in layer_list_layout(g_params, num_layers).items()})
+    new_rest = _unprobed({k: np.asarray(v) for k, v in layer_list_layout(new_rest, num_layers).items()})
+    return GradResult(float(loss), np.asarray(g_input), grads, {k: float(v) for k, v in aux.items()}, new_rest)
 
 
 def _norm(x: np.ndarray) -> float:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxtron.config.schema import Config
-from nnxtron.infer.cache import CacheSpec, TokenCache, cache_mask, cache_size
+from nnxtron.layers.kv_cache import CacheSpec, TokenCache, cache_mask, cache_size
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm, l2_norm
 from nnxtron.layers.rope import RopeSpec, apply_rope

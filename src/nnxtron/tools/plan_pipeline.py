@@ -1,8 +1,8 @@
 """The pipeline section of `nnxtron plan`: which model layers run on which stage and repeat.
 
-``pipeline_plan(cfg)`` resolves the schedule (``parallel.schedule.pipeline_spec``) and maps
+``pipeline_plan(cfg)`` resolves the schedule (``config.pipeline.pipeline_spec``) and maps
 its stack blocks to model layers (0-based, HuggingFace numbering) through the stack layout
-(``models.pattern.layer_stacks``); ``format_pipeline`` renders it as the "pipeline:" lines
+(``config.stacks.layer_stacks``); ``format_pipeline`` renders it as the "pipeline:" lines
 of ``format_plan``. Layer lists are compressed into ranges (``0-3, 8-11``), and long
 schedules are elided, so a 128-layer model on 16 stages stays a screenful.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
-from nnxtron.models.pattern import layer_stacks
-from nnxtron.parallel.schedule import pipeline_spec
+from nnxtron.config.stacks import layer_stacks
 
 MAX_REPEATS_SHOWN = 4  # per stage line: more repeats show the first MAX - 1, "...", the last
 MAX_STAGES_SHOWN = 8  # more stages show the first MAX - 1, "...", the last

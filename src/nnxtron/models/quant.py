@@ -23,8 +23,8 @@ Scales are dynamic (computed from each tensor on every call, per channel, or per
 qwix's (``absmax``, ``absmax,<clip>``, ``minmax``, ``rms,<scale>``, ``fixed,<lo>,<hi>``).
 
 Quantization is structural: ``quantize`` returns the same model (same parameters, same
-non-parameter state, same sharding annotations) whose class runs ``from_embeddings``
-under qwix's interception. The interception is set up once per config by a quantization
+non-parameter state, same sharding annotations) whose class runs ``__call__`` under
+qwix's interception. The interception is set up once per config by a quantization
 pass that traces the real forward (with targets, so multi-token prediction runs) and
 backward abstractly; the pass never touches the values of the model it is given.
 """
@@ -43,19 +43,16 @@ import qwix
 from flax import nnx
 from qwix._src.utils import flax_util
 
+from nnxtron.config.options import QUANTIZATION_MODES
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.models.decoder import Decoder
 
-E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MODES: dict[str, tuple[Any, Any]] = {  # mode -> (forward qtype, backward qtype)
-    "int8": (jnp.int8, jnp.int8),
-    "fp8": (E4M3, E4M3),
-    "fp8_e4m3": (E4M3, E4M3),
-    "fp8_e5m2": (E5M2, E5M2),
-    "fp8_full": (E4M3, E5M2),
+    mode: (getattr(jnp, forward), getattr(jnp, backward)) for mode, (forward, backward) in QUANTIZATION_MODES.items()
 }
 _PASSES = itertools.count()
-QUANTIZED_METHOD = "from_embeddings"  # Decoder.__call__ goes through it, so both entry points are quantized
+QUANTIZED_METHOD = "__call__"
 
 
 class WeightMatmulProvider(qwix.QtProvider):
@@ -133,11 +130,10 @@ class Quantized:
         return [f"{path}: " + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())) for path, ops in sorted(self.ops.items())]
 
 
-def _example_call(model: nnx.Module, cfg: Config) -> tuple[tuple, dict]:
+def _example_call(cfg: Config) -> tuple[tuple, dict]:
     """Inputs of a real forward: one row of ``max_target_length`` tokens, with targets (MTP needs them)."""
     tokens = jnp.zeros((1, cfg.max_target_length), jnp.int32)
-    embedded = model.embed(tokens)
-    return (embedded,), dict(targets=tokens, loss_mask=jnp.ones(tokens.shape, jnp.float32), tokens=tokens)
+    return (tokens,), dict(targets=tokens, loss_mask=jnp.ones(tokens.shape, jnp.float32))
 
 
 def _describe(cfg: Config) -> str:
@@ -147,17 +143,15 @@ def _describe(cfg: Config) -> str:
 @functools.cache
 def quantized_structure(cfg: Config) -> Quantized:
     """Run the quantization pass once per config (abstractly): qwix returns a new model
-    whose class intercepts ``from_embeddings``; its backward is traced too, so a rule the
+    whose class intercepts ``__call__``; its backward is traced too, so a rule the
     backward cannot apply fails here, at setup, not in the first step."""
-    from nnxtron.decoder import Decoder  # the decoder imports nothing from here
-
     provider = WeightMatmulProvider(rules(cfg))
     pass_id = f"{cfg.quantization}#{next(_PASSES)}"
     found: dict[str, dict[str, int]] = {}
 
     def quantization_pass():
         model = Decoder(cfg, nnx.Rngs(0))
-        args, kwargs = _example_call(model, cfg)
+        args, kwargs = _example_call(cfg)
         # a mark unique to this pass on every module: JAX caches the traces of scan and
         # remat bodies by the layers' graphdef, and a trace made under another config's
         # interception (or none) must never be reused for this one
@@ -169,11 +163,11 @@ def quantized_structure(cfg: Config) -> Quantized:
         graphdef, params, rest = nnx.split(quantized, nnx.Param, ...)
         params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
-        def objective(params, rest, x):
-            out = nnx.merge(graphdef, params, rest).from_embeddings(x, **kwargs)
+        def objective(params, rest):
+            out = nnx.merge(graphdef, params, rest)(*args, **kwargs)
             return jnp.sum(out.logits) + sum(jnp.sum(v) for v in out.aux.get("losses", {}).values())
 
-        jax.grad(objective, argnums=(0, 2))(params, rest, args[0])
+        jax.grad(objective)(params, rest)
         return quantized
 
     try:

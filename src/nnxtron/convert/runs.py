@@ -9,8 +9,9 @@ from flax import nnx
 
 from nnxtron.config.loader import load_config, parse_overrides
 from nnxtron.config.schema import Config
-from nnxtron.decoder import Decoder
+from nnxtron.convert.hf import from_hf
 from nnxtron.errors import CheckpointError
+from nnxtron.models.decoder import Decoder
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.train.loop import load_parameters
 from nnxtron.train.state import init_non_params, model_shardings
@@ -38,8 +39,6 @@ def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:
     another mesh); the checkpoint is converted to that layout whatever layout wrote it."""
     path = Path(path)
     if is_hf_directory(path):
-        from nnxtron.hf import from_hf
-
         return from_hf(path, **parse_overrides(overrides))
     cfg = run_config(path, overrides)
     graphdef, abstract_params, _, param_sh, rest_sh = model_shardings(cfg, make_mesh(cfg))

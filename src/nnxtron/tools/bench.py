@@ -5,7 +5,7 @@ Builds the mesh, optimizer, sharded state and jitted step exactly as the Trainer
 times ``steps`` steps after two warm-up steps. No checkpoints, metrics files or eval.
 
 With a pipeline (``ici_pipeline_parallelism`` > 1) the result also holds the schedule's
-bubble model (``parallel.schedule``): the idle fraction ``d(S-1)/(R*M+d(S-1))`` and
+bubble model (``config.pipeline``): the idle fraction ``d(S-1)/(R*M+d(S-1))`` and
 ``step_seconds_without_bubble`` = measured step time x (1 - bubble), the step time the
 same work would take with no idle stage-iterations (treating the whole step as pipelined).
 
@@ -25,15 +25,18 @@ import jax
 import numpy as np
 from flax import nnx
 
-from nnxtron.compile_cache import count_cache_events, enable_compilation_cache
 from nnxtron.config.derived import derive
+from nnxtron.config.flops import training_flops_per_token
 from nnxtron.config.loader import load_config
+from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
 from nnxtron.data.sources import make_sources
 from nnxtron.errors import UserError
+from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.parallel.schedule import pipeline_spec
-from nnxtron.perf import peak_flops_total, training_flops_per_token
+from nnxtron.runtime.compile_cache import count_cache_events, enable_compilation_cache
+from nnxtron.runtime.peak import peak_flops_total
+from nnxtron.tools.decode_timing import time_decoding
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import init_state, setup
 from nnxtron.train.step import batch_sharding, device_batch, make_train_step
@@ -152,13 +155,11 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
 
 
 def run_decode_bench(file: str | None, overrides: Sequence[str], steps: int = 3) -> dict[str, Any]:
-    """Time KV-cached decoding (``infer.timing``) of the config's model at its initial
+    """Time KV-cached decoding (``tools.decode_timing``) of the config's model at its initial
     weights: prefill of ``per_device_batch_size x devices`` prompts of ``max_target_length`` tokens (median of
     ``steps``), then ``max_new_tokens`` one-token steps. Decoding runs on one device."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
-    from nnxtron.decoder import build_model
-    from nnxtron.infer.timing import time_decoding
 
     cfg = load_config(file, list(overrides))
     enable_compilation_cache(cfg)

@@ -1,5 +1,9 @@
 """Layer patterns: which kind each layer is, and how the layers are grouped for scanning.
 
+Pure arithmetic on the config (no JAX): ``models/stack.py`` builds the blocks,
+``config/pipeline.py`` schedules the main stack over pipeline stages and
+``config/stacks.py`` gives the stacks a decoder builds.
+
 A decoder whose layers are not all alike (Gemma 3's five sliding-window layers per
 global one, Llama 4's NoPE and MoE layers every few layers, DeepSeek's dense prefix) is
 described by one ``LayerKind`` per layer. ``layer_stacks`` groups the layers into
@@ -23,17 +27,15 @@ Layer ``i`` (0-based) of a config:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import jax
-from flax import nnx
-
-from nnxtron.config.schema import Config
+from nnxtron.config import deepseek4
 from nnxtron.errors import ConfigError
-from nnxtron.parallel.scan import sum_aux
-from nnxtron.parallel.schedule import UNPIPELINED, pipeline_spec
+
+if TYPE_CHECKING:
+    from nnxtron.config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,7 @@ def layer_kind(cfg: Config, i: int) -> LayerKind:
     moe = cfg.num_experts > 1 and i >= cfg.first_num_dense_layers and (i + 1) % cfg.interleave_moe_layer_step == 0
     rope = not (cfg.nope_layer_interval and (i + 1) % cfg.nope_layer_interval == 0)
     if cfg.compress_ratios:  # DeepSeek-V4
-        ratio = cfg.compress_ratios[i]
-        attention = "sliding" if ratio == 0 else "csa" if ratio == cfg.csa_compress_ratio else "hca"
-        return LayerKind(moe=moe, attention=attention, hash=i < cfg.first_num_hash_layers)
+        return LayerKind(moe=moe, attention=deepseek4.attention_kind(cfg, i), hash=deepseek4.hash_routed(cfg, i))
     if cfg.sliding_window_pattern:
         attention = "global" if (i + 1) % cfg.sliding_window_pattern == 0 else "sliding"
     elif cfg.chunk_attn_window_size:
@@ -111,18 +111,17 @@ class StackLayout:
         return ("cycle", position) if len(self.kinds) > 1 else ()
 
 
-def layer_stacks(cfg: Config, pipelined: bool = True) -> tuple[StackLayout, ...]:
-    """The decoder's stacks, in layer order.
+@functools.cache
+def pattern_stacks(cfg: Config) -> tuple[StackLayout, ...]:
+    """The stacks of the layer pattern, in layer order (before any pipeline split:
+    ``config/stacks.layer_stacks`` gives the stacks a decoder builds).
 
     * identical layers: one ``layers`` stack;
     * a dense prefix (``first_num_dense_layers``): ``dense_layers`` then ``moe_layers``;
     * a hash-routed prefix (DeepSeek-V4 ``first_num_hash_layers``): ``hash_layers`` (one
       block holding the prefix, i.e. applied unrolled), then the patterned stacks;
     * a pattern with period > 1: ``layers`` of whole cycles, then ``remainder_layers``
-      (one block of the leftover layers) when the layer count is not a multiple of the cycle;
-    * a pipeline over part of the main stack (``pipeline_parallel_layers``, with
-      ``pipelined``): its first blocks stay in the main stack and the rest form
-      ``unpipelined_layers``, applied after the pipeline.
+      (one block of the leftover layers) when the layer count is not a multiple of the cycle.
     """
     kinds = layer_kinds(cfg)
     total = len(kinds)
@@ -144,50 +143,8 @@ def layer_stacks(cfg: Config, pipelined: bool = True) -> tuple[StackLayout, ...]
         for b in range(blocks):  # the pattern must repeat (guaranteed by cycle_length; checked, never assumed)
             if kinds[start + b * cycle : start + (b + 1) * cycle] != block_kinds:
                 raise ConfigError(f"layer pattern does not repeat every {cycle} layers; set inhomogeneous_layer_cycle_interval")
-        pipelined_blocks = _pipelined_blocks(cfg) if pipelined else None
-        if pipelined_blocks is not None and pipelined_blocks < blocks:
-            stacks.append(StackLayout(name, start, pipelined_blocks, block_kinds))
-            rest = start + pipelined_blocks * cycle
-            stacks.append(StackLayout(UNPIPELINED, rest, blocks - pipelined_blocks, block_kinds))
-        else:
-            stacks.append(StackLayout(name, start, blocks, block_kinds))
+        stacks.append(StackLayout(name, start, blocks, block_kinds))
     if leftover:
         first = start + blocks * cycle
         stacks.append(StackLayout("remainder_layers", first, 1, kinds[first:]))
     return tuple(stacks)
-
-
-def _pipelined_blocks(cfg: Config) -> int | None:
-    """Blocks of the main stack under a pipeline (None without one)."""
-    spec = pipeline_spec(cfg)
-    return None if spec is None else spec.blocks
-
-
-def layer_counts(cfg: Config) -> dict[str, int]:
-    """Block count of each stack, by stack name (what ``params`` layout conversions take)."""
-    return {stack.name: stack.num_layers for stack in layer_stacks(cfg)}
-
-
-class CycleBlock(nnx.Module):
-    """One cycle of differently-kinded layers applied in order; returns ``(y, aux)`` summed."""
-
-    def __init__(self, make_layer: Callable[[nnx.Rngs, LayerKind], nnx.Module], kinds: tuple[LayerKind, ...], rngs: nnx.Rngs):
-        key = rngs.params()
-        self.cycle = nnx.List([make_layer(nnx.Rngs(jax.random.fold_in(key, j)), kind) for j, kind in enumerate(kinds)])
-
-    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-        parts = []
-        for layer in self.cycle:
-            out = layer(x, *args)
-            x, aux = out if isinstance(out, tuple) else (out, {})
-            parts.append(aux)
-        return x, sum_aux(*parts)
-
-
-def make_stack_block(
-    make_layer: Callable[[nnx.Rngs, LayerKind], nnx.Module], layout: StackLayout
-) -> Callable[[nnx.Rngs], nnx.Module]:
-    """The block factory of a stack: the layer itself, or a ``CycleBlock`` of its kinds."""
-    if layout.layers_per_block == 1:
-        return lambda rngs: make_layer(rngs, layout.kinds[0])
-    return lambda rngs: CycleBlock(make_layer, layout.kinds, rngs)

@@ -1,0 +1,265 @@
+"""Cross-key checks of a config: pure functions of the values, no JAX.
+
+``Config``'s validator runs ``check_combinations``; each check raises ``ConfigError``
+with one line that names the key and the fix. The DeepSeek-V4 keys are checked in
+``deepseek4.py`` and the pipeline layout in ``pipeline.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from nnxtron.config import deepseek4, options
+from nnxtron.config.pipeline import check_pipeline_options
+from nnxtron.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nnxtron.config.schema import Config
+
+CUDNN_MAX_HEAD_DIM = 256  # cuDNN flash: head_dim a multiple of 8, <= 256 from Hopper (sm90) on ...
+CUDNN_AUTO_MAX_HEAD_DIM = 128  # ... <= 128 before it: auto picks cudnn only where every CUDA GPU runs it
+
+
+def check_combinations(cfg: Config) -> None:
+    """Every cross-key check; raises ``ConfigError`` naming the key and the fix."""
+    if cfg.base_num_query_heads % cfg.base_num_kv_heads:
+        raise ConfigError(
+            f"base_num_query_heads ({cfg.base_num_query_heads}) must be a multiple of base_num_kv_heads ({cfg.base_num_kv_heads})"
+        )
+    if cfg.head_dim == -1 and cfg.base_emb_dim % cfg.base_num_query_heads:
+        raise ConfigError(
+            f"base_emb_dim ({cfg.base_emb_dim}) is not divisible by base_num_query_heads "
+            f"({cfg.base_num_query_heads}); set head_dim explicitly"
+        )
+    if cfg.head_dim == 0 or cfg.resolved_head_dim % 2:
+        raise ConfigError(f"head_dim must be a positive even number for RoPE, got {cfg.resolved_head_dim}")
+    if tuple(cfg.mlp_activations) not in options.SUPPORTED_MLP_ACTIVATIONS:
+        raise ConfigError(
+            f"mlp_activations {list(cfg.mlp_activations)} is not supported by decoder_block "
+            f"{cfg.decoder_block}; use one of {[list(a) for a in options.SUPPORTED_MLP_ACTIVATIONS]}"
+        )
+    check_moe(cfg)
+    check_mla_and_mtp(cfg)
+    check_attention(cfg)
+    check_layer_pattern(cfg)
+    deepseek4.check(cfg)
+    check_pipeline_options(cfg)
+    check_quantization(cfg)
+    if cfg.rope_type == "linear" and cfg.rope_scaling_factor < 1:
+        raise ConfigError(f"rope_type=linear needs rope_scaling_factor >= 1, got {cfg.rope_scaling_factor}")
+    if cfg.rope_type == "llama3" and cfg.rope_high_freq_factor < cfg.rope_low_freq_factor:
+        raise ConfigError("rope_high_freq_factor must be at least rope_low_freq_factor for rope_type=llama3")
+    check_data(cfg)
+
+
+def check_data(cfg: Config) -> None:
+    if cfg.tokenizer_path and cfg.tokenizer_type == "byte":
+        raise ConfigError("tokenizer_path is not read by tokenizer_type=byte; unset it or choose hf, sentencepiece or tiktoken")
+    if cfg.data_num_epochs == 0:
+        raise ConfigError("data_num_epochs must be -1 (endless) or a positive number of epochs, got 0")
+    if cfg.dataset_type == "synthetic":
+        unread = {"dataset_text_field": cfg.dataset_text_field != "", "packing": cfg.packing != "concat",
+                  "truncate_documents": cfg.truncate_documents, "skip_bad_records": cfg.skip_bad_records,
+                  "data_num_epochs": cfg.data_num_epochs != -1}  # fmt: skip
+        for key, is_set in unread.items():
+            if is_set:
+                raise ConfigError(f"{key} is not read with dataset_type=synthetic; unset it or train on a corpus")
+        return
+    kind = cfg.dataset_type
+    if not cfg.dataset_path:
+        raise ConfigError(f"dataset_type={kind} needs dataset_path (files, directories or globs)")
+    if cfg.dataset_text_field and kind == "text":
+        raise ConfigError("dataset_text_field is not read by dataset_type=text (one document per file); unset it")
+    if cfg.eval_interval > 0 and cfg.eval_split_fraction == 0:
+        raise ConfigError(f"eval_interval > 0 with dataset_type={kind} needs eval_split_fraction > 0 (or set eval_interval=-1)")
+
+
+def check_moe(cfg: Config) -> None:
+    experts, k = cfg.num_experts, cfg.num_experts_per_tok
+    if experts == 1:
+        if cfg.ici_expert_parallelism not in (1, -1):
+            raise ConfigError(f"ici_expert_parallelism={cfg.ici_expert_parallelism} needs num_experts > 1 (got 1)")
+        return
+    if k > experts:
+        raise ConfigError(f"num_experts_per_tok ({k}) is larger than num_experts ({experts}); choose at most {experts}")
+    if cfg.ici_expert_parallelism > 1 and experts % cfg.ici_expert_parallelism:
+        raise ConfigError(
+            f"ici_expert_parallelism={cfg.ici_expert_parallelism} does not divide num_experts={experts}; "
+            "choose a divisor of the expert count"
+        )
+    groups, keep = cfg.n_routing_groups, cfg.topk_routing_group
+    if (groups == -1) != (keep == -1):
+        raise ConfigError("set both n_routing_groups and topk_routing_group (or neither, -1) for group-limited routing")
+    if groups != -1:
+        if groups < 1 or experts % groups:
+            raise ConfigError(f"n_routing_groups={groups} does not divide num_experts={experts}; choose a divisor")
+        if not 1 <= keep <= groups:
+            raise ConfigError(f"topk_routing_group={keep} must be between 1 and n_routing_groups={groups}")
+        if k > keep * (experts // groups):
+            raise ConfigError(
+                f"num_experts_per_tok={k} is more than the {keep * (experts // groups)} experts in the "
+                f"topk_routing_group={keep} kept groups; raise topk_routing_group"
+            )
+        if cfg.routed_score_func == "softmax":
+            raise ConfigError("n_routing_groups needs routed_score_func=sigmoid or sqrtsoftplus (DeepSeek routing)")
+    if cfg.capacity_factor != -1 and cfg.capacity_factor <= 0:
+        raise ConfigError(f"capacity_factor={cfg.capacity_factor} must be -1 (dropless) or > 0")
+    if cfg.routed_bias_update_rate > 0 and not cfg.routed_bias:
+        raise ConfigError("routed_bias_update_rate > 0 needs routed_bias=true (the bias it updates)")
+    if cfg.router_scales_expert_input and (k != 1 or cfg.routed_score_func != "sigmoid"):
+        raise ConfigError("router_scales_expert_input=true needs num_experts_per_tok=1 and routed_score_func=sigmoid")
+    if cfg.first_num_dense_layers >= cfg.base_num_decoder_layers:
+        raise ConfigError(
+            f"first_num_dense_layers={cfg.first_num_dense_layers} leaves no MoE layer out of "
+            f"base_num_decoder_layers={cfg.base_num_decoder_layers}"
+        )
+
+
+def check_mla_and_mtp(cfg: Config) -> None:
+    if cfg.attention_type == "mla":
+        if cfg.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim must be even for RoPE, got {cfg.qk_rope_head_dim}")
+        if cfg.base_num_kv_heads != cfg.base_num_query_heads:
+            raise ConfigError(
+                "attention_type=mla has one key/value head per query head: set base_num_kv_heads = base_num_query_heads"
+            )
+    if cfg.mtp_num_layers:
+        if cfg.mtp_loss_scaling_factor == 0:
+            raise ConfigError("mtp_num_layers > 0 with mtp_loss_scaling_factor=0 trains MTP layers on nothing; set a factor > 0")
+        if cfg.mtp_num_layers >= cfg.max_target_length - 1:
+            raise ConfigError(f"mtp_num_layers={cfg.mtp_num_layers} needs max_target_length > mtp_num_layers + 1")
+    if cfg.mtp_eval_target_module > cfg.mtp_num_layers:
+        raise ConfigError(
+            f"mtp_eval_target_module={cfg.mtp_eval_target_module} names an MTP depth beyond mtp_num_layers={cfg.mtp_num_layers}"
+        )
+
+
+def check_attention(cfg: Config) -> None:
+    """What ``attention=`` can run whatever the backend; that ``cudnn`` has a CUDA GPU is
+    checked where the model is built (``layers.attention.resolve_attention``)."""
+    if cfg.attention in ("dot_product", "cudnn") and cfg.attention_type != "global":
+        raise ConfigError(
+            f"attention={cfg.attention} supports attention_type=global only ({cfg.attention_type} runs its own "
+            "einsum attention); use attention=auto or xla"
+        )
+    if cfg.attention == "cudnn":
+        reason = cudnn_unsupported(
+            cfg.dtype,
+            cfg.resolved_head_dim,
+            chunked=cfg.chunk_attn_window_size > 0,
+            sequence_sharded=cfg.ici_context_parallelism != 1,
+        )
+        if reason is not None:
+            raise ConfigError(f"attention=cudnn {reason}; use attention=auto, dot_product or xla")
+
+
+def cudnn_unsupported(
+    dtype: str, head_dim: int, *, chunked: bool = False, sequence_sharded: bool = False, max_head_dim: int = CUDNN_MAX_HEAD_DIM
+) -> str | None:
+    """Why cuDNN flash attention cannot run this attention (``None``: it can).
+
+    ``dtype`` is an element type name (``bfloat16``...). The limits are those
+    ``jax._src.cudnn.fused_attention_stablehlo`` checks (dtype and head dim) plus what
+    nnxtron cannot express with it: aligned chunks (Llama 4) and queries sharded over the
+    sequence (its sharding rule refuses that).
+    """
+    if dtype not in ("bfloat16", "float16"):
+        return f"needs dtype=bfloat16 (cuDNN flash attention has no {dtype} kernel)"
+    if head_dim % 8 or head_dim > max_head_dim:
+        return f"needs head_dim a multiple of 8 and at most {max_head_dim}, got {head_dim}"
+    if chunked:
+        return "cannot express chunked attention (chunk_attn_window_size > 0)"
+    if sequence_sharded:
+        return "cannot shard queries over the sequence (ici_context_parallelism > 1)"
+    return None
+
+
+def check_layer_pattern(cfg: Config) -> None:
+    """Window, chunk and pattern sizes; whether the layers form whole stacks is checked by
+    ``layout.pattern_stacks`` (when a model is built, or here through a pipeline)."""
+    for name in ("sliding_window_size", "chunk_attn_window_size"):
+        size = getattr(cfg, name)
+        if size > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"{name}={size} is larger than max_position_embeddings={cfg.max_position_embeddings}: the window "
+                f"could never apply; choose at most {cfg.max_position_embeddings} (or 0 for no window)"
+            )
+    if cfg.sliding_window_pattern and not cfg.sliding_window_size:
+        raise ConfigError(
+            f"sliding_window_pattern={cfg.sliding_window_pattern} makes sliding layers but sliding_window_size=0; "
+            "set sliding_window_size > 0 (or sliding_window_pattern=0 for all-global layers)"
+        )
+    if cfg.sliding_window_pattern and cfg.chunk_attn_window_size:
+        raise ConfigError("sliding_window_pattern and chunk_attn_window_size cannot be combined; set one of them to 0")
+    if cfg.trainable_position_size:
+        if cfg.trainable_position_size < cfg.max_target_length:
+            raise ConfigError(
+                f"trainable_position_size={cfg.trainable_position_size} is smaller than max_target_length="
+                f"{cfg.max_target_length}: later positions would have no embedding; raise it or shorten sequences"
+            )
+        if cfg.nope_layer_interval:
+            raise ConfigError("trainable_position_size (learned positions, no RoPE) and nope_layer_interval cannot be combined")
+    if cfg.temperature_tuning and not cfg.nope_layer_interval:
+        raise ConfigError(
+            "temperature_tuning scales queries on NoPE layers; set nope_layer_interval > 0 (or temperature_tuning=false)"
+        )
+    period, cycle = cfg.layer_pattern_period, cfg.inhomogeneous_layer_cycle_interval
+    if cycle and cycle % period:
+        raise ConfigError(
+            f"inhomogeneous_layer_cycle_interval={cycle} does not fit the layer pattern, which repeats every "
+            f"{period} layers; set it to a multiple of {period} (or 0 to use {period})"
+        )
+    if cfg.interleave_moe_layer_step > 1 and cfg.num_experts == 1:
+        raise ConfigError(f"interleave_moe_layer_step={cfg.interleave_moe_layer_step} needs num_experts > 1")
+    if cfg.interleave_moe_layer_step > 1 and cfg.first_num_dense_layers:
+        raise ConfigError("interleave_moe_layer_step > 1 and first_num_dense_layers > 0 cannot be combined; use one of them")
+
+
+def check_quantization(cfg: Config) -> None:
+    """Quantization options only with qwix quantization on; regexes and calibration methods parse."""
+    if cfg.use_qwix_quantization and not cfg.quantization:
+        raise ConfigError(f"use_qwix_quantization=true needs quantization= one of {list(options.QUANTIZATION_MODES)}")
+    if cfg.quantization and not cfg.use_qwix_quantization:
+        raise ConfigError(f"quantization={cfg.quantization} needs use_qwix_quantization=true (nnxtron quantizes with qwix only)")
+    defaults = options.QUANTIZATION_OPTIONS_OFF
+    if not cfg.use_qwix_quantization:
+        changed = [key for key, value in defaults.items() if getattr(cfg, key) != value]
+        if changed:
+            raise ConfigError(f"{changed[0]} is set but quantization is off; set use_qwix_quantization=true quantization=...")
+        return
+    for key in ("qwix_module_path", "qwix_exclude_module_path"):
+        try:
+            re.compile(getattr(cfg, key))
+        except re.error as err:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not a valid regular expression ({err})") from None
+    for key in ("weight", "act", "bwd"):
+        key = f"{key}_quantization_calibration_method"
+        _check_calibration(key, getattr(cfg, key))
+    if cfg.num_experts > 1:
+        moe_only_default = ["quantization_tile_size", "quantization_bwd_tile_size"] + [
+            f"{k}_quantization_calibration_method" for k in ("weight", "act", "bwd")
+        ]
+        changed = [key for key in moe_only_default if getattr(cfg, key) != defaults[key]]
+        if changed:
+            raise ConfigError(
+                f"{changed[0]}={getattr(cfg, changed[0])!r} cannot apply to the MoE grouped matmuls (qwix's ragged_dot "
+                "quantizes per channel with absmax only); leave it at its default for num_experts > 1"
+            )
+
+
+def _check_calibration(key: str, value: str) -> None:
+    """qwix's calibration syntax: ``<method>[,<number>...]``."""
+    method, *args = [part.strip() for part in value.split(",")]
+    lo, hi = options.CALIBRATION_ARGS.get(method, (-1, -1))
+    if lo < 0:
+        raise ConfigError(
+            f"{key}={value!r}: unknown calibration method {method!r}; use one of {sorted(options.CALIBRATION_ARGS)}"
+        )
+    if not lo <= len(args) <= hi:
+        raise ConfigError(f"{key}={value!r}: {method} takes {lo if lo == hi else f'{lo} to {hi}'} number(s) after the name")
+    for arg in args:
+        try:
+            float(arg)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r}: {arg!r} is not a number") from None

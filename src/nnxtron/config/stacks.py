@@ -1,0 +1,64 @@
+"""The layer stacks a decoder builds: the pattern's stacks, the main one split by a pipeline.
+
+``config/layout.pattern_stacks`` groups the layers into stacks of identical blocks;
+``config/pipeline.pipeline_spec`` schedules the main stack over the pipeline stages. When
+``pipeline_parallel_layers`` pipelines only the first blocks of the main stack, the rest
+form ``unpipelined_layers``, applied after the pipeline. Computed once per config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+from nnxtron.config.layout import StackLayout, pattern_stacks
+from nnxtron.config.pipeline import UNPIPELINED, pipeline_spec
+
+if TYPE_CHECKING:
+    from nnxtron.config.schema import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltStack:
+    """One stack as the decoder builds it.
+
+    ``pattern_index`` is the position of the stack it comes from in ``pattern_stacks``
+    (its parameters are initialised from that stack's key, so a partial pipeline builds
+    the same weights as the unsplit stack) and ``first_block`` the index of its first
+    block within that stack.
+    """
+
+    layout: StackLayout
+    pattern_index: int
+    first_block: int = 0
+
+
+@functools.cache
+def built_stacks(cfg: Config) -> tuple[BuiltStack, ...]:
+    """The decoder's stacks in layer order (see the module docstring)."""
+    spec = pipeline_spec(cfg)
+    built = []
+    for index, layout in enumerate(pattern_stacks(cfg)):
+        if spec is not None and layout.name == spec.stack and spec.blocks < layout.num_layers:
+            built.append(BuiltStack(dataclasses.replace(layout, num_layers=spec.blocks), index))
+            rest = dataclasses.replace(
+                layout,
+                name=UNPIPELINED,
+                first_layer=layout.first_layer + spec.blocks * layout.layers_per_block,
+                num_layers=layout.num_layers - spec.blocks,
+            )
+            built.append(BuiltStack(rest, index, first_block=spec.blocks))
+        else:
+            built.append(BuiltStack(layout, index))
+    return tuple(built)
+
+
+def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
+    """The layouts of the decoder's stacks, in layer order."""
+    return tuple(stack.layout for stack in built_stacks(cfg))
+
+
+def layer_counts(cfg: Config) -> dict[str, int]:
+    """Block count of each stack, by stack name (what ``params`` layout conversions take)."""
+    return {stack.name: stack.num_layers for stack in layer_stacks(cfg)}

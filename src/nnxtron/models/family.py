@@ -1,0 +1,86 @@
+"""What a decoder family is: its block, its weight maps to HF and its HF config maps.
+
+Each family module (``models/<family>.py``, or ``models/deepseek4/``) defines its
+``Family`` records in ``FAMILIES``; ``models/registry.py`` collects them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flax import nnx
+
+from nnxtron.config.layout import LayerKind
+from nnxtron.config.schema import Config
+from nnxtron.layers.norms import rms_norm
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """One parameter's HF name and layout.
+
+    ``path`` is the nnxtron path inside a block (or the model, for top-level weights),
+    ``hf_key`` the HF name (per-layer keys are relative to ``model.layers.{i}.``) and
+    ``linear_in_dims`` > 0 marks an HF ``nn.Linear.weight`` [out, in] whose nnxtron
+    kernel is ``[*in, *out]`` with that many input dims; 0 means the same layout.
+
+    Routed experts: an ``hf_key`` containing ``{e}`` names one tensor per expert (the hub
+    layout ``save_pretrained`` writes); the nnxtron variable stacks the experts on its
+    leading axis and ``linear_in_dims`` describes one expert. ``fused_key`` is the
+    transformers>=5 in-memory layout holding all experts in one tensor
+    ``[E, fused_parts * out, in]``; this weight is chunk ``fused_part`` along dim 1.
+
+    Other layouts: ``conv1d`` marks a tensor with the nnxtron element order, only
+    reshaped — HF ``Conv1D.weight`` ``[in, out]`` (GPT-2) is ``[prod(in dims), prod(out
+    dims)]`` with ``linear_in_dims`` input dims, a fused bias is flat. ``split_parts`` > 1
+    marks an HF tensor that concatenates that many variables along its last axis (Llama 4
+    ``experts.gate_up_proj [E, D, 2F]``); this variable is chunk ``split_part``.
+    """
+
+    path: str
+    hf_key: str
+    linear_in_dims: int = 0
+    fused_key: str = ""
+    fused_part: int = 0
+    fused_parts: int = 1
+    conv1d: bool = False
+    split_part: int = 0
+    split_parts: int = 1
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf_key
+
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder family: its block (dense or MoE kind), weight maps and HF config maps.
+
+    ``name`` is the ``decoder_block`` value (``config.options.DECODER_BLOCKS``).
+    ``make_block(cfg, rngs, kind)`` and ``layer_weights(cfg, kind)`` take the layer's
+    ``LayerKind`` (MoE or dense feed-forward, attention mask kind, RoPE or NoPE; which
+    layer has which kind is ``config/layout.py``). ``hf_layer_prefix`` is the HF name
+    prefix of layer ``{i}``; ``make_final_norm(cfg)`` builds the norm before the output
+    head; ``scale_embeddings`` multiplies the token embeddings by ``sqrt(emb_dim)``
+    (Gemma). ``make_stream_head(cfg, rngs)``, when set, makes the residual several
+    streams: the decoder calls the module's ``expand`` on the embeddings and the module
+    itself to collapse the streams before the final norm (DeepSeek-V4 hyper-connections);
+    ``block_takes_tokens``: blocks are called with the token ids as a fourth argument
+    (DeepSeek-V4 hash routing).
+    """
+
+    name: str
+    hf_model_type: str
+    hf_architecture: str
+    make_block: Callable[[Config, nnx.Rngs, LayerKind], nnx.Module]
+    layer_weights: Callable[[Config, LayerKind], tuple[WeightMap, ...]]
+    top_weights: Callable[[Config], tuple[WeightMap, ...]]
+    config_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
+    config_to_hf: Callable[[Config], dict[str, Any]]
+    make_final_norm: Callable[[Config], nnx.Module] = rms_norm
+    hf_layer_prefix: str = "model.layers.{i}."
+    scale_embeddings: bool = False
+    make_stream_head: Callable[[Config, nnx.Rngs], nnx.Module] | None = None
+    block_takes_tokens: bool = False

@@ -1,0 +1,191 @@
+"""HF conversion pieces shared by several families: weight maps of the common modules,
+RoPE parameters, the ``config.json`` entries every Llama-style family reads and writes,
+and the check that a config has an HF equivalent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nnxtron.config.schema import Config
+from nnxtron.errors import ConfigError
+from nnxtron.models.family import WeightMap
+
+NORM_WEIGHTS = (
+    WeightMap("pre_attention_norm/scale", "input_layernorm.weight"),
+    WeightMap("post_attention_norm/scale", "post_attention_layernorm.weight"),
+)
+GQA_WEIGHTS = (
+    WeightMap("attention/query/kernel", "self_attn.q_proj.weight", 1),
+    WeightMap("attention/key/kernel", "self_attn.k_proj.weight", 1),
+    WeightMap("attention/value/kernel", "self_attn.v_proj.weight", 1),
+    WeightMap("attention/out/kernel", "self_attn.o_proj.weight", 2),
+)
+QK_NORM_WEIGHTS = (
+    WeightMap("attention/query_norm/scale", "self_attn.q_norm.weight"),
+    WeightMap("attention/key_norm/scale", "self_attn.k_norm.weight"),
+)
+
+
+def gated_mlp_weights(prefix: str, hf_prefix: str) -> tuple[WeightMap, ...]:
+    """A GatedMLP at ``prefix`` <-> HF ``{hf_prefix}.{gate,up,down}_proj``."""
+    return (
+        WeightMap(f"{prefix}/wi_0/kernel", f"{hf_prefix}.gate_proj.weight", 1),
+        WeightMap(f"{prefix}/wi_1/kernel", f"{hf_prefix}.up_proj.weight", 1),
+        WeightMap(f"{prefix}/wo/kernel", f"{hf_prefix}.down_proj.weight", 1),
+    )
+
+
+def routed_expert_weights(
+    router: str, experts: str, names: tuple[str, str, str], fused_router: str = ""
+) -> tuple[WeightMap, ...]:
+    """The MoE router and experts <-> HF: ``{experts}.{e}.{gate,up,down name}.weight`` per
+    expert (hub layout) or the fused ``mlp.experts.gate_up_proj`` / ``down_proj``."""
+    gate, up, down = names
+    return (
+        WeightMap("mlp/router/kernel", f"{router}.weight", 1, fused_key=f"{fused_router}.weight" if fused_router else ""),
+        WeightMap("mlp/wi_0", f"{experts}.{{e}}.{gate}.weight", 1, "mlp.experts.gate_up_proj", 0, 2),
+        WeightMap("mlp/wi_1", f"{experts}.{{e}}.{up}.weight", 1, "mlp.experts.gate_up_proj", 1, 2),
+        WeightMap("mlp/wo", f"{experts}.{{e}}.{down}.weight", 1, "mlp.experts.down_proj"),
+    )
+
+
+def top_weights(cfg: Config) -> tuple[WeightMap, ...]:
+    maps = [WeightMap("embed/embedding", "model.embed_tokens.weight"), WeightMap("final_norm/scale", "model.norm.weight")]
+    if not cfg.logits_via_embedding:
+        maps.append(WeightMap("logits/kernel", "lm_head.weight", 1))
+    return tuple(maps)
+
+
+def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """nnxtron RoPE values from an HF config (transformers 5 ``rope_parameters`` or 4.x keys)."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if not rope:  # transformers 4.x layout
+        rope = dict(hf.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    out: dict[str, Any] = {"rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "default":
+        out["rope_type"] = "default"
+    elif kind == "llama3":
+        out.update(
+            rope_type="llama3",
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif kind == "yarn":
+        if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
+            raise ConfigError("HF yarn rope_parameters with truncate=false or an explicit attention_factor are not supported")
+        out.update(
+            rope_type="yarn",
+            rope_scaling_factor=float(rope["factor"]),
+            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            max_position_embeddings=int(hf.get("max_position_embeddings") or rope["original_max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            mscale=float(rope.get("mscale") or 0.0),  # 0 = absent (HF semantics)
+            mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        )
+    else:
+        raise ConfigError(f"HF rope_type '{kind}' is not supported; supported: default, llama3, yarn")
+    return out
+
+
+def rope_to_hf(cfg: Config) -> dict[str, Any]:
+    """The HF ``rope_parameters`` of ``cfg``."""
+    rope: dict[str, Any] = {"rope_theta": cfg.rope_max_timescale, "rope_type": cfg.rope_type}
+    if cfg.rope_type == "llama3":
+        rope.update(
+            factor=cfg.rope_scaling_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+        )
+    elif cfg.rope_type == "yarn":
+        rope.update(
+            factor=cfg.rope_scaling_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+            beta_fast=cfg.beta_fast,
+            beta_slow=cfg.beta_slow,
+            mscale=cfg.mscale,
+            mscale_all_dim=cfg.mscale_all_dim,
+        )
+    return rope
+
+
+def common_config_from_hf(hf: dict[str, Any], decoder_block: str) -> dict[str, Any]:
+    """The config values every pre-norm family reads the same way from an HF ``config.json``."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"HF hidden_act '{hf['hidden_act']}' is not supported; only silu")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ConfigError(f"HF {flag}=true is not supported by decoder_block {decoder_block}")
+    heads = int(hf["num_attention_heads"])
+    values = {
+        "decoder_block": decoder_block,
+        "base_emb_dim": int(hf["hidden_size"]),
+        "base_num_query_heads": heads,
+        "base_num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        "base_mlp_dim": int(hf["intermediate_size"]),
+        "base_num_decoder_layers": int(hf["num_hidden_layers"]),
+        "vocab_size": int(hf["vocab_size"]),
+        "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+        "sliding_window_size": int(hf.get("sliding_window") or 0),
+        "rope_interleave": False,
+        "mlp_activations": ["silu", "linear"],
+    }
+    values.update(rope_from_hf(hf))
+    return values
+
+
+def common_config_to_hf(cfg: Config, model_type: str, architecture: str) -> dict[str, Any]:
+    """The HF ``config.json`` entries shared by the pre-norm families."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": cfg.base_emb_dim,
+        "num_attention_heads": cfg.base_num_query_heads,
+        "num_key_value_heads": cfg.base_num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "intermediate_size": cfg.base_mlp_dim,
+        "num_hidden_layers": cfg.base_num_decoder_layers,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.normalization_layer_epsilon,
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.logits_via_embedding,
+        "rope_parameters": rope_to_hf(cfg),
+        "max_position_embeddings": max(cfg.max_target_length, cfg.max_position_embeddings),
+        "attention_bias": False,
+        "dtype": cfg.weight_dtype,
+    }
+
+
+PATTERN_FIELDS = (
+    "sliding_window_pattern",
+    "nope_layer_interval",
+    "chunk_attn_window_size",
+    "temperature_tuning",
+    "trainable_position_size",
+    "query_pre_attn_scalar",
+    "local_rope_max_timescale",
+)
+
+
+def check_exportable(cfg: Config, family: str, *, moe: bool = False, qk_norm: bool = False, mla: bool = False) -> None:
+    """Raise when ``cfg`` uses a feature the HF class of ``family`` lacks (a Llama-style one)."""
+    for name in PATTERN_FIELDS:
+        if getattr(cfg, name):
+            raise ConfigError(f"{name} has no HF {family} equivalent; export needs {name}=0/false (or a family that has it)")
+    if cfg.interleave_moe_layer_step != 1:
+        raise ConfigError(f"interleave_moe_layer_step has no HF {family} equivalent; export needs 1")
+    if cfg.rope_type == "linear":
+        raise ConfigError(f"rope_type=linear is not exported for HF {family}; use default, llama3 or yarn")
+    if cfg.num_experts > 1 and not moe:
+        raise ConfigError(f"num_experts > 1 has no HF {family} equivalent; export a MoE family (mixtral, qwen3_moe, deepseek)")
+    if cfg.use_qk_norm != qk_norm:
+        raise ConfigError(f"HF {family} needs use_qk_norm={str(qk_norm).lower()}")
+    if (cfg.attention_type == "mla") != mla:
+        raise ConfigError(f"HF {family} needs attention_type={'mla' if mla else 'global'}")

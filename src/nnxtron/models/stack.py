@@ -1,0 +1,41 @@
+"""The block a layer stack scans: one layer, or one cycle of differently-kinded layers.
+
+Which layers form a stack and a block is decided by ``config/layout.py``; this module
+builds the block modules for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from nnxtron.config.layout import LayerKind, StackLayout
+from nnxtron.parallel.scan import sum_aux
+
+
+class CycleBlock(nnx.Module):
+    """One cycle of differently-kinded layers applied in order; returns ``(y, aux)`` summed."""
+
+    def __init__(self, make_layer: Callable[[nnx.Rngs, LayerKind], nnx.Module], kinds: tuple[LayerKind, ...], rngs: nnx.Rngs):
+        key = rngs.params()
+        self.cycle = nnx.List([make_layer(nnx.Rngs(jax.random.fold_in(key, j)), kind) for j, kind in enumerate(kinds)])
+
+    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        parts = []
+        for layer in self.cycle:
+            out = layer(x, *args)
+            x, aux = out if isinstance(out, tuple) else (out, {})
+            parts.append(aux)
+        return x, sum_aux(*parts)
+
+
+def make_stack_block(
+    make_layer: Callable[[nnx.Rngs, LayerKind], nnx.Module], layout: StackLayout
+) -> Callable[[nnx.Rngs], nnx.Module]:
+    """The block factory of a stack: the layer itself, or a ``CycleBlock`` of its kinds."""
+    if layout.layers_per_block == 1:
+        return lambda rngs: make_layer(rngs, layout.kinds[0])
+    return lambda rngs: CycleBlock(make_layer, layout.kinds, rngs)
