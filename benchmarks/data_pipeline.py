@@ -116,7 +116,9 @@ def cases(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
     tok = args.tokenizer
     out = [(BASELINE[0], tok, BASELINE[1], BASELINE[2])]
     out += [("text", tok, threads, args.prefetch) for threads in args.threads_sweep]
-    for kind in (k for k in DATASET_FORMATS if k != "text"):  # each format single-threaded (its reading cost) and as training runs it
+    for kind in (
+        k for k in DATASET_FORMATS if k != "text"
+    ):  # each format single-threaded (its reading cost) and as training runs it
         out += [(kind, tok, BASELINE[1], BASELINE[2]), (kind, tok, args.read_threads, args.prefetch)]
     if tok != "byte":  # the same pipeline with the byte tokenizer: what the tokenizer itself costs
         out.append(("text", "byte", args.read_threads, args.prefetch))

@@ -154,7 +154,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_convert(ns: argparse.Namespace) -> int:
-    from nnxtron.config.loader import config_to_yaml, parse_overrides
+    from nnxtron.config.loader import parse_overrides, run_config_to_yaml
     from nnxtron.convert import hf
     from nnxtron.convert.runs import load_model
 
@@ -172,7 +172,7 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
         raise UserError(f"'{dest}' already holds an nnxtron run; choose an empty output directory")
     model = hf.from_hf(ns.source, **parse_overrides(ns.overrides))
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.yml").write_text(config_to_yaml(model.config))
+    (dest / "config.yml").write_text(run_config_to_yaml(model.config))
     ckpt = Checkpointer(dest / "checkpoints", max_to_keep=1)
     ckpt.save(0, {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}, {"source": str(Path(ns.source).absolute())})
     ckpt.wait()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nnxtron.cli import _fake_device_env
+from nnxtron.cli import _fake_device_env, main
 
 PARAGRAPH = (
     "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "
@@ -62,3 +62,19 @@ def cli_train(corpus: str, base: str, run: str, timeout: int = 300, **extra) -> 
 def metric_records(run_dir: Path) -> list[dict]:
     """The lines of a run's metrics.jsonl."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_cli(capsys, *args):
+    """``nnxtron ARGS`` in this process: (exit status, stdout, stderr)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(code, err, fragment):
+    """Bad input: exit status 2, one ``error:`` line holding ``fragment``, no traceback."""
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("WARNING:absl")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    assert fragment in lines[0], lines[0]

@@ -11,21 +11,7 @@ from pathlib import Path
 import pytest
 
 from nnxtron.cli import main
-from tests.integration.conftest import train_overrides
-
-
-def _run(capsys, *args):
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _assert_user_error(code, err, fragment):
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("WARNING:absl")]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    assert fragment in lines[0], lines[0]
+from tests.integration.conftest import assert_user_error, run_cli, train_overrides
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +22,7 @@ def trained_run(corpus, tmp_path_factory):
 
 
 def test_config_show(capsys):
-    code, out, _ = _run(capsys, "config", "show", "model_name=llama3.1-8b", "steps=5")
+    code, out, _ = run_cli(capsys, "config", "show", "model_name=llama3.1-8b", "steps=5")
     assert code == 0 and "rope_type: llama3" in out and "steps: 5" in out and "global_batch_size" in out
 
 
@@ -49,7 +35,7 @@ def test_generate_from_a_run_is_deterministic(trained_run, capsys):
     run, _ = trained_run
     outs = []
     for _ in range(2):
-        code, out, _ = _run(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=12", "--json")
+        code, out, _ = run_cli(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=12", "--json")
         assert code == 0
         outs.append(json.loads(out))
     assert outs[0] == outs[1] and outs[0]["prompt"] == "The quick" and 1 <= len(outs[0]["tokens"]) <= 12
@@ -57,11 +43,11 @@ def test_generate_from_a_run_is_deterministic(trained_run, capsys):
 
 def test_convert_round_trip_through_the_cli(tmp_path, capsys):
     golden = Path(__file__).parents[1] / "assets" / "golden" / "mistral"
-    assert _run(capsys, "convert", "from-hf", str(golden), str(tmp_path / "run"))[0] == 0
-    assert _run(capsys, "convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))[0] == 0
+    assert run_cli(capsys, "convert", "from-hf", str(golden), str(tmp_path / "run"))[0] == 0
+    assert run_cli(capsys, "convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))[0] == 0
     assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (golden / "model.safetensors").read_bytes()
-    code, _, err = _run(capsys, "convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))
-    _assert_user_error(code, err, "overwrite")
+    code, _, err = run_cli(capsys, "convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert_user_error(code, err, "overwrite")
 
 
 @pytest.mark.parametrize(
@@ -130,17 +116,17 @@ def test_convert_round_trip_through_the_cli(tmp_path, capsys):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
-    code, _, err = _run(capsys, *args)
-    _assert_user_error(code, err, fragment)
+    code, _, err = run_cli(capsys, *args)
+    assert_user_error(code, err, fragment)
 
 
 def test_bad_corpus_files(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
-    code, _, err = _run(capsys, "train", f"dataset_path={tmp_path}/empty.txt", "eval_interval=-1")
-    _assert_user_error(code, err, "empty.txt")
+    code, _, err = run_cli(capsys, "train", f"dataset_path={tmp_path}/empty.txt", "eval_interval=-1")
+    assert_user_error(code, err, "empty.txt")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
-    code, _, err = _run(capsys, "train", f"dataset_path={tmp_path}/latin1.txt", "eval_interval=-1")
-    _assert_user_error(code, err, "latin1.txt")
+    code, _, err = run_cli(capsys, "train", f"dataset_path={tmp_path}/latin1.txt", "eval_interval=-1")
+    assert_user_error(code, err, "latin1.txt")
 
 
 def test_bad_data_of_every_format(tmp_path, capsys):
@@ -168,9 +154,9 @@ def test_bad_data_of_every_format(tmp_path, capsys):
         (["dataset_type=synthetic", "packing=pad"], "packing is not read with dataset_type=synthetic"),
     ]
     for args, fragment in cases:
-        code, _, err = _run(capsys, "train", *off, *args)
-        _assert_user_error(code, err, fragment)
-    code, out, err = _run(capsys, "train", *off, "dataset_type=jsonl", f"dataset_path={tmp_path}/badline.jsonl", "steps=3",
+        code, _, err = run_cli(capsys, "train", *off, *args)
+        assert_user_error(code, err, fragment)
+    code, out, err = run_cli(capsys, "train", *off, "dataset_type=jsonl", f"dataset_path={tmp_path}/badline.jsonl", "steps=3",
                           "skip_bad_records=true", "base_output_directory=" + str(tmp_path / "runs"), "--no-progress")  # fmt: skip
     assert code == 0, err
     assert "1 bad records will be skipped" in out + err, out + err
@@ -179,8 +165,8 @@ def test_bad_data_of_every_format(tmp_path, capsys):
 
 def test_unsupported_hf_family(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
-    code, _, err = _run(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
-    _assert_user_error(code, err, "bert")
+    code, _, err = run_cli(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
+    assert_user_error(code, err, "bert")
 
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
@@ -204,8 +190,8 @@ def test_hf_config_fields_not_understood(tmp_path, capsys, case, edit, fragment)
     hf = json.loads((GOLDEN / case / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, **edit}))
     (tmp_path / "model.safetensors").symlink_to(GOLDEN / case / "model.safetensors")
-    code, _, err = _run(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
-    _assert_user_error(code, err, fragment)
+    code, _, err = run_cli(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
+    assert_user_error(code, err, fragment)
     assert not (tmp_path / "out").exists()
 
 
@@ -217,8 +203,8 @@ def test_hash_layers_without_a_table_are_refused(tmp_path, capsys):
     weights = load_file(str(GOLDEN / "deepseek4" / "model.safetensors"))
     del weights["model.layers.0.ffn.gate.tid2eid"]
     save_file(weights, str(tmp_path / "model.safetensors"))
-    code, _, err = _run(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
-    _assert_user_error(code, err, "model.layers.0.ffn.gate.tid2eid")
+    code, _, err = run_cli(capsys, "convert", "from-hf", str(tmp_path), str(tmp_path / "out"))
+    assert_user_error(code, err, "model.layers.0.ffn.gate.tid2eid")
     assert not (tmp_path / "out").exists()
 
 
@@ -229,8 +215,8 @@ def _snapshot(path: Path) -> dict:
 def test_foreign_checkpoint_is_refused_and_kept(trained_run, corpus, capsys):
     run, base = trained_run
     before = _snapshot(run)
-    code, _, err = _run(capsys, "train", *train_overrides(corpus, base, "r1", steps=9, base_emb_dim=32))
-    _assert_user_error(code, err, "base_emb_dim")
+    code, _, err = run_cli(capsys, "train", *train_overrides(corpus, base, "r1", steps=9, base_emb_dim=32))
+    assert_user_error(code, err, "base_emb_dim")
     assert _snapshot(run) == before
 
 
@@ -243,8 +229,8 @@ def test_corrupted_checkpoint_is_reported_and_not_deleted(corpus, tmp_path, caps
         if f.is_file():
             f.write_bytes(b"\x00garbage")
     before = _snapshot(Path(base) / "c1")
-    code, _, err = _run(capsys, "train", *train_overrides(corpus, base, "c1", steps=6, eval_interval=-1))
-    _assert_user_error(code, err, "checkpoint")
+    code, _, err = run_cli(capsys, "train", *train_overrides(corpus, base, "c1", steps=6, eval_interval=-1))
+    assert_user_error(code, err, "checkpoint")
     assert _snapshot(Path(base) / "c1") == before
 
 
@@ -259,8 +245,8 @@ def test_console_script_exit_status_without_traceback():
 
 def test_generate_longer_than_the_model_is_one_line(trained_run, capsys):
     run, _ = trained_run
-    code, _, err = _run(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=1000000")
-    _assert_user_error(code, err, "exceed max_position_embeddings")
+    code, _, err = run_cli(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=1000000")
+    assert_user_error(code, err, "exceed max_position_embeddings")
 
 
 def test_generate_with_an_hf_tokenizer(trained_run, capsys, tmp_path):
@@ -271,7 +257,7 @@ def test_generate_with_an_hf_tokenizer(trained_run, capsys, tmp_path):
 
     run, _ = trained_run
     bpe = write_bpe(tmp_path / "bpe")
-    code, out, err = _run(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=6", "tokenizer_type=hf",
+    code, out, err = run_cli(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=6", "tokenizer_type=hf",
                           f"tokenizer_path={bpe}", "--json")  # fmt: skip
     assert code == 0, err
     result = json.loads(out)
@@ -285,7 +271,7 @@ def test_generate_with_an_hf_tokenizer(trained_run, capsys, tmp_path):
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.save(str(hf_dir / "tokenizer.json"))
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    code, out, err = _run(capsys, "generate", str(hf_dir), "--prompt", "the quick fox", "max_new_tokens=4", "tokenizer_type=hf",
+    code, out, err = run_cli(capsys, "generate", str(hf_dir), "--prompt", "the quick fox", "max_new_tokens=4", "tokenizer_type=hf",
                           "--json")  # fmt: skip
     assert code == 0, err
     assert 1 <= len(json.loads(out)["tokens"]) <= 4
@@ -302,5 +288,5 @@ def test_generate_with_an_hf_tokenizer(trained_run, capsys, tmp_path):
 )
 def test_generate_bad_input_is_one_line(trained_run, capsys, extra, fragment):
     run, _ = trained_run
-    code, _, err = _run(capsys, "generate", str(run), "max_new_tokens=2", *extra)
-    _assert_user_error(code, err, fragment)
+    code, _, err = run_cli(capsys, "generate", str(run), "max_new_tokens=2", *extra)
+    assert_user_error(code, err, fragment)

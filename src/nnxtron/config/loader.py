@@ -22,6 +22,12 @@ ENVIRONMENT_DEFAULTS = {
     "compilation_cache_dir": "JAX_COMPILATION_CACHE_DIR",  # "" = off
     "compilation_cache_min_compile_seconds": "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
 }
+# settings of the machine a command runs on, not of a run: a run directory's config.yml never
+# holds them and reading a run ignores them, so another person's run can never choose where
+# compiled executables are loaded from
+MACHINE_SETTINGS = tuple(ENVIRONMENT_DEFAULTS)
+MAX_YAML_BYTES = 1 << 20  # a config file or preset
+MAX_YAML_VALUES = 100_000  # values after YAML aliases are expanded (an alias bomb stops here)
 
 
 def preset_names() -> list[str]:
@@ -31,17 +37,63 @@ def preset_names() -> list[str]:
 
 
 def _read_yaml(text: str, origin: str) -> dict[str, Any]:
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError(
+            f"{origin} is {len(text)} characters long, more than a config can be ({MAX_YAML_BYTES}); check the file"
+        )
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise ConfigError(f"{origin} is not valid YAML{where}; fix the syntax") from None
+    except RecursionError:
+        raise ConfigError(f"{origin} nests too deeply to be a config; check the file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{origin} must be a mapping of key: value, got {type(data).__name__}")
+    _check_size(data, origin)
     return data
+
+
+def _check_size(data: Any, origin: str) -> None:
+    """At most ``MAX_YAML_VALUES`` values, counting an aliased value each time it is used."""
+    pending, seen = [data], 0
+    while pending:
+        value = pending.pop()
+        seen += 1
+        if seen > MAX_YAML_VALUES:
+            raise ConfigError(
+                f"{origin} expands to more than {MAX_YAML_VALUES} values (YAML aliases?); a config is a few hundred keys"
+            )
+        if isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+
+
+def read_config_file(file: str | Path) -> dict[str, Any]:
+    """The key/values of a YAML config file (every key checked against the schema)."""
+    path = Path(file)
+    shown = str(file)[:200]
+    try:
+        if not path.exists():
+            raise ConfigError(f"config file {shown!r} does not exist; pass a YAML file or only key=value overrides")
+        if path.is_dir():
+            raise ConfigError(f"config file {shown!r} is a directory; pass a YAML file")
+        if not path.is_file():
+            raise ConfigError(f"config file {shown!r} is not a regular file (a FIFO or device?); pass a YAML file")
+        with path.open("rb") as handle:
+            text = handle.read(MAX_YAML_BYTES + 1).decode("utf-8", errors="replace")
+    except OSError as err:  # a name too long, a directory without permission...
+        raise ConfigError(
+            f"cannot read config file {str(file)[:80]!r} ({err.strerror or err}); pass a readable YAML file"
+        ) from None
+    values = _read_yaml(text, f"config file '{file}'")
+    _check_keys(values, f"config file '{file}'")
+    return values
 
 
 def _check_keys(values: dict[str, Any], origin: str) -> None:
@@ -97,12 +149,11 @@ def _environment_defaults() -> dict[str, Any]:
 
 
 def _load_preset(name: str) -> dict[str, Any]:
-    path = PRESET_DIR / f"{name}.yml"
-    if not path.is_file():
+    if name not in preset_names():  # a preset is a name, never a path
         close = difflib.get_close_matches(name, preset_names(), n=1, cutoff=0.5)
         hint = f"; did you mean '{close[0]}'?" if close else f"; choose one of {', '.join(preset_names())}"
         raise ConfigError(f"unknown model_name {name!r}{hint}")
-    values = _read_yaml(path.read_text(), f"preset {name}.yml")
+    values = _read_yaml((PRESET_DIR / f"{name}.yml").read_text(), f"preset {name}.yml")
     _check_keys(values, f"preset {name}.yml")
     return values
 
@@ -125,19 +176,7 @@ def load_config(file: str | Path | None = None, overrides: Iterable[str] = (), v
     """
     defaults = _read_yaml((PRESET_DIR / "base.yml").read_text(), "base.yml")
     defaults.update(_environment_defaults())
-    file_values: dict[str, Any] = {}
-    if file is not None:
-        path = Path(file)
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else None
-        except OSError as err:  # a name too long, a directory without permission...
-            raise ConfigError(
-                f"cannot read config file {str(file)[:80]!r} ({err.strerror or err}); pass a readable YAML file"
-            ) from None
-        if text is None:
-            raise ConfigError(f"config file {str(file)[:200]!r} does not exist; pass a YAML file or only key=value overrides")
-        file_values = _read_yaml(text, f"config file '{file}'")
-        _check_keys(file_values, f"config file '{file}'")
+    file_values = read_config_file(file) if file is not None else {}
     code_values = dict(values or {})
     _check_keys(code_values, "the values passed from code")
     cli_values = parse_overrides(overrides)
@@ -154,5 +193,21 @@ def load_config(file: str | Path | None = None, overrides: Iterable[str] = (), v
 
 def config_to_yaml(cfg: Config) -> str:
     """The resolved config as YAML (lists rather than tuples), in schema order."""
-    data = cfg.model_dump(mode="json")
+    return _to_yaml(cfg.model_dump(mode="json"))
+
+
+def _to_yaml(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+
+
+def run_config_to_yaml(cfg: Config) -> str:
+    """A run directory's ``config.yml``: the resolved config without the ``MACHINE_SETTINGS``."""
+    return _to_yaml({key: value for key, value in cfg.model_dump(mode="json").items() if key not in MACHINE_SETTINGS})
+
+
+def load_run_config(run_dir: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """The config a run directory was written with (``<run>/config.yml``) plus ``overrides``;
+    the ``MACHINE_SETTINGS`` come from this machine (base.yml, the environment, overrides),
+    never from the run (an older run's ``config.yml`` may hold them: they are ignored)."""
+    values = read_config_file(Path(run_dir) / "config.yml")
+    return load_config(None, overrides, values={k: v for k, v in values.items() if k not in MACHINE_SETTINGS})

@@ -19,12 +19,19 @@ from nnxtron.errors import ConfigError
 DType = Literal[options.DTYPES]
 RematPolicy = Literal[options.REMAT_POLICIES]
 RematChoice = Literal[options.REMAT_CHOICES]  # per named activation, for remat_policy=custom
+# ranges checked before anything is allocated or looped over (a typo of a few digits is an
+# error line, not a terabyte allocation or a run of 10^23 steps)
+MAX_SIZE = 2**24  # widths, lengths, vocabulary, batch
+MAX_COUNT = 2**16  # layers, heads, experts, mesh axes, microbatches
+MAX_STEPS = 2**40  # steps and periods
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_RUN_NAME = 200  # characters (file systems allow 255 bytes per name)
 
 
 class Config(BaseModel):
     """Every option of a run. Unknown keys are rejected."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # every float finite
 
     # --- run ------------------------------------------------------------------
     run_name: str  # "" = a fresh timestamped name; an existing name resumes that run
@@ -36,13 +43,13 @@ class Config(BaseModel):
 
     # --- model ----------------------------------------------------------------
     decoder_block: Literal[options.DECODER_BLOCKS]
-    base_emb_dim: int = Field(gt=0)
-    base_num_query_heads: int = Field(gt=0)
-    base_num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(ge=-1)  # -1 = base_emb_dim // base_num_query_heads
-    base_mlp_dim: int = Field(gt=0)
-    base_num_decoder_layers: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
+    base_emb_dim: int = Field(gt=0, le=MAX_SIZE)
+    base_num_query_heads: int = Field(gt=0, le=MAX_COUNT)
+    base_num_kv_heads: int = Field(gt=0, le=MAX_COUNT)
+    head_dim: int = Field(ge=-1, le=MAX_SIZE)  # -1 = base_emb_dim // base_num_query_heads
+    base_mlp_dim: int = Field(gt=0, le=MAX_SIZE)
+    base_num_decoder_layers: int = Field(gt=0, le=MAX_COUNT)
+    vocab_size: int = Field(gt=0, le=MAX_SIZE)
     normalization_layer_epsilon: float = Field(gt=0)
     mlp_activations: tuple[str, ...]
     rope_type: Literal[options.ROPE_TYPES]  # linear: positions / rope_scaling_factor
@@ -51,73 +58,79 @@ class Config(BaseModel):
     rope_scaling_factor: float = Field(gt=0)
     rope_low_freq_factor: float = Field(gt=0)
     rope_high_freq_factor: float = Field(gt=0)
-    rope_original_max_position_embeddings: int = Field(gt=0)
-    max_position_embeddings: int = Field(gt=0)  # HF max_position_embeddings (context the RoPE scaling targets)
+    rope_original_max_position_embeddings: int = Field(gt=0, le=MAX_SIZE)
+    max_position_embeddings: int = Field(gt=0, le=MAX_SIZE)  # HF max_position_embeddings (context the RoPE scaling targets)
     beta_fast: float = Field(gt=0)  # yarn ramp (HF rope_scaling beta_fast)
     beta_slow: float = Field(gt=0)  # yarn ramp (HF rope_scaling beta_slow)
     mscale: float = Field(ge=0)  # yarn (HF mscale; 0 = unset): cos/sin x m(mscale)/m(mscale_all_dim) when both set, else m(1)
     mscale_all_dim: float = Field(ge=0)  # yarn (HF rope_scaling mscale_all_dim): softmax scale x m(mscale_all_dim)^2
-    sliding_window_size: int = Field(ge=0)  # 0 = full causal attention
+    sliding_window_size: int = Field(ge=0, le=MAX_SIZE)  # 0 = full causal attention
     # --- layer patterns (Gemma 3, Llama 4): layer i is 0-based; see config/layout.py ---
-    sliding_window_pattern: int = Field(ge=0)  # > 0: layer i is global iff (i+1) % pattern == 0, else sliding (Gemma 3: 6)
+    sliding_window_pattern: int = Field(
+        ge=0, le=MAX_COUNT
+    )  # > 0: layer i is global iff (i+1) % pattern == 0, else sliding (Gemma 3: 6)
     local_rope_max_timescale: float = Field(
         ge=0
     )  # RoPE theta of sliding layers under a pattern (0 = rope_max_timescale, unscaled)
     query_pre_attn_scalar: float = Field(ge=0)  # attention logits x query_pre_attn_scalar^-0.5 (0 = head_dim)
-    nope_layer_interval: int = Field(ge=0)  # > 0: layer i has no RoPE iff (i+1) % interval == 0 (Llama 4: 4)
-    chunk_attn_window_size: int = Field(ge=0)  # > 0: RoPE layers attend within aligned chunks of this size (Llama 4)
+    nope_layer_interval: int = Field(ge=0, le=MAX_COUNT)  # > 0: layer i has no RoPE iff (i+1) % interval == 0 (Llama 4: 4)
+    chunk_attn_window_size: int = Field(ge=0, le=MAX_SIZE)  # > 0: RoPE layers attend within aligned chunks of this size (Llama 4)
     temperature_tuning: bool  # Llama 4: NoPE layers scale q by log1p(floor((pos+1)/floor_scale))*scale + 1
     temperature_tuning_floor_scale: float = Field(gt=0)
     temperature_tuning_scale: float = Field(ge=0)
-    interleave_moe_layer_step: int = Field(gt=0)  # MoE models: layer i is MoE iff (i+1) % step == 0 (Llama 4 Maverick: 2)
-    inhomogeneous_layer_cycle_interval: int = Field(ge=0)  # layers per scanned block (0 = the pattern's period)
-    trainable_position_size: int = Field(ge=0)  # > 0: learned absolute position embeddings (GPT-3), no RoPE
+    interleave_moe_layer_step: int = Field(
+        gt=0, le=MAX_COUNT
+    )  # MoE models: layer i is MoE iff (i+1) % step == 0 (Llama 4 Maverick: 2)
+    inhomogeneous_layer_cycle_interval: int = Field(ge=0, le=MAX_COUNT)  # layers per scanned block (0 = the pattern's period)
+    trainable_position_size: int = Field(ge=0, le=MAX_SIZE)  # > 0: learned absolute position embeddings (GPT-3), no RoPE
     attention_type: Literal[options.ATTENTION_TYPES]  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
     # implementation of attention_type=global (docs/attention.md); auto: cudnn on a CUDA GPU where it runs, else xla
     attention: Literal[options.ATTENTION_CHOICES]
     use_qk_norm: bool  # q/k norm over head_dim: RMSNorm before RoPE (Qwen3, Gemma 3 (1+w)); weightless L2 after RoPE (Llama 4)
-    q_lora_rank: int = Field(ge=0)  # mla: 0 = plain query projection
-    kv_lora_rank: int = Field(gt=0)  # mla
-    qk_nope_head_dim: int = Field(gt=0)  # mla
-    qk_rope_head_dim: int = Field(gt=0)  # mla
-    v_head_dim: int = Field(gt=0)  # mla
+    q_lora_rank: int = Field(ge=0, le=MAX_SIZE)  # mla: 0 = plain query projection
+    kv_lora_rank: int = Field(gt=0, le=MAX_SIZE)  # mla
+    qk_nope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # mla
+    qk_rope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # mla
+    v_head_dim: int = Field(gt=0, le=MAX_SIZE)  # mla
     # --- DeepSeek-V4 (attention_type=compressed, decoder_block=deepseek4; rules in config/deepseek4.py) ---
     compress_ratios: tuple[int, ...]  # per layer: 0 sliding only, csa_compress_ratio (CSA), hca_compress_ratio (HCA)
-    csa_compress_ratio: int = Field(gt=0)  # HF compress_rates.compressed_sparse_attention (overlapping windows + indexer)
-    hca_compress_ratio: int = Field(gt=0)  # HF compress_rates.heavily_compressed_attention (non-overlapping windows)
+    csa_compress_ratio: int = Field(
+        gt=0, le=MAX_SIZE
+    )  # HF compress_rates.compressed_sparse_attention (overlapping windows + indexer)
+    hca_compress_ratio: int = Field(gt=0, le=MAX_SIZE)  # HF compress_rates.heavily_compressed_attention (non-overlapping windows)
     compressed_rope_max_timescale: float = Field(gt=0)  # RoPE theta of CSA/HCA layers (HF compress_rope_theta)
-    o_groups: int = Field(gt=0)  # grouped low-rank output projection: groups
-    o_lora_rank: int = Field(gt=0)  # ... and rank per group
-    indexer_n_heads: int = Field(gt=0)  # lightning indexer (CSA layers)
-    indexer_head_dim: int = Field(gt=0)
-    indexer_topk: int = Field(gt=0)  # compressed entries each query attends to on CSA layers
-    mhc_expansion_rate: int = Field(gt=0)  # residual streams of the hyper-connections (1 = off)
-    sinkhorn_iterations: int = Field(gt=0)
+    o_groups: int = Field(gt=0, le=MAX_COUNT)  # grouped low-rank output projection: groups
+    o_lora_rank: int = Field(gt=0, le=MAX_SIZE)  # ... and rank per group
+    indexer_n_heads: int = Field(gt=0, le=MAX_COUNT)  # lightning indexer (CSA layers)
+    indexer_head_dim: int = Field(gt=0, le=MAX_SIZE)
+    indexer_topk: int = Field(gt=0, le=MAX_SIZE)  # compressed entries each query attends to on CSA layers
+    mhc_expansion_rate: int = Field(gt=0, le=MAX_COUNT)  # residual streams of the hyper-connections (1 = off)
+    sinkhorn_iterations: int = Field(gt=0, le=MAX_COUNT)
     mhc_eps: float = Field(gt=0)  # HF hc_eps
-    first_num_hash_layers: int = Field(ge=0)  # leading MoE layers routed by the non-trainable token->expert table
+    first_num_hash_layers: int = Field(ge=0, le=MAX_COUNT)  # leading MoE layers routed by the non-trainable token->expert table
     mlp_activations_limit: float = Field(ge=0)  # SwiGLU clamp (HF swiglu_limit): gate <= L, |up| <= L; 0 = off
 
     # --- mixture of experts -------------------------------------------------------
-    num_experts: int = Field(gt=0)  # 1 = dense MLP layers
-    num_experts_per_tok: int = Field(gt=0)
-    base_moe_mlp_dim: int = Field(gt=0)  # hidden size of each routed (and shared) expert
-    shared_experts: int = Field(ge=0)  # always-on experts: one MLP of shared_experts x base_moe_mlp_dim
-    first_num_dense_layers: int = Field(ge=0)  # leading dense layers (their own scanned stack)
+    num_experts: int = Field(gt=0, le=MAX_COUNT)  # 1 = dense MLP layers
+    num_experts_per_tok: int = Field(gt=0, le=MAX_COUNT)
+    base_moe_mlp_dim: int = Field(gt=0, le=MAX_SIZE)  # hidden size of each routed (and shared) expert
+    shared_experts: int = Field(ge=0, le=MAX_COUNT)  # always-on experts: one MLP of shared_experts x base_moe_mlp_dim
+    first_num_dense_layers: int = Field(ge=0, le=MAX_COUNT)  # leading dense layers (their own scanned stack)
     routed_score_func: Literal[options.ROUTER_SCORE_FUNCS]
     norm_topk_prob: bool  # renormalise the selected experts' weights to sum to 1
     routed_scaling_factor: float = Field(gt=0)  # multiplies the combine weights (DeepSeek)
     routed_bias: bool  # correction bias added to the scores for selection only (DeepSeek)
     routed_bias_update_rate: float = Field(ge=0)  # loss-free balancing: bias += rate * sign(mean load - load)
-    n_routing_groups: int = Field(ge=-1)  # group-limited routing: groups of experts (-1 = off)
-    topk_routing_group: int = Field(ge=-1)  # group-limited routing: groups kept per token (-1 = off)
+    n_routing_groups: int = Field(ge=-1, le=MAX_COUNT)  # group-limited routing: groups of experts (-1 = off)
+    topk_routing_group: int = Field(ge=-1, le=MAX_COUNT)  # group-limited routing: groups kept per token (-1 = off)
     router_scales_expert_input: bool  # Llama 4: sigmoid(top-1 logit) scales the expert input, not its output
     capacity_factor: float  # -1 = dropless; > 0: each expert takes at most factor * tokens * k / experts tokens
     load_balance_loss_weight: float = Field(ge=0)  # 0 = off
 
     # --- multi-token prediction ---------------------------------------------------
-    mtp_num_layers: int = Field(ge=0)  # 0 = off
+    mtp_num_layers: int = Field(ge=0, le=MAX_COUNT)  # 0 = off
     mtp_loss_scaling_factor: float = Field(ge=0)
-    mtp_eval_target_module: int = Field(ge=0)  # eval reports this MTP depth's acceptance rate (0 = off)
+    mtp_eval_target_module: int = Field(ge=0, le=MAX_COUNT)  # eval reports this MTP depth's acceptance rate (0 = off)
     logits_via_embedding: bool  # tied output head
     final_logits_soft_cap: float = Field(ge=0)  # 0 = off
     dtype: DType  # activations
@@ -140,22 +153,24 @@ class Config(BaseModel):
     mlpwo: RematChoice
     parameter_memory_host_offload: bool
     optimizer_memory_host_offload: bool
-    gradient_accumulation_steps: int = Field(gt=0)
+    gradient_accumulation_steps: int = Field(gt=0, le=MAX_COUNT)
 
     # --- parallelism ------------------------------------------------------------
-    ici_data_parallelism: int = Field(ge=-1)
-    ici_fsdp_parallelism: int = Field(ge=-1)
-    ici_tensor_parallelism: int = Field(ge=-1)
-    ici_context_parallelism: int = Field(ge=-1)
-    ici_expert_parallelism: int = Field(ge=-1)  # experts split over the `expert` mesh axis
+    ici_data_parallelism: int = Field(ge=-1, le=MAX_COUNT)
+    ici_fsdp_parallelism: int = Field(ge=-1, le=MAX_COUNT)
+    ici_tensor_parallelism: int = Field(ge=-1, le=MAX_COUNT)
+    ici_context_parallelism: int = Field(ge=-1, le=MAX_COUNT)
+    ici_expert_parallelism: int = Field(ge=-1, le=MAX_COUNT)  # experts split over the `expert` mesh axis
     sharding_tolerance: float = Field(ge=0, le=1)  # max fraction of parameter elements left unsharded
     # --- pipeline parallelism (schedule and checks: config/pipeline.py) ---
-    ici_pipeline_parallelism: int = Field(ge=1)  # pipeline stages within a slice/host group
-    dcn_pipeline_parallelism: int = Field(ge=1)  # x this: stages across slices/hosts (the `stage` axis is outermost)
-    num_pipeline_microbatches: int = Field(ge=-1)  # -1 = the number of stages
-    num_pipeline_repeats: int = Field(ge=-1)  # -1 = derived; > 1 = circular schedule
-    num_layers_per_pipeline_stage: int = Field(ge=1)  # layers a stage applies per repeat
-    pipeline_parallel_layers: int = Field(ge=-1)  # layers of the main stack that are pipelined (-1 = all)
+    ici_pipeline_parallelism: int = Field(ge=1, le=MAX_COUNT)  # pipeline stages within a slice/host group
+    dcn_pipeline_parallelism: int = Field(
+        ge=1, le=MAX_COUNT
+    )  # x this: stages across slices/hosts (the `stage` axis is outermost)
+    num_pipeline_microbatches: int = Field(ge=-1, le=MAX_COUNT)  # -1 = the number of stages
+    num_pipeline_repeats: int = Field(ge=-1, le=MAX_COUNT)  # -1 = derived; > 1 = circular schedule
+    num_layers_per_pipeline_stage: int = Field(ge=1, le=MAX_COUNT)  # layers a stage applies per repeat
+    pipeline_parallel_layers: int = Field(ge=-1, le=MAX_COUNT)  # layers of the main stack that are pipelined (-1 = all)
     scan_pipeline_iterations: bool  # iterations of one repeat under lax.scan (false: unrolled)
     scan_pipeline_repeats: bool  # the repeats under lax.scan (false: unrolled)
     set_remat_policy_on_pipeline_iterations: bool  # remat_policy around each pipeline iteration
@@ -172,8 +187,8 @@ class Config(BaseModel):
     weight_quantization_calibration_method: str  # absmax[,c] | minmax[,c] | rms,c | fixed,lo,hi
     act_quantization_calibration_method: str
     bwd_quantization_calibration_method: str
-    quantization_tile_size: int = Field(ge=0)  # forward scales per tile of the contraction axis (0 = per channel)
-    quantization_bwd_tile_size: int = Field(ge=0)  # the same for the weight-gradient matmul (0 = per channel)
+    quantization_tile_size: int = Field(ge=0, le=MAX_SIZE)  # forward scales per tile of the contraction axis (0 = per channel)
+    quantization_bwd_tile_size: int = Field(ge=0, le=MAX_SIZE)  # the same for the weight-gradient matmul (0 = per channel)
 
     # --- data -------------------------------------------------------------------
     dataset_type: Literal[options.DATASET_TYPES]  # see docs/data.md
@@ -188,18 +203,18 @@ class Config(BaseModel):
     skip_bad_records: bool  # count and skip unusable documents instead of stopping with an error
     eval_split_fraction: float = Field(ge=0, le=0.5)
     data_shuffle_seed: int = Field(ge=0, lt=2**32)
-    data_num_epochs: int = Field(ge=-1)  # -1 = endless; else training past the last epoch is an error
-    data_read_threads: int = Field(ge=0)  # threads reading and tokenizing documents (0 = in the training thread)
-    data_prefetch_batches: int = Field(ge=0)  # batches prepared ahead in a background thread (0 = none)
-    data_stats_documents: int = Field(gt=0)  # documents packed at start-up for the statistics line
-    per_device_batch_size: float = Field(gt=0)
-    max_target_length: int = Field(gt=1)
+    data_num_epochs: int = Field(ge=-1, le=MAX_STEPS)  # -1 = endless; else training past the last epoch is an error
+    data_read_threads: int = Field(ge=0, le=MAX_COUNT)  # threads reading and tokenizing documents (0 = in the training thread)
+    data_prefetch_batches: int = Field(ge=0, le=MAX_COUNT)  # batches prepared ahead in a background thread (0 = none)
+    data_stats_documents: int = Field(gt=0, le=MAX_SIZE)  # documents packed at start-up for the statistics line
+    per_device_batch_size: float = Field(gt=0, le=MAX_SIZE)
+    max_target_length: int = Field(gt=1, le=MAX_SIZE)
 
     # --- optimisation -----------------------------------------------------------
-    steps: int = Field(gt=0)
-    learning_rate: float = Field(gt=0)
+    steps: int = Field(gt=0, le=MAX_STEPS)
+    learning_rate: float = Field(gt=0, lt=FLOAT32_MAX)  # finite in float32
     warmup_steps_fraction: float = Field(ge=0, le=1)
-    learning_rate_schedule_steps: int = Field(ge=-1)  # -1 = steps
+    learning_rate_schedule_steps: int = Field(ge=-1, le=MAX_STEPS)  # -1 = steps
     cosine_learning_rate_final_fraction: float = Field(ge=0, le=1)
     adam_b1: float = Field(ge=0, lt=1)
     adam_b2: float = Field(ge=0, lt=1)
@@ -207,28 +222,42 @@ class Config(BaseModel):
     adam_weight_decay: float = Field(ge=0)
     gradient_clipping_threshold: float = Field(ge=0)  # 0 = off
     non_finite_policy: Literal[options.NON_FINITE_POLICIES]  # a NaN/Inf loss or gradient: stop the run, or skip that update
-    init_weights_seed: int
+    init_weights_seed: int = Field(ge=-(2**63), lt=2**63)
 
     # --- eval, checkpoints, logging ----------------------------------------------
-    eval_interval: int = Field(ge=-1)  # -1 = no periodic eval
-    eval_steps: int = Field(gt=0)
+    eval_interval: int = Field(ge=-1, le=MAX_STEPS)  # -1 = no periodic eval
+    eval_steps: int = Field(gt=0, le=MAX_STEPS)
     enable_checkpointing: bool
-    checkpoint_period: int = Field(gt=0)
-    max_num_checkpoints_to_keep: int = Field(gt=0)
+    checkpoint_period: int = Field(gt=0, le=MAX_STEPS)
+    max_num_checkpoints_to_keep: int = Field(gt=0, le=MAX_STEPS)
     load_parameters_path: str  # "" = fresh init; else an nnxtron checkpoint (e.g. from `convert from-hf`)
-    log_period: int = Field(gt=0)  # progress-bar / TensorBoard flush period in steps
+    log_period: int = Field(gt=0, le=MAX_STEPS)  # progress-bar / TensorBoard flush period in steps
     enable_tensorboard: bool
     peak_tflops: float = Field(ge=0)  # 0 = look up (accelerators) or measure (CPU) once
-    sample_after_training: int = Field(ge=0)  # tokens to sample at the end of `train` (0 = off)
+    sample_after_training: int = Field(ge=0, le=MAX_SIZE)  # tokens to sample at the end of `train` (0 = off)
 
     # --- sampling (generate) ------------------------------------------------------
     prompt: str
-    max_new_tokens: int = Field(gt=0)
+    max_new_tokens: int = Field(gt=0, le=MAX_SIZE)
     decode_sampling_strategy: Literal[options.SAMPLING_STRATEGIES]
     decode_sampling_temperature: float = Field(gt=0)
-    decode_sampling_top_k: int = Field(gt=0)
+    decode_sampling_top_k: int = Field(gt=0, le=MAX_SIZE)
     decode_sampling_nucleus_p: float = Field(gt=0, le=1)
-    decode_sampling_seed: int
+    decode_sampling_seed: int = Field(ge=-(2**63), lt=2**63)
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name_is_one_directory_name(cls, value: str) -> str:
+        bad = (
+            "a path separator" if "/" in value or "\\" in value
+            else "'.' or '..'" if value in (".", "..")
+            else "a control character" if any(ord(c) < 32 or ord(c) == 127 for c in value)
+            else f"more than {MAX_RUN_NAME} characters" if len(value) > MAX_RUN_NAME
+            else None
+        )  # fmt: skip
+        if bad:
+            raise ValueError(f"must be one directory name under base_output_directory, but it has {bad}; choose another name")
+        return value
 
     @field_validator("dataset_path", mode="before")
     @classmethod

@@ -266,6 +266,11 @@ def _weight_files(root: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError) as err:
         raise CheckpointError(f"'{index}' is not a valid safetensors index ({err!r}); re-save the model") from None
+    outside = [s for s in shards if not isinstance(s, str) or not (root / s).resolve().is_relative_to(root.resolve())]
+    if outside:
+        raise CheckpointError(
+            f"'{index}' names shard file {str(outside[0])[:200]!r} outside '{root}'; a model's files stay in its directory"
+        )
     missing = [s for s in shards if not (root / s).is_file()]
     if missing:
         raise CheckpointError(f"'{root}' lacks shard file(s) {missing} listed in {INDEX_FILE}; download them again")

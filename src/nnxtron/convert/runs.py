@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flax import nnx
 
-from nnxtron.config.loader import load_config, parse_overrides
+from nnxtron.config.loader import load_run_config, parse_overrides
 from nnxtron.config.schema import Config
 from nnxtron.convert.hf import from_hf
 from nnxtron.errors import CheckpointError
@@ -29,7 +29,7 @@ def run_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
             f"'{path}' is not an nnxtron run directory (no config.yml); pass a directory written by "
             "`nnxtron train` or `nnxtron convert from-hf`, or an HF model directory"
         )
-    return load_config(run_dir / "config.yml", overrides)
+    return load_run_config(run_dir, overrides)
 
 
 def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:

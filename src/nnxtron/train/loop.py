@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ import yaml
 
 from nnxtron.config.derived import Derived, derive
 from nnxtron.config.flops import training_flops_per_token
-from nnxtron.config.loader import config_to_yaml
+from nnxtron.config.loader import run_config_to_yaml
 from nnxtron.config.schema import Config
 from nnxtron.data.pipeline import BatchSource, DataIterator
 from nnxtron.data.sources import make_sources
@@ -28,6 +27,7 @@ from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.train.checkpoint import Checkpointer, UnreadableCheckpoint
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
+from nnxtron.train.run_dir import RunDirError, RunLock, make_run_dir, resolve_run_dir
 from nnxtron.train.state import TrainState, init_state, setup
 from nnxtron.train.step import batch_sharding, device_batch, make_eval_step, make_train_step
 
@@ -54,11 +54,6 @@ class TrainResult:
     state: TrainState | None = None
 
 
-def resolve_run_dir(cfg: Config) -> Path:
-    name = cfg.run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
-    return Path(cfg.base_output_directory) / name
-
-
 def _check_same_model(run_dir: Path, cfg: Config) -> None:
     """An existing run may change training keys (steps, lr...) but not the model."""
     stored_file = run_dir / "config.yml"
@@ -75,6 +70,18 @@ def _check_same_model(run_dir: Path, cfg: Config) -> None:
                 f"run '{run_dir}' was created with {key}={stored[key]!r} but this config has {current[key]!r}; "
                 "use the same value to resume, or a new run_name"
             )
+
+
+def _check_no_history(run_dir: Path) -> None:
+    """Without checkpoints a run cannot resume: re-running it would start again at step 0 and
+    rewrite its metrics, so an existing history is refused (one line) instead."""
+    log = run_dir / "metrics.jsonl"
+    records = sum(1 for line in log.read_text(errors="replace").splitlines() if line.strip()) if log.is_file() else 0
+    if records:
+        raise RunDirError(
+            f"run '{run_dir}' already holds {records} logged records and enable_checkpointing=false cannot resume "
+            "it (it would start again at step 0 and rewrite them); choose a new run_name, or remove that directory"
+        )
 
 
 def load_parameters(path: str | Path, abstract_params: Any, param_shardings: Any) -> Any:
@@ -168,11 +175,24 @@ class Trainer:
         return result
 
     def run(self) -> TrainResult:
+        """Train as the run directory's one writer (``train.run_dir``)."""
+        make_run_dir(self.run_dir)
+        lock = RunLock(self.run_dir)
+        lock.acquire()
+        try:
+            if lock.previous:
+                self.notes.append(f"run lock taken over from {lock.previous}, which ended without releasing it")
+            return self._run()
+        finally:
+            lock.release()
+
+    def _run(self) -> TrainResult:
         cfg = self.cfg
         _check_same_model(self.run_dir, cfg)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not cfg.enable_checkpointing:
+            _check_no_history(self.run_dir)
         if jax.process_index() == 0 and not (self.run_dir / "config.yml").exists():
-            (self.run_dir / "config.yml").write_text(config_to_yaml(cfg))
+            (self.run_dir / "config.yml").write_text(run_config_to_yaml(cfg))
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
         state, start, data_state = self.initial_state(ckpt)
         batches = self._data(self.train_source)

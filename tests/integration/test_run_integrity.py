@@ -1,0 +1,175 @@
+"""Run integrity: bounded input, a sandboxed run directory and one writer per run.
+
+Each case was a traceback, a hang, a write outside ``base_output_directory`` or a silent
+rewrite of a run's history before; now it is one ``error:`` line with exit status 2 and
+nothing already written changes (or the documented behaviour).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from nnxtron.cli import _fake_device_env
+from nnxtron.convert.runs import load_model
+from nnxtron.params import flatten
+from nnxtron.train.run_dir import LOCK_FILE, RunLock
+from tests.integration.conftest import assert_user_error, run_cli, train_overrides
+
+GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
+ALIAS_BOMB = "a: &a [1,1,1,1,1,1,1,1,1,1]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcdef", "bcdefg")
+)  # 350 bytes, 10^7 values once expanded
+
+
+def _files(tmp_path: Path) -> dict[str, str]:
+    """Paths the table below refers to as {name}."""
+    (tmp_path / "steps.yml").write_text("steps: 1.0e+23\n")
+    (tmp_path / "length.yml").write_text("max_target_length: 1.0e+12\n")
+    (tmp_path / "sample.yml").write_text("sample_after_training: 1.0e+9\n")
+    (tmp_path / "bomb.yml").write_text(ALIAS_BOMB)
+    (tmp_path / "evil.yml").write_text("base_emb_dim: 8\n")  # model_name=<tmp>/evil must not load it
+    (tmp_path / "a_file").write_text("")
+    fifo = tmp_path / "fifo.yml"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    return {"tmp": str(tmp_path), "file": str(tmp_path / "a_file")}
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        # numbers: finite and in range before anything is allocated
+        (["train", "per_device_batch_size=.inf"], "config key 'per_device_batch_size': Input should be a finite number"),
+        (["train", "learning_rate=1e39"], "config key 'learning_rate'"),
+        (["train", "vocab_size=1099511627776"], "config key 'vocab_size'"),
+        (["train", "init_weights_seed=1180591620717411303424"], "config key 'init_weights_seed'"),
+        (["train", "{tmp}/steps.yml"], "config key 'steps'"),
+        (["train", "{tmp}/length.yml"], "config key 'max_target_length'"),
+        (["train", "{tmp}/sample.yml"], "config key 'sample_after_training'"),
+        # the run directory is one name under base_output_directory
+        (["train", "run_name=../../../x"], "must be one directory name under base_output_directory"),
+        (["train", "run_name=/tmp/x"], "a path separator"),
+        (["train", "run_name=."], "'.' or '..'"),
+        (["train", "run_name=.."], "'.' or '..'"),
+        (["train", "run_name=a\nb"], "a control character"),
+        (["train", "run_name=" + "x" * 300], "more than 200 characters"),
+        (["train", "base_output_directory={file}"], "is a file, not a directory"),
+        (["train", "base_output_directory=/proc/nnxtron-runs"], "cannot create run directory"),
+        # presets are names; config files are regular files of bounded size
+        (["train", "model_name={tmp}/evil"], "unknown model_name"),
+        (["train", "{tmp}"], "is a directory"),
+        (["train", "{tmp}/fifo.yml"], "is not a regular file"),
+        (["config", "show", "{tmp}/bomb.yml"], "expands to more than 100000 values"),
+    ],
+    ids=lambda value: value[-1][:40] if isinstance(value, list) else None,
+)
+def test_bad_input_is_one_line(tmp_path, capsys, args, fragment):
+    paths = _files(tmp_path)
+    args = [arg.format(**paths) for arg in args]
+    code, _, err = run_cli(capsys, *args)
+    assert_user_error(code, err, fragment)
+
+
+def test_hf_index_may_not_name_files_outside_the_model(tmp_path, capsys):
+    model = tmp_path / "hf"
+    shutil.copytree(GOLDEN / "llama2", model)
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "../../../../etc/passwd"}}))
+    code, _, err = run_cli(capsys, "convert", "from-hf", str(model), str(tmp_path / "run"))
+    assert_user_error(code, err, "outside")
+    assert not (tmp_path / "run").exists()
+
+
+def _tiny(corpus: str, base: Path, run: str, **extra) -> list[str]:
+    return [*train_overrides(corpus, str(base), run, eval_interval=-1, enable_tensorboard=False, **extra), "--no-progress"]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def test_a_run_held_by_another_writer_is_refused_and_untouched(corpus, tmp_path, capsys):
+    run_dir = tmp_path / "held"
+    run_dir.mkdir()
+    holder = RunLock(run_dir)
+    holder.acquire()
+    try:
+        code, _, err = run_cli(capsys, "train", *_tiny(corpus, tmp_path, "held"))
+        assert_user_error(code, err, f"is in use by pid {os.getpid()} on host")
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # nothing written
+    finally:
+        holder.release()
+    assert run_cli(capsys, "train", *_tiny(corpus, tmp_path, "held"))[0] == 0  # free again
+    assert _steps(run_dir) == list(range(1, 7))
+
+
+def test_a_lock_left_by_a_dead_writer_is_taken_over(corpus, tmp_path, capsys):
+    run_dir = tmp_path / "stale"
+    run_dir.mkdir()
+    (run_dir / LOCK_FILE).write_text("pid 999999 on host elsewhere since 2026-01-01T00:00:00+00:00\n")
+    code, out, err = run_cli(capsys, "train", *_tiny(corpus, tmp_path, "stale"))
+    assert code == 0, err
+    assert "run lock taken over from pid 999999 on host elsewhere" in out + err
+    assert (run_dir / LOCK_FILE).read_text() == ""  # released at the end
+
+
+def test_rerun_without_checkpoints_does_not_rewrite_history(corpus, tmp_path, capsys):
+    args = _tiny(corpus, tmp_path, "nockpt", enable_checkpointing="false")
+    assert run_cli(capsys, "train", *args)[0] == 0
+    log = (tmp_path / "nockpt" / "metrics.jsonl").read_bytes()
+    code, _, err = run_cli(capsys, "train", *args)
+    assert_user_error(code, err, "already holds 6 logged records and enable_checkpointing=false cannot resume")
+    assert (tmp_path / "nockpt" / "metrics.jsonl").read_bytes() == log
+
+
+def _child(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, **_fake_device_env(4)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "nnxtron", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def _final_params(run_dir: Path) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in flatten(nnx.state(load_model(run_dir), nnx.Param)).items()}
+
+
+def test_two_writers_started_together_leave_one_exact_run(corpus, tmp_path):
+    """Two ``nnxtron train`` of one run at once: one trains, the other is refused (or finds
+    the run finished); the log counts each step once and the weights equal a lone run's."""
+    procs = [_child(_tiny(corpus, tmp_path, "twice")) for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    codes = sorted(code for code, _, _ in results)
+    assert codes in ([0, 0], [0, 2]), results
+    for code, _, err in results:
+        if code == 2:
+            assert_user_error(code, err, "is in use by pid")
+    assert _steps(tmp_path / "twice") == list(range(1, 7))
+    lone = _child(_tiny(corpus, tmp_path, "lone"))
+    assert lone.wait(timeout=300) == 0, lone.communicate()
+    ours, reference = _final_params(tmp_path / "twice"), _final_params(tmp_path / "lone")
+    assert ours.keys() == reference.keys()
+    for key, value in reference.items():
+        np.testing.assert_array_equal(ours[key], value, err_msg=key)
+
+
+def test_a_run_never_takes_its_compilation_cache_from_its_config(corpus, tmp_path, capsys):
+    """``generate`` of someone else's run: the run's config.yml cannot choose where compiled
+    executables are loaded from (the cache is this machine's setting)."""
+    run_dir, evil = tmp_path / "theirs", tmp_path / "their-cache"
+    assert run_cli(capsys, "train", *_tiny(corpus, tmp_path, "theirs", steps=1, checkpoint_period=1))[0] == 0
+    written = yaml.safe_load((run_dir / "config.yml").read_text())
+    assert "compilation_cache_dir" not in written and "compilation_cache_min_compile_seconds" not in written
+    (run_dir / "config.yml").write_text(yaml.safe_dump({**written, "compilation_cache_dir": str(evil)}))
+    code, _, err = run_cli(capsys, "generate", str(run_dir), "--prompt", "ab", "max_new_tokens=2")
+    assert code == 0, err
+    assert not evil.exists()
