@@ -154,6 +154,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_convert(ns: argparse.Namespace) -> int:
+    from nnxtron.config.fingerprint import fingerprint
     from nnxtron.config.loader import parse_overrides, run_config_to_yaml
     from nnxtron.convert import hf
     from nnxtron.convert.runs import load_model
@@ -174,7 +175,8 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.yml").write_text(run_config_to_yaml(model.config))
     ckpt = Checkpointer(dest / "checkpoints", max_to_keep=1)
-    ckpt.save(0, {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}, {"source": str(Path(ns.source).absolute())})
+    meta = {"source": str(Path(ns.source).absolute()), "model": fingerprint(model.config)}
+    ckpt.save(0, {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}, meta)
     ckpt.wait()
     print(f"wrote nnxtron checkpoint to {dest} (use: nnxtron generate {dest} | nnxtron train load_parameters_path={dest})")
     return 0

@@ -208,7 +208,7 @@ def test_older_checkpoints_and_params_only_checkpoints_load_in_either_layout(run
     for scan in (True, False):
         cfg = load_config(overrides=_overrides(corpus, base, "x", scan_layers=scan))
         _, abstract, _, shardings, _ = model_shardings(cfg, make_mesh(cfg))
-        params = load_parameters(tmp_path / "ckpt", abstract, shardings)
+        params = load_parameters(tmp_path / "ckpt", cfg, abstract, shardings)
         loaded = _layer_list(params)
         assert loaded.keys() == reference.keys()
         for key in reference:
@@ -229,7 +229,7 @@ def test_a_different_layer_count_is_still_refused_across_layouts(runs, corpus, s
     cfg = load_config(overrides=_overrides(corpus, base, "x", scan_layers=not scan, base_num_decoder_layers=3))
     _, abstract, _, shardings, _ = model_shardings(cfg, make_mesh(cfg))
     with pytest.raises(CheckpointError, match="written for a different config"):
-        load_parameters(Path(base) / f"straight-{scan}", abstract, shardings)
+        load_parameters(Path(base) / f"straight-{scan}", cfg, abstract, shardings)
 
 
 def test_layer_conversions_work_under_any_prefix():

@@ -21,7 +21,7 @@ def reference(corpus, tmp_path_factory):
 def test_offloaded_state_lives_on_host_and_trains_identically(reference, flags):
     ref, corpus, base = reference
     cfg = load_config(
-        overrides=train_overrides(corpus, base, "off", steps=3, enable_checkpointing=False, eval_interval=-1, **flags)
+        overrides=train_overrides(corpus, base, "-".join(flags), steps=3, enable_checkpointing=False, eval_interval=-1, **flags)
     )
     result = Trainer(cfg, progress=False).run()
     assert result.losses == ref.losses  # bitwise: the same computation, only storage moves

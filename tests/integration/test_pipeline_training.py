@@ -50,7 +50,7 @@ def test_cli_trains_a_pipelined_model_and_resumes(corpus, tmp_path):
     for extra in (dict(ici_pipeline_parallelism=2), {}):
         cfg = load_config(overrides=train_overrides(corpus, base, "unused", base_num_decoder_layers=4, **extra))
         model_setup = Trainer(cfg).setup
-        params = load_parameters(run, model_setup.abstract_state["params"], model_setup.state_shardings["params"])
+        params = load_parameters(run, cfg, model_setup.abstract_state["params"], model_setup.state_shardings["params"])
         restored.append(flatten(params))
     assert restored[0].keys() == restored[1].keys()
     for key, value in restored[0].items():

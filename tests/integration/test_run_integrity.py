@@ -19,7 +19,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from nnxtron.cli import _fake_device_env
+from nnxtron.cli import _fake_device_env, main
 from nnxtron.convert.runs import load_model
 from nnxtron.params import flatten
 from nnxtron.train.run_dir import LOCK_FILE, RunLock
@@ -173,3 +173,96 @@ def test_a_run_never_takes_its_compilation_cache_from_its_config(corpus, tmp_pat
     code, _, err = run_cli(capsys, "generate", str(run_dir), "--prompt", "ab", "max_new_tokens=2")
     assert code == 0, err
     assert not evil.exists()
+
+
+# --- the model fingerprint -----------------------------------------------------------------
+
+
+def test_model_keys_come_from_the_schema():
+    from nnxtron.config.fingerprint import MODEL_KEYS
+
+    issue_examples = {"rope_max_timescale", "mlp_activations", "normalization_layer_epsilon", "sliding_window_size", "dtype"}
+    assert issue_examples <= set(MODEL_KEYS)
+    assert {"decoder_block", "base_emb_dim", "vocab_size", "compress_ratios", "capacity_factor", "weight_dtype"} <= set(
+        MODEL_KEYS
+    )
+    training = {"steps", "learning_rate", "scan_layers", "remat_policy", "ici_fsdp_parallelism", "attention", "run_name"}
+    assert not training & set(MODEL_KEYS)
+
+
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory):
+    """A 6-step run (checkpoints at 3 and 6) and a snapshot of every file it wrote."""
+    base = tmp_path_factory.mktemp("fingerprint")
+    assert main(["train", *_tiny(corpus, base, "fp")]) == 0
+    return base, base / "fp"
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "rope_max_timescale=500000.0",
+        "mlp_activations=[gelu,linear]",
+        "normalization_layer_epsilon=0.001",
+        "sliding_window_size=8",
+        "dtype=bfloat16",
+    ],
+)
+def test_resume_with_another_model_is_refused(corpus, finished_run, capsys, change):
+    base, run_dir = finished_run
+    before = _snapshot(run_dir)
+    code, _, err = run_cli(capsys, "train", *_tiny(corpus, base, "fp", steps=9), change)
+    assert_user_error(code, err, f"was created with {change.split('=')[0]}=")
+    assert _snapshot(run_dir) == before
+
+
+def test_a_config_yml_edited_by_hand_is_caught_by_the_checkpoints(corpus, finished_run, tmp_path, capsys):
+    """The checkpoints carry the fingerprint too: editing config.yml cannot make generate or
+    a resume run another function on the same weights."""
+    _, source = finished_run
+    run_dir = tmp_path / "edited"
+    shutil.copytree(source, run_dir)
+    stored = yaml.safe_load((run_dir / "config.yml").read_text())
+    (run_dir / "config.yml").write_text(
+        yaml.safe_dump({**stored, "rope_max_timescale": 500000.0, "base_output_directory": str(tmp_path)})
+    )
+    code, _, err = run_cli(capsys, "generate", str(run_dir), "--prompt", "ab", "max_new_tokens=2")
+    assert_user_error(code, err, "was created with rope_max_timescale=10000.0 but this config has rope_max_timescale=500000.0")
+    code, _, err = run_cli(capsys, "train", *_tiny(corpus, tmp_path, "edited", steps=9, rope_max_timescale=500000.0))
+    assert_user_error(code, err, "checkpoint")
+
+
+def test_generate_and_load_parameters_refuse_another_model(corpus, finished_run, tmp_path, capsys):
+    base, run_dir = finished_run
+    code, _, err = run_cli(capsys, "generate", str(run_dir), "--prompt", "ab", "max_new_tokens=2", "rope_max_timescale=99.0")
+    assert_user_error(code, err, "rope_max_timescale=99.0")
+    args = _tiny(corpus, tmp_path, "finetune", load_parameters_path=str(run_dir), normalization_layer_epsilon=0.001)
+    code, _, err = run_cli(capsys, "train", *args)
+    assert_user_error(code, err, "normalization_layer_epsilon")
+
+
+def test_a_resume_may_change_training_keys_and_says_which(corpus, finished_run, tmp_path, capsys):
+    _, source = finished_run
+    shutil.copytree(source, tmp_path / "more")
+    code, out, err = run_cli(capsys, "train", *_tiny(corpus, tmp_path, "more", steps=9, learning_rate=0.005))
+    assert code == 0, err
+    assert "changed since the run's config.yml: " in out + err and "steps 6 -> 9" in out + err
+    assert "learning_rate 0.01 -> 0.005" in out + err
+    assert _steps(tmp_path / "more") == list(range(1, 10))
+
+
+def test_hf_weights_must_be_finite_floats(tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    for name, damage in (("nan", lambda t: t * np.nan), ("int", lambda t: t.astype(np.int32))):
+        model = tmp_path / name
+        shutil.copytree(GOLDEN / "llama2", model)
+        tensors = load_file(model / "model.safetensors")
+        tensors["model.norm.weight"] = damage(tensors["model.norm.weight"])
+        save_file(tensors, model / "model.safetensors")
+        code, _, err = run_cli(capsys, "convert", "from-hf", str(model), str(tmp_path / f"run-{name}"))
+        assert_user_error(code, err, "NaN/Inf values" if name == "nan" else "expected floating-point weights")

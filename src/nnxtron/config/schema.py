@@ -9,13 +9,23 @@ DeepSeek-V4 keys, ``deepseek4.py``). Key names follow MaxText's where MaxText ha
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nnxtron.config import checks, deepseek4, options
 from nnxtron.errors import ConfigError
 
+T = TypeVar("T")
+
+
+class _ModelKey:
+    """Marks a key that changes the function the model computes: it is part of the model's
+    fingerprint (``config/fingerprint.py``), which a run and its checkpoints record."""
+
+
+MODEL_KEY = _ModelKey()
+Model = Annotated[T, MODEL_KEY]
 DType = Literal[options.DTYPES]
 RematPolicy = Literal[options.REMAT_POLICIES]
 RematChoice = Literal[options.REMAT_CHOICES]  # per named activation, for remat_policy=custom
@@ -42,99 +52,107 @@ class Config(BaseModel):
     compilation_cache_min_compile_seconds: float = Field(ge=0)  # only compiles at least this long are stored
 
     # --- model ----------------------------------------------------------------
-    decoder_block: Literal[options.DECODER_BLOCKS]
-    base_emb_dim: int = Field(gt=0, le=MAX_SIZE)
-    base_num_query_heads: int = Field(gt=0, le=MAX_COUNT)
-    base_num_kv_heads: int = Field(gt=0, le=MAX_COUNT)
-    head_dim: int = Field(ge=-1, le=MAX_SIZE)  # -1 = base_emb_dim // base_num_query_heads
-    base_mlp_dim: int = Field(gt=0, le=MAX_SIZE)
-    base_num_decoder_layers: int = Field(gt=0, le=MAX_COUNT)
-    vocab_size: int = Field(gt=0, le=MAX_SIZE)
-    normalization_layer_epsilon: float = Field(gt=0)
-    mlp_activations: tuple[str, ...]
-    rope_type: Literal[options.ROPE_TYPES]  # linear: positions / rope_scaling_factor
-    rope_max_timescale: float = Field(gt=0)
-    rope_interleave: bool  # False: rotate-half pairs (i, i+d/2) as HF Llama; True: (2i, 2i+1)
-    rope_scaling_factor: float = Field(gt=0)
-    rope_low_freq_factor: float = Field(gt=0)
-    rope_high_freq_factor: float = Field(gt=0)
-    rope_original_max_position_embeddings: int = Field(gt=0, le=MAX_SIZE)
-    max_position_embeddings: int = Field(gt=0, le=MAX_SIZE)  # HF max_position_embeddings (context the RoPE scaling targets)
-    beta_fast: float = Field(gt=0)  # yarn ramp (HF rope_scaling beta_fast)
-    beta_slow: float = Field(gt=0)  # yarn ramp (HF rope_scaling beta_slow)
-    mscale: float = Field(ge=0)  # yarn (HF mscale; 0 = unset): cos/sin x m(mscale)/m(mscale_all_dim) when both set, else m(1)
-    mscale_all_dim: float = Field(ge=0)  # yarn (HF rope_scaling mscale_all_dim): softmax scale x m(mscale_all_dim)^2
-    sliding_window_size: int = Field(ge=0, le=MAX_SIZE)  # 0 = full causal attention
-    # --- layer patterns (Gemma 3, Llama 4): layer i is 0-based; see config/layout.py ---
-    sliding_window_pattern: int = Field(
-        ge=0, le=MAX_COUNT
-    )  # > 0: layer i is global iff (i+1) % pattern == 0, else sliding (Gemma 3: 6)
-    local_rope_max_timescale: float = Field(
+    decoder_block: Model[Literal[options.DECODER_BLOCKS]]
+    base_emb_dim: Model[int] = Field(gt=0, le=MAX_SIZE)
+    base_num_query_heads: Model[int] = Field(gt=0, le=MAX_COUNT)
+    base_num_kv_heads: Model[int] = Field(gt=0, le=MAX_COUNT)
+    head_dim: Model[int] = Field(ge=-1, le=MAX_SIZE)  # -1 = base_emb_dim // base_num_query_heads
+    base_mlp_dim: Model[int] = Field(gt=0, le=MAX_SIZE)
+    base_num_decoder_layers: Model[int] = Field(gt=0, le=MAX_COUNT)
+    vocab_size: Model[int] = Field(gt=0, le=MAX_SIZE)
+    normalization_layer_epsilon: Model[float] = Field(gt=0)
+    mlp_activations: Model[tuple[str, ...]]
+    rope_type: Model[Literal[options.ROPE_TYPES]]  # linear: positions / rope_scaling_factor
+    rope_max_timescale: Model[float] = Field(gt=0)
+    rope_interleave: Model[bool]  # False: rotate-half pairs (i, i+d/2) as HF Llama; True: (2i, 2i+1)
+    rope_scaling_factor: Model[float] = Field(gt=0)
+    rope_low_freq_factor: Model[float] = Field(gt=0)
+    rope_high_freq_factor: Model[float] = Field(gt=0)
+    rope_original_max_position_embeddings: Model[int] = Field(gt=0, le=MAX_SIZE)
+    max_position_embeddings: Model[int] = Field(
+        gt=0, le=MAX_SIZE
+    )  # HF max_position_embeddings (context the RoPE scaling targets)
+    beta_fast: Model[float] = Field(gt=0)  # yarn ramp (HF rope_scaling beta_fast)
+    beta_slow: Model[float] = Field(gt=0)  # yarn ramp (HF rope_scaling beta_slow)
+    mscale: Model[float] = Field(
         ge=0
-    )  # RoPE theta of sliding layers under a pattern (0 = rope_max_timescale, unscaled)
-    query_pre_attn_scalar: float = Field(ge=0)  # attention logits x query_pre_attn_scalar^-0.5 (0 = head_dim)
-    nope_layer_interval: int = Field(ge=0, le=MAX_COUNT)  # > 0: layer i has no RoPE iff (i+1) % interval == 0 (Llama 4: 4)
-    chunk_attn_window_size: int = Field(ge=0, le=MAX_SIZE)  # > 0: RoPE layers attend within aligned chunks of this size (Llama 4)
-    temperature_tuning: bool  # Llama 4: NoPE layers scale q by log1p(floor((pos+1)/floor_scale))*scale + 1
-    temperature_tuning_floor_scale: float = Field(gt=0)
-    temperature_tuning_scale: float = Field(ge=0)
-    interleave_moe_layer_step: int = Field(
-        gt=0, le=MAX_COUNT
-    )  # MoE models: layer i is MoE iff (i+1) % step == 0 (Llama 4 Maverick: 2)
+    )  # yarn (HF mscale; 0 = unset): cos/sin x m(mscale)/m(mscale_all_dim) when both set, else m(1)
+    mscale_all_dim: Model[float] = Field(ge=0)  # yarn (HF rope_scaling mscale_all_dim): softmax scale x m(mscale_all_dim)^2
+    sliding_window_size: Model[int] = Field(ge=0, le=MAX_SIZE)  # 0 = full causal attention
+    # --- layer patterns (Gemma 3, Llama 4): layer i is 0-based; see config/layout.py ---
+    # > 0: layer i is global iff (i+1) % pattern == 0, else sliding (Gemma 3: 6)
+    sliding_window_pattern: Model[int] = Field(ge=0, le=MAX_COUNT)
+    # RoPE theta of sliding layers under a pattern (0 = rope_max_timescale, unscaled)
+    local_rope_max_timescale: Model[float] = Field(ge=0)
+    query_pre_attn_scalar: Model[float] = Field(ge=0)  # attention logits x query_pre_attn_scalar^-0.5 (0 = head_dim)
+    nope_layer_interval: Model[int] = Field(ge=0, le=MAX_COUNT)  # > 0: layer i has no RoPE iff (i+1) % interval == 0 (Llama 4: 4)
+    chunk_attn_window_size: Model[int] = Field(
+        ge=0, le=MAX_SIZE
+    )  # > 0: RoPE layers attend within aligned chunks of this size (Llama 4)
+    temperature_tuning: Model[bool]  # Llama 4: NoPE layers scale q by log1p(floor((pos+1)/floor_scale))*scale + 1
+    temperature_tuning_floor_scale: Model[float] = Field(gt=0)
+    temperature_tuning_scale: Model[float] = Field(ge=0)
+    # MoE models: layer i is MoE iff (i+1) % step == 0 (Llama 4 Maverick: 2)
+    interleave_moe_layer_step: Model[int] = Field(gt=0, le=MAX_COUNT)
     inhomogeneous_layer_cycle_interval: int = Field(ge=0, le=MAX_COUNT)  # layers per scanned block (0 = the pattern's period)
-    trainable_position_size: int = Field(ge=0, le=MAX_SIZE)  # > 0: learned absolute position embeddings (GPT-3), no RoPE
-    attention_type: Literal[options.ATTENTION_TYPES]  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
+    trainable_position_size: Model[int] = Field(ge=0, le=MAX_SIZE)  # > 0: learned absolute position embeddings (GPT-3), no RoPE
+    attention_type: Model[Literal[options.ATTENTION_TYPES]]  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
     # implementation of attention_type=global (docs/attention.md); auto: cudnn on a CUDA GPU where it runs, else xla
     attention: Literal[options.ATTENTION_CHOICES]
-    use_qk_norm: bool  # q/k norm over head_dim: RMSNorm before RoPE (Qwen3, Gemma 3 (1+w)); weightless L2 after RoPE (Llama 4)
-    q_lora_rank: int = Field(ge=0, le=MAX_SIZE)  # mla: 0 = plain query projection
-    kv_lora_rank: int = Field(gt=0, le=MAX_SIZE)  # mla
-    qk_nope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # mla
-    qk_rope_head_dim: int = Field(gt=0, le=MAX_SIZE)  # mla
-    v_head_dim: int = Field(gt=0, le=MAX_SIZE)  # mla
+    use_qk_norm: Model[
+        bool
+    ]  # q/k norm over head_dim: RMSNorm before RoPE (Qwen3, Gemma 3 (1+w)); weightless L2 after RoPE (Llama 4)
+    q_lora_rank: Model[int] = Field(ge=0, le=MAX_SIZE)  # mla: 0 = plain query projection
+    kv_lora_rank: Model[int] = Field(gt=0, le=MAX_SIZE)  # mla
+    qk_nope_head_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # mla
+    qk_rope_head_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # mla
+    v_head_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # mla
     # --- DeepSeek-V4 (attention_type=compressed, decoder_block=deepseek4; rules in config/deepseek4.py) ---
-    compress_ratios: tuple[int, ...]  # per layer: 0 sliding only, csa_compress_ratio (CSA), hca_compress_ratio (HCA)
-    csa_compress_ratio: int = Field(
+    compress_ratios: Model[tuple[int, ...]]  # per layer: 0 sliding only, csa_compress_ratio (CSA), hca_compress_ratio (HCA)
+    # HF compress_rates.compressed_sparse_attention (overlapping windows + indexer)
+    csa_compress_ratio: Model[int] = Field(gt=0, le=MAX_SIZE)
+    hca_compress_ratio: Model[int] = Field(
         gt=0, le=MAX_SIZE
-    )  # HF compress_rates.compressed_sparse_attention (overlapping windows + indexer)
-    hca_compress_ratio: int = Field(gt=0, le=MAX_SIZE)  # HF compress_rates.heavily_compressed_attention (non-overlapping windows)
-    compressed_rope_max_timescale: float = Field(gt=0)  # RoPE theta of CSA/HCA layers (HF compress_rope_theta)
-    o_groups: int = Field(gt=0, le=MAX_COUNT)  # grouped low-rank output projection: groups
-    o_lora_rank: int = Field(gt=0, le=MAX_SIZE)  # ... and rank per group
-    indexer_n_heads: int = Field(gt=0, le=MAX_COUNT)  # lightning indexer (CSA layers)
-    indexer_head_dim: int = Field(gt=0, le=MAX_SIZE)
-    indexer_topk: int = Field(gt=0, le=MAX_SIZE)  # compressed entries each query attends to on CSA layers
-    mhc_expansion_rate: int = Field(gt=0, le=MAX_COUNT)  # residual streams of the hyper-connections (1 = off)
-    sinkhorn_iterations: int = Field(gt=0, le=MAX_COUNT)
-    mhc_eps: float = Field(gt=0)  # HF hc_eps
-    first_num_hash_layers: int = Field(ge=0, le=MAX_COUNT)  # leading MoE layers routed by the non-trainable token->expert table
-    mlp_activations_limit: float = Field(ge=0)  # SwiGLU clamp (HF swiglu_limit): gate <= L, |up| <= L; 0 = off
+    )  # HF compress_rates.heavily_compressed_attention (non-overlapping windows)
+    compressed_rope_max_timescale: Model[float] = Field(gt=0)  # RoPE theta of CSA/HCA layers (HF compress_rope_theta)
+    o_groups: Model[int] = Field(gt=0, le=MAX_COUNT)  # grouped low-rank output projection: groups
+    o_lora_rank: Model[int] = Field(gt=0, le=MAX_SIZE)  # ... and rank per group
+    indexer_n_heads: Model[int] = Field(gt=0, le=MAX_COUNT)  # lightning indexer (CSA layers)
+    indexer_head_dim: Model[int] = Field(gt=0, le=MAX_SIZE)
+    indexer_topk: Model[int] = Field(gt=0, le=MAX_SIZE)  # compressed entries each query attends to on CSA layers
+    mhc_expansion_rate: Model[int] = Field(gt=0, le=MAX_COUNT)  # residual streams of the hyper-connections (1 = off)
+    sinkhorn_iterations: Model[int] = Field(gt=0, le=MAX_COUNT)
+    mhc_eps: Model[float] = Field(gt=0)  # HF hc_eps
+    first_num_hash_layers: Model[int] = Field(
+        ge=0, le=MAX_COUNT
+    )  # leading MoE layers routed by the non-trainable token->expert table
+    mlp_activations_limit: Model[float] = Field(ge=0)  # SwiGLU clamp (HF swiglu_limit): gate <= L, |up| <= L; 0 = off
 
     # --- mixture of experts -------------------------------------------------------
-    num_experts: int = Field(gt=0, le=MAX_COUNT)  # 1 = dense MLP layers
-    num_experts_per_tok: int = Field(gt=0, le=MAX_COUNT)
-    base_moe_mlp_dim: int = Field(gt=0, le=MAX_SIZE)  # hidden size of each routed (and shared) expert
-    shared_experts: int = Field(ge=0, le=MAX_COUNT)  # always-on experts: one MLP of shared_experts x base_moe_mlp_dim
-    first_num_dense_layers: int = Field(ge=0, le=MAX_COUNT)  # leading dense layers (their own scanned stack)
-    routed_score_func: Literal[options.ROUTER_SCORE_FUNCS]
-    norm_topk_prob: bool  # renormalise the selected experts' weights to sum to 1
-    routed_scaling_factor: float = Field(gt=0)  # multiplies the combine weights (DeepSeek)
-    routed_bias: bool  # correction bias added to the scores for selection only (DeepSeek)
+    num_experts: Model[int] = Field(gt=0, le=MAX_COUNT)  # 1 = dense MLP layers
+    num_experts_per_tok: Model[int] = Field(gt=0, le=MAX_COUNT)
+    base_moe_mlp_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # hidden size of each routed (and shared) expert
+    shared_experts: Model[int] = Field(ge=0, le=MAX_COUNT)  # always-on experts: one MLP of shared_experts x base_moe_mlp_dim
+    first_num_dense_layers: Model[int] = Field(ge=0, le=MAX_COUNT)  # leading dense layers (their own scanned stack)
+    routed_score_func: Model[Literal[options.ROUTER_SCORE_FUNCS]]
+    norm_topk_prob: Model[bool]  # renormalise the selected experts' weights to sum to 1
+    routed_scaling_factor: Model[float] = Field(gt=0)  # multiplies the combine weights (DeepSeek)
+    routed_bias: Model[bool]  # correction bias added to the scores for selection only (DeepSeek)
     routed_bias_update_rate: float = Field(ge=0)  # loss-free balancing: bias += rate * sign(mean load - load)
-    n_routing_groups: int = Field(ge=-1, le=MAX_COUNT)  # group-limited routing: groups of experts (-1 = off)
-    topk_routing_group: int = Field(ge=-1, le=MAX_COUNT)  # group-limited routing: groups kept per token (-1 = off)
-    router_scales_expert_input: bool  # Llama 4: sigmoid(top-1 logit) scales the expert input, not its output
-    capacity_factor: float  # -1 = dropless; > 0: each expert takes at most factor * tokens * k / experts tokens
+    n_routing_groups: Model[int] = Field(ge=-1, le=MAX_COUNT)  # group-limited routing: groups of experts (-1 = off)
+    topk_routing_group: Model[int] = Field(ge=-1, le=MAX_COUNT)  # group-limited routing: groups kept per token (-1 = off)
+    router_scales_expert_input: Model[bool]  # Llama 4: sigmoid(top-1 logit) scales the expert input, not its output
+    capacity_factor: Model[float]  # -1 = dropless; > 0: each expert takes at most factor * tokens * k / experts tokens
     load_balance_loss_weight: float = Field(ge=0)  # 0 = off
 
     # --- multi-token prediction ---------------------------------------------------
-    mtp_num_layers: int = Field(ge=0, le=MAX_COUNT)  # 0 = off
+    mtp_num_layers: Model[int] = Field(ge=0, le=MAX_COUNT)  # 0 = off
     mtp_loss_scaling_factor: float = Field(ge=0)
     mtp_eval_target_module: int = Field(ge=0, le=MAX_COUNT)  # eval reports this MTP depth's acceptance rate (0 = off)
-    logits_via_embedding: bool  # tied output head
-    final_logits_soft_cap: float = Field(ge=0)  # 0 = off
-    dtype: DType  # activations
-    weight_dtype: DType  # parameters
+    logits_via_embedding: Model[bool]  # tied output head
+    final_logits_soft_cap: Model[float] = Field(ge=0)  # 0 = off
+    dtype: Model[DType]  # activations
+    weight_dtype: Model[DType]  # parameters
 
     # --- layer stacking and memory ----------------------------------------------
     scan_layers: bool

@@ -184,13 +184,22 @@ class _Reader:
         self.file_keys = file_keys or {}  # key -> its name in the file, where they differ (multimodal wrappers)
         self.used: set[str] = set()
 
-    def _get(self, key: str, want: tuple[int, ...]) -> np.ndarray:
+    def _get(self, key: str, want: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The tensor ``key``: of shape ``want``, of ``dtype``'s kind (floating or integer) and,
+        for floating weights, finite."""
         tensor = self.handles[key].get_tensor(self.file_keys.get(key, key))
         if tuple(tensor.shape) != want:
             raise CheckpointError(
                 f"tensor '{key}' in '{self.root}' has shape {list(tensor.shape)}, expected {list(want)} from "
                 "config.json; fix config.json or the weights"
             )
+        floating = jnp.issubdtype(dtype, jnp.floating)
+        if jnp.issubdtype(tensor.dtype, jnp.floating) != floating:
+            kind = "floating-point weights" if floating else "an integer table"
+            raise CheckpointError(f"tensor '{key}' in '{self.root}' is {tensor.dtype}, expected {kind}; the weights are damaged")
+        if floating and not np.isfinite(tensor).all():
+            bad = int(tensor.size - np.isfinite(tensor).sum())
+            raise CheckpointError(f"tensor '{key}' in '{self.root}' holds {bad} NaN/Inf values; the weights are damaged")
         self.used.add(key)
         return tensor
 
@@ -208,21 +217,21 @@ class _Reader:
                 raise self._missing(prefix + wm.hf_key)
             if wm.split_parts > 1:  # one chunk of a tensor concatenated along its last axis
                 size = shape[-1]
-                full = self._get(key, (*shape[:-1], wm.split_parts * size))
+                full = self._get(key, (*shape[:-1], wm.split_parts * size), dtype)
                 return full[..., wm.split_part * size : (wm.split_part + 1) * size].astype(dtype)
             want = _hf_shape(shape, in_dims, wm.conv1d)
-            return _from_hf_tensor(self._get(key, want), shape, in_dims, wm.conv1d).astype(dtype, copy=False)
+            return _from_hf_tensor(self._get(key, want, dtype), shape, in_dims, wm.conv1d).astype(dtype, copy=False)
         experts, one = shape[0], tuple(shape[1:])
         keys = [prefix + wm.hf_key.format(e=e) for e in range(experts)]
         if wm.fused_key and keys[0] not in self.handles and prefix + wm.fused_key in self.handles:
             out_size, in_size = _hf_shape(one, in_dims)
-            fused = self._get(prefix + wm.fused_key, (experts, wm.fused_parts * out_size, in_size))
+            fused = self._get(prefix + wm.fused_key, (experts, wm.fused_parts * out_size, in_size), dtype)
             part = fused[:, wm.fused_part * out_size : (wm.fused_part + 1) * out_size]
             return np.stack([_from_hf_tensor(t, one, in_dims) for t in part]).astype(dtype, copy=False)
         missing = [k for k in keys if k not in self.handles]
         if missing:
             raise self._missing(missing[0])
-        parts = [_from_hf_tensor(self._get(k, _hf_shape(one, in_dims)), one, in_dims) for k in keys]
+        parts = [_from_hf_tensor(self._get(k, _hf_shape(one, in_dims), dtype), one, in_dims) for k in keys]
         return np.stack(parts).astype(dtype, copy=False)
 
 

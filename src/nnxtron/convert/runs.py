@@ -42,5 +42,5 @@ def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:
         return from_hf(path, **parse_overrides(overrides))
     cfg = run_config(path, overrides)
     graphdef, abstract_params, _, param_sh, rest_sh = model_shardings(cfg, make_mesh(cfg))
-    params = load_parameters(path, abstract_params, param_sh)
+    params = load_parameters(path, cfg, abstract_params, param_sh)
     return nnx.merge(graphdef, params, init_non_params(cfg, rest_sh))

@@ -13,12 +13,13 @@ import numpy as np
 import yaml
 
 from nnxtron.config.derived import Derived, derive
+from nnxtron.config.fingerprint import check_same_model, fingerprint, of_stored, other_changes
 from nnxtron.config.flops import training_flops_per_token
 from nnxtron.config.loader import run_config_to_yaml
 from nnxtron.config.schema import Config
 from nnxtron.data.pipeline import BatchSource, DataIterator
 from nnxtron.data.sources import make_sources
-from nnxtron.errors import CheckpointError, ConfigError, DataError, TrainingError
+from nnxtron.errors import CheckpointError, DataError, TrainingError
 from nnxtron.models.quant import summary
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.params import flatten_with_treedef
@@ -30,16 +31,6 @@ from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.run_dir import RunDirError, RunLock, make_run_dir, resolve_run_dir
 from nnxtron.train.state import TrainState, init_state, setup
 from nnxtron.train.step import batch_sharding, device_batch, make_eval_step, make_train_step
-
-# Keys that define the model's parameters: a run cannot resume with different values.
-# (scan_layers is not one: it changes how the same parameters are laid out and applied, and
-# checkpoints are converted between the two layouts on restore; the mesh may change too.)
-MODEL_KEYS = (
-    "decoder_block", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
-    "base_num_decoder_layers", "vocab_size", "logits_via_embedding", "weight_dtype", "use_qk_norm", "attention_type",
-    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts",
-    "base_moe_mlp_dim", "shared_experts", "first_num_dense_layers", "routed_bias", "mtp_num_layers",
-)  # fmt: skip
 
 
 @dataclass
@@ -54,22 +45,30 @@ class TrainResult:
     state: TrainState | None = None
 
 
-def _check_same_model(run_dir: Path, cfg: Config) -> None:
-    """An existing run may change training keys (steps, lr...) but not the model."""
+def _check_same_model(run_dir: Path, cfg: Config) -> list[str]:
+    """An existing run may change training keys (steps, lr, mesh...) but not the model
+    (``config.fingerprint``); returns the keys that changed (``key old -> new``)."""
     stored_file = run_dir / "config.yml"
     if not stored_file.is_file():
-        return
+        return []
     try:
         stored = yaml.safe_load(stored_file.read_text()) or {}
     except yaml.YAMLError:
         raise CheckpointError(f"{stored_file} is not valid YAML; repair it or use a new run_name") from None
-    current = cfg.model_dump(mode="json")
-    for key in MODEL_KEYS:
-        if key in stored and stored[key] != current[key]:
-            raise ConfigError(
-                f"run '{run_dir}' was created with {key}={stored[key]!r} but this config has {current[key]!r}; "
-                "use the same value to resume, or a new run_name"
-            )
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{stored_file} is not a mapping of key: value; repair it or use a new run_name")
+    check_same_model(of_stored(stored), cfg, f"run '{run_dir}'", "use the same values to resume, or a new run_name")
+    return other_changes(stored, cfg)
+
+
+def checkpoint_model(meta: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint a checkpoint was written with (older ones: from its config; converted
+    HF checkpoints of older versions have none, and nothing is compared)."""
+    model = meta.get("model")
+    if isinstance(model, dict):
+        return model
+    config = meta.get("config")
+    return of_stored(config) if isinstance(config, dict) else {}
 
 
 def _check_no_history(run_dir: Path) -> None:
@@ -84,12 +83,13 @@ def _check_no_history(run_dir: Path) -> None:
         )
 
 
-def load_parameters(path: str | Path, abstract_params: Any, param_shardings: Any) -> Any:
+def load_parameters(path: str | Path, cfg: Config, abstract_params: Any, param_shardings: Any) -> Any:
     """Weights from an nnxtron checkpoint: a run directory, its checkpoints/ or one step.
 
     The checkpoint may be a full training one or params-only (``convert from-hf``), written
     with either ``scan_layers`` and on any mesh: it is converted to the layout of
-    ``abstract_params`` and placed on ``param_shardings``."""
+    ``abstract_params`` and placed on ``param_shardings``. It must have been written for
+    the model ``cfg`` describes (``config.fingerprint``)."""
     directory = Path(path)
     if (directory / "checkpoints").is_dir():
         directory = directory / "checkpoints"
@@ -100,7 +100,9 @@ def load_parameters(path: str | Path, abstract_params: Any, param_shardings: Any
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"no checkpoint found under '{path}'; point load_parameters_path at a run or checkpoint directory")
-    restored, _ = ckpt.restore(step, {"params": abstract_params}, {"params": param_shardings})
+    restored, meta = ckpt.restore(step, {"params": abstract_params}, {"params": param_shardings})
+    fix = "use the model settings it was written with (its run's config.yml)"
+    check_same_model(checkpoint_model(meta), cfg, f"checkpoint '{ckpt.directory / str(step)}'", fix)
     return restored["params"]
 
 
@@ -138,6 +140,8 @@ class Trainer:
             except UnreadableCheckpoint as err:
                 unreadable.append((step, err))
                 continue
+            fix = "use the same values to resume, or a new run_name"
+            check_same_model(checkpoint_model(meta), self.cfg, f"checkpoint '{ckpt.directory / str(step)}'", fix)
             if int(state["step"]) != step or meta.get("data_position") != step:
                 raise CheckpointError(
                     f"checkpoint {step} in {ckpt.directory} is inconsistent (step/data position); use a new run_name"
@@ -154,7 +158,7 @@ class Trainer:
         params = None
         if self.cfg.load_parameters_path:
             params = load_parameters(
-                self.cfg.load_parameters_path, self.setup.abstract_state["params"], self.setup.state_shardings["params"]
+                self.cfg.load_parameters_path, self.cfg, self.setup.abstract_state["params"], self.setup.state_shardings["params"]
             )
         return init_state(self.cfg, self.setup, self.tx, params), 0, None
 
@@ -188,7 +192,9 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         cfg = self.cfg
-        _check_same_model(self.run_dir, cfg)
+        changes = _check_same_model(self.run_dir, cfg)
+        if changes:
+            self.notes.append("changed since the run's config.yml: " + "; ".join(changes))
         if not cfg.enable_checkpointing:
             _check_no_history(self.run_dir)
         if jax.process_index() == 0 and not (self.run_dir / "config.yml").exists():
@@ -243,7 +249,14 @@ class Trainer:
                         recorder.last_checkpoint = done
                         data_states = all_process_states(batches.get_state())
                         ckpt.save(
-                            done, state, {"data_position": done, "data_state": data_states, "config": cfg.model_dump(mode="json")}
+                            done,
+                            state,
+                            {
+                                "data_position": done,
+                                "data_state": data_states,
+                                "config": cfg.model_dump(mode="json"),
+                                "model": fingerprint(cfg),
+                            },
                         )
                 recorder.flush()
                 data_state = batches.get_state()
