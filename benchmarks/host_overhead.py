@@ -143,14 +143,20 @@ def make_plain_step(cfg: Config, tx: optax.GradientTransformation, schedule: opt
     def step(params, opt_state, count, batch):
         (loss, tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cfg)
         updates, opt_state = tx.update(grads, opt_state, params)
-        # the same non-finite guard as nnxtron's step (policy stop: report, do not mask the update)
+        params = optax.apply_updates(params, updates)
+        # the same non-finite guard as nnxtron's step (policy stop: report, do not mask the update):
+        # loss and gradients, and the updated parameters and optimizer state
         squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)])
-        finite = jnp.isfinite(loss) & jnp.all(jnp.isfinite(squares))
+        gradients_finite = jnp.isfinite(loss) & jnp.all(jnp.isfinite(squares))
+        state_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((params, opt_state))
+                                          if jnp.issubdtype(x.dtype, jnp.inexact)]))  # fmt: skip
+        finite = gradients_finite & state_finite
         metrics = {"loss": loss, "tokens": tokens, "grad_norm": jnp.sqrt(jnp.sum(squares)),
                    "learning_rate": jnp.asarray(schedule(count), jnp.float32),
-                   "non_finite_leaf": jnp.where(finite, -1, jnp.argmax(~jnp.isfinite(squares))).astype(jnp.int32),
+                   "non_finite_leaf": jnp.where(gradients_finite, -1, jnp.argmax(~jnp.isfinite(squares))).astype(jnp.int32),
+                   "non_finite_state": (gradients_finite & ~state_finite).astype(jnp.float32),
                    "skipped": (~finite).astype(jnp.float32)}  # fmt: skip
-        return optax.apply_updates(params, updates), opt_state, count + 1, metrics
+        return params, opt_state, count + 1, metrics
 
     return jax.jit(step, donate_argnums=(0, 1, 2))
 

@@ -109,12 +109,14 @@ def _sample(model, cfg, max_new_tokens: int):
 
 
 def _print_sample_from_state(cfg, result) -> None:
+    import jax
     from flax import nnx
 
     from nnxtron.models.build import abstract_model
 
     graphdef = nnx.split(abstract_model(cfg))[0]
-    model = nnx.merge(graphdef, result.state["params"], result.state["rest"])
+    on_device = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), result.state["params"])
+    model = nnx.merge(graphdef, on_device, result.state["rest"])  # (parameter_memory_host_offload keeps them on the host)
     tokenizer, stream = _sample(model, cfg, cfg.sample_after_training)
     ids = list(stream)
     print(f"--- sample ({cfg.decode_sampling_strategy}, {len(ids)} tokens) ---")

@@ -34,3 +34,15 @@ def test_offloaded_state_lives_on_host_and_trains_identically(reference, flags):
             assert value.sharding.memory_kind == ("pinned_host" if on_host else "device"), key
     for key, value in flatten(ref.state["params"]).items():
         np.testing.assert_array_equal(np.asarray(flatten(result.state["params"])[key]), np.asarray(value))
+
+
+def test_offloaded_runs_checkpoint_resume_and_sample(corpus, tmp_path, capsys):
+    """Checkpoint checksums and the sample after training read host-offloaded arrays too."""
+    from nnxtron.cli import main
+
+    flags = ["parameter_memory_host_offload=true", "optimizer_memory_host_offload=true", "--no-progress"]
+    args = train_overrides(corpus, str(tmp_path), "offloaded", steps=2, checkpoint_period=1, eval_interval=-1)
+    assert main(["train", *args, *flags, "sample_after_training=4"]) == 0, capsys.readouterr().err
+    assert "--- sample (" in capsys.readouterr().out
+    assert main(["train", *args, *flags, "steps=3"]) == 0, capsys.readouterr().err
+    assert "resumed at step 2" in capsys.readouterr().err

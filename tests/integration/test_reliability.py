@@ -6,6 +6,7 @@ import gc
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -114,4 +115,85 @@ def test_resume_skips_an_unreadable_latest_checkpoint(corpus, tmp_path):
     with pytest.raises(CheckpointError, match="none of the 3 checkpoints"):
         _trainer(corpus, base, "crash", steps=8, checkpoint_period=2).run()
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4", "6"]
+    gc.collect()
+
+
+def _exploding(make_optimizer, at_step: int):
+    """``make_optimizer`` whose update is +inf on the parameters at step ``at_step`` (1-based):
+    finite loss and gradients, a non-finite state (an overflowing update)."""
+    import jax.numpy as jnp
+    import optax
+
+    def make(cfg, derived):
+        tx, schedule = make_optimizer(cfg, derived)
+
+        def init(params):
+            return tx.init(params), jnp.zeros((), jnp.int32)
+
+        def update(updates, state, params=None):
+            inner, count = state
+            out, inner = tx.update(updates, inner, params)
+            blow = count + 1 == at_step
+            return jax.tree.map(lambda u: jnp.where(blow, jnp.inf, u), out), (inner, count + 1)
+
+        return optax.GradientTransformation(init, update), schedule
+
+    return make
+
+
+def test_an_update_that_makes_the_state_non_finite_is_caught(corpus, tmp_path, monkeypatch):
+    """The guard checks the updated parameters and optimizer state, not only loss and
+    gradients: the last checkpoint is always a finite one, and skip keeps the old state."""
+    import nnxtron.train.loop as loop
+
+    monkeypatch.setattr(loop, "make_optimizer", _exploding(loop.make_optimizer, 3))
+    trainer = _trainer(corpus, str(tmp_path), "state-stop")
+    with pytest.raises(TrainingError, match="step 3: the update made the parameters or optimizer state non-finite") as err:
+        trainer.run()
+    assert "last checkpoint: step 2" in str(err.value)
+    assert all(np.isfinite(v).all() for v in _saved(trainer, 2).values())
+    skipper = _trainer(corpus, str(tmp_path), "state-skip", non_finite_policy="skip")
+    result = skipper.run()
+    # skip keeps the old optimizer state, and with it the trigger's counter: steps 3 and 4 both overflow
+    assert result.skipped_steps == [3, 4] and np.isfinite(result.losses).all()
+    before = _saved(skipper, 2)
+    for step in (3, 4):
+        after = _saved(skipper, step)
+        for key in before:
+            if key != "step":
+                np.testing.assert_array_equal(after[key], before[key], err_msg=f"{key} at step {step}")
+
+
+def _flip_bytes(step_dir: Path) -> Path:
+    """Flip 4 bytes in the middle of the largest parameter file (no length change)."""
+    target = max((p for p in (step_dir / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4] = bytes(b ^ 0xFF for b in data[middle : middle + 4])
+    target.write_bytes(bytes(data))
+    return target
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", ["flipped-bytes", "deleted-metadata"])
+def test_a_damaged_checkpoint_is_detected_and_the_run_stays_exact(corpus, tmp_path, damage):
+    """Bytes flipped inside an array file (which used to load silently) or a deleted orbax
+    _METADATA: the checkpoint is set aside, the run resumes from the previous one and ends
+    bit for bit where an uninterrupted run ends."""
+    base, schedule = str(tmp_path), dict(checkpoint_period=2, learning_rate_schedule_steps=6)  # one schedule for 4 and 6 steps
+    reference = _trainer(corpus, base, "straight", steps=6, **schedule).run().state
+    _trainer(corpus, base, "damaged", steps=4, **schedule).run()
+    step_dir = tmp_path / "damaged" / "checkpoints" / "4"
+    if damage == "flipped-bytes":
+        _flip_bytes(step_dir)
+    else:
+        (step_dir / "params" / "_METADATA").unlink()
+    trainer = _trainer(corpus, base, "damaged", steps=6, **schedule)
+    result = trainer.run()
+    assert result.start_step == 2, trainer.notes
+    reason = "does not match its checksum" if damage == "flipped-bytes" else "no readable array metadata"
+    assert any("skipped checkpoint 4" in note and reason in note for note in trainer.notes), trainer.notes
+    ours = flatten(result.state)
+    for key, value in flatten(reference).items():
+        np.testing.assert_array_equal(np.asarray(ours[key]), np.asarray(value), err_msg=key)
     gc.collect()

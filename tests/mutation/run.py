@@ -233,6 +233,16 @@ MUTATIONS = [
              ("tests/integration/test_compile_cache.py",)),
     Mutation("cache-directory-never-moves", "runtime/compile_cache.py", "    compilation_cache.reset_cache()", "    pass",
              ("tests/integration/test_compile_cache.py",)),
+    # run integrity (issue 22): finite state, verified checkpoints, the run lock, the fingerprint
+    Mutation("guard-ignores-the-updated-state", "train/step.py", "finite = gradients_finite & state_finite", "finite = gradients_finite",
+             ("tests/integration/test_reliability.py::test_an_update_that_makes_the_state_non_finite_is_caught",)),
+    Mutation("restore-not-verified", "train/checkpoint.py", "        self._verify(step, meta, arrays)", "        pass",
+             ("tests/integration/test_reliability.py::test_a_damaged_checkpoint_is_detected_and_the_run_stays_exact",)),
+    Mutation("second-writer-not-refused", "train/run_dir.py", "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass",
+             ("tests/integration/test_run_integrity.py::test_a_run_held_by_another_writer_is_refused_and_untouched",)),
+    Mutation("fingerprint-misses-a-key", "config/fingerprint.py", "if MODEL_KEY in field.metadata)",
+             'if MODEL_KEY in field.metadata and name != "rope_max_timescale")',
+             ("tests/integration/test_run_integrity.py::test_resume_with_another_model_is_refused",)),
 ]  # fmt: skip
 
 

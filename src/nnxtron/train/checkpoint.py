@@ -2,11 +2,13 @@
 
 A checkpoint directory holds ``<step>/params`` (weights), ``<step>/train`` (optimizer
 state, step, other variables; absent in converted HF checkpoints) and ``<step>/meta``
-(JSON: format marker, step, data position, the config that wrote it and the ``layout`` it
-was written with: scanned or layer-list layers, layer count, mesh shape). Restoring
+(JSON: format marker, step, data position, the config that wrote it, the ``layout`` it
+was written with — scanned or layer-list layers, layer count, mesh shape — and a content
+checksum of every array, ``train/checksum.py``). Only finite states are saved. Restoring
 checks that the stored arrays match the model being restored key by key and shape by
-shape, so a foreign or corrupted directory gives one clear error instead of a deep
-traceback.
+shape, so a foreign directory gives one clear error instead of a deep traceback, and
+that every array read back has its checksum and is finite: a damaged checkpoint is
+``UnreadableCheckpoint`` (a resume then falls back to the previous one).
 
 Restoring works across layouts. A different mesh needs nothing special: orbax reads
 each array straight into the target's sharding. A different ``scan_layers`` is
@@ -29,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxtron.errors import CheckpointError
 from nnxtron.params import LayerCounts, detect_layout, flatten_with_treedef, layer_groups
+from nnxtron.train.checksum import checksums
 
 FORMAT = "nnxtron-checkpoint-v1"
 UNREADABLE_SUFFIX = ".unreadable"
@@ -89,13 +92,18 @@ class Checkpointer:
         ``meta`` gets a ``layout`` record read from the arrays themselves (entries the
         caller passes in ``meta["layout"]`` are added to it).
         """
-        flat_params = flatten_with_treedef(state["params"])[0]
-        items = {"params": ocp.args.StandardSave(flat_params)}
+        flat = {"params": flatten_with_treedef(state["params"])[0]}
         others = {k: v for k, v in state.items() if k != "params"}
         if others:
-            items["train"] = ocp.args.StandardSave(flatten_with_treedef(others)[0])
-        layout = {**layout_of(flat_params), **meta.get("layout", {})}
-        payload = {"format": FORMAT, "step": int(step), "items": sorted(items), **meta, "layout": layout}
+            flat["train"] = flatten_with_treedef(others)[0]
+        sums = {}
+        for item, arrays in flat.items():
+            sums[item], not_finite = checksums(arrays)
+            if not_finite:  # the training guard stops before this; a caller passing NaN is a bug
+                raise CheckpointError(f"refusing to save checkpoint {step}: {not_finite[0]} holds NaN or Inf values")
+        layout = {**layout_of(flat["params"]), **meta.get("layout", {})}
+        payload = {"format": FORMAT, "step": int(step), "items": sorted(flat), **meta, "layout": layout, "checksums": sums}
+        items = {item: ocp.args.StandardSave(arrays) for item, arrays in flat.items()}
         self.manager.save(int(step), args=ocp.args.Composite(meta=ocp.args.JsonSave(payload), **items))
 
     def wait(self) -> None:
@@ -180,12 +188,32 @@ class Checkpointer:
             ) from None
         arrays = {item: dict(restored[item]) for item in targets}
         del restored
+        self._verify(step, meta, arrays)
         out: dict[str, Any] = {}
         for item, target in targets.items():
             values = _relayout(arrays.pop(item), target, num_layers, scanned) if convert else arrays.pop(item)
             tree = jax.tree_util.tree_unflatten(treedefs[item], [values[key] for key in target])
             out.update({"params": tree} if item == "params" else tree)
         return out, meta
+
+    def _verify(self, step: int, meta: dict[str, Any], arrays: dict[str, dict[str, Any]]) -> None:
+        """Every array read back has the checksum recorded at save and is finite (checkpoints
+        written before checksums existed are only checked for finiteness)."""
+        where = self.directory / str(step)
+        recorded = meta.get("checksums")
+        for item, values in arrays.items():
+            sums, not_finite = checksums(values)
+            if recorded is not None:
+                expected = recorded.get(item) if isinstance(recorded, dict) else None
+                if not isinstance(expected, dict):
+                    raise UnreadableCheckpoint(f"checkpoint '{where}' has no checksums for its '{item}' arrays (damaged meta)")
+                for key, value in sums.items():
+                    if expected.get(key) != value:
+                        raise UnreadableCheckpoint(
+                            f"checkpoint '{where}' array {key} does not match its checksum (the files were changed or damaged)"
+                        )
+            if not_finite:
+                raise UnreadableCheckpoint(f"checkpoint '{where}' array {not_finite[0]} holds NaN or Inf values")
 
     def _stored_metadata(self, step: int, item: str) -> dict[str, Any]:
         try:
@@ -195,7 +223,9 @@ class Checkpointer:
                 f"checkpoint '{self.directory / str(step)}' has no readable state ({_one_line(err)}); "
                 "it may be corrupted: restore an older step or start a new run_name"
             ) from None
-        return dict(stored) if stored is not None else {}
+        if not stored:  # orbax's array metadata is gone (a deleted _METADATA)
+            raise UnreadableCheckpoint(f"checkpoint '{self.directory / str(step)}' has no readable array metadata for '{item}'")
+        return dict(stored)
 
     def _check_structure(self, step: int, item: str, target: dict[str, jax.ShapeDtypeStruct]) -> None:
         stored = self._stored_metadata(step, item)

@@ -344,8 +344,11 @@ class _Recorder:
         leaf, loss = int(values.pop("non_finite_leaf")), values["loss"]
         if not values["skipped"]:
             return
-        where = self.leaf_names[leaf] if 0 <= leaf < len(self.leaf_names) else "none (only the loss)"
-        what = f"step {step}: the loss ({loss}) or a gradient is not finite (first parameter with one: {where})"
+        if values["non_finite_state"]:
+            what = f"step {step}: the update made the parameters or optimizer state non-finite (loss {loss} and gradients were finite)"
+        else:
+            where = self.leaf_names[leaf] if 0 <= leaf < len(self.leaf_names) else "none (only the loss)"
+            what = f"step {step}: the loss ({loss}) or a gradient is not finite (first parameter with one: {where})"
         if self.cfg.non_finite_policy == "skip":
             self.result.skipped_steps.append(step)
             self.bar.log(f"{what}; update skipped (non_finite_policy=skip)")

@@ -154,10 +154,13 @@ def make_train_step(
     (``compute_gradients``); the update is the same as for the whole batch at once.
     Metrics: ``loss`` (token-mean cross-entropy), ``tokens``, ``grad_norm``,
     ``learning_rate``, ``aux/<name>`` for each auxiliary loss the model returns, and the
-    non-finite guard: ``skipped`` (1 when the loss or a gradient is NaN/Inf) and
+    non-finite guard: ``skipped`` (1 when the loss, a gradient or the updated state — the
+    parameters, optimizer and model state after the update — holds a NaN/Inf),
     ``non_finite_leaf`` (the flatten-order index of the first parameter whose gradient is
-    not finite, else -1). With ``non_finite_policy=skip`` such a step keeps the previous
-    parameters, optimizer and model state (only ``step`` advances).
+    not finite, else -1) and ``non_finite_state`` (1 when the gradients were finite but the
+    update made the state non-finite, e.g. an overflowing learning rate). With
+    ``non_finite_policy=skip`` such a step keeps the previous parameters, optimizer and
+    model state (only ``step`` advances).
 
     With ``routed_bias_update_rate`` > 0 the MoE routers' correction biases are updated
     after the gradient (loss-free balancing) from the expert load the step counted.
@@ -177,7 +180,9 @@ def make_train_step(
             params = optax.apply_updates(state["params"], updates)
             rest = update_router_bias(g.rest, cfg.routed_bias_update_rate) if cfg.routed_bias_update_rate > 0 else g.rest
         squares = jnp.stack([jnp.sum(jnp.square(v.astype(jnp.float32))) for v in flatten_with_treedef(g.grads)[0].values()])
-        finite = jnp.isfinite(g.loss) & jnp.all(jnp.isfinite(squares))
+        gradients_finite = jnp.isfinite(g.loss) & jnp.all(jnp.isfinite(squares))
+        state_finite = _all_finite({"params": params, "rest": rest, "opt_state": opt_state})
+        finite = gradients_finite & state_finite
         metrics = {
             "loss": g.loss,
             "tokens": g.tokens,
@@ -185,7 +190,8 @@ def make_train_step(
             "learning_rate": jnp.asarray(schedule(state["step"]), jnp.float32),
             **{f"aux/{name}": value for name, value in g.aux.items()},
             # the first parameter (in flatten order) whose gradient is not finite, or -1
-            "non_finite_leaf": jnp.where(finite, -1, jnp.argmax(~jnp.isfinite(squares))).astype(jnp.int32),
+            "non_finite_leaf": jnp.where(gradients_finite, -1, jnp.argmax(~jnp.isfinite(squares))).astype(jnp.int32),
+            "non_finite_state": (gradients_finite & ~state_finite).astype(jnp.float32),
         }
         new_state = {"params": params, "rest": rest, "opt_state": opt_state, "step": state["step"] + 1}
         if cfg.non_finite_policy == "skip":  # keep the old weights, optimizer and model state; the data moves on
@@ -203,6 +209,12 @@ def make_train_step(
         out_shardings=(shardings, replicated),
         donate_argnums=(0,),
     )
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every floating-point leaf of ``tree`` is free of NaN/Inf (one fused reduction)."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])) if leaves else jnp.bool_(True)
 
 
 def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
