@@ -16,6 +16,7 @@ from pathlib import Path
 from nnxtron.errors import UserError
 
 EXIT_USER_ERROR = 2
+MAX_PLAN_DEVICES = 2048  # measured: 27 s / 3 GB for llama3.1-8b; 4096 fake CPU devices fail inside XLA
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +55,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from nnxtron.runtime.distributed import initialize
 
     cfg = load_config(*_split_file_and_overrides(ns.args))
+    if cfg.sample_after_training >= cfg.max_position_embeddings:  # said before training, not after it
+        raise UserError(
+            f"sample_after_training={cfg.sample_after_training} leaves no room for the prompt within "
+            f"max_position_embeddings={cfg.max_position_embeddings}; sample fewer tokens"
+        )
     if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed):
         return _train_and_report(cfg, ns)
     import jax
@@ -169,12 +175,13 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     from flax import nnx
 
     from nnxtron.train.checkpoint import Checkpointer
+    from nnxtron.train.run_dir import make_run_dir
 
     dest = Path(ns.dest)
     if (dest / "config.yml").exists() or (dest / "checkpoints").exists():
         raise UserError(f"'{dest}' already holds an nnxtron run; choose an empty output directory")
     model = hf.from_hf(ns.source, **parse_overrides(ns.overrides))
-    dest.mkdir(parents=True, exist_ok=True)
+    make_run_dir(dest)
     (dest / "config.yml").write_text(run_config_to_yaml(model.config))
     ckpt = Checkpointer(dest / "checkpoints", max_to_keep=1)
     meta = {"source": str(Path(ns.source).absolute()), "model": fingerprint(model.config)}
@@ -213,6 +220,11 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
             raise UserError(f"devices={value!r} is not an integer; give the number of fake CPU devices, e.g. devices=8") from None
         if devices < 1:
             raise UserError(f"devices={devices} must be at least 1")
+        if devices > MAX_PLAN_DEVICES:
+            raise UserError(
+                f"devices={devices}: plan over at most {MAX_PLAN_DEVICES} fake CPU devices (XLA's CPU backend fails beyond "
+                "that, and the compile grows with the count: 27 s for llama3.1-8b on 2048); plan the largest slice that fits"
+            )
     if devices is not None:
         if "jax" in sys.modules:
             if not _jax_has_cpu_devices(devices):

@@ -70,6 +70,10 @@ def _files(tmp_path: Path) -> dict[str, str]:
         (["train", "{tmp}"], "is a directory"),
         (["train", "{tmp}/fifo.yml"], "is not a regular file"),
         (["config", "show", "{tmp}/bomb.yml"], "expands to more than 100000 values"),
+        (["train", "sample_after_training=16000000"], "sample_after_training=16000000 leaves no room for the prompt"),
+        (["plan", "devices=100000"], "plan over at most 2048 fake CPU devices"),
+        # output directories that are files
+        (["convert", "from-hf", str(GOLDEN / "llama2"), "{file}"], "is a file, not a directory"),
     ],
     ids=lambda value: value[-1][:40] if isinstance(value, list) else None,
 )
@@ -266,3 +270,29 @@ def test_hf_weights_must_be_finite_floats(tmp_path, capsys):
         save_file(tensors, model / "model.safetensors")
         code, _, err = run_cli(capsys, "convert", "from-hf", str(model), str(tmp_path / f"run-{name}"))
         assert_user_error(code, err, "NaN/Inf values" if name == "nan" else "expected floating-point weights")
+
+
+def test_more_bad_input_is_one_line(corpus, tmp_path, capsys):
+    """A corpus whose every record is bad (skip_bad_records looped forever), a JSON line of
+    100k nested '[', a prompt of undecodable bytes, an HF target that is a file, and the
+    overwrite hint that names the command-line flag."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.jsonl").write_text('{"text": 5}\n{"text": 7}\n')
+    args = _tiny(corpus, tmp_path, "allbad", dataset_type="jsonl", dataset_path=str(bad / "a.jsonl"), skip_bad_records="true")
+    code, _, err = run_cli(capsys, "train", *args, "eval_split_fraction=0")
+    assert_user_error(code, err, "none of the 2 records of the train split is usable")
+    (bad / "nested.jsonl").write_text('{"text": "fine"}\n' + "[" * 100_000 + "\n")
+    args = _tiny(corpus, tmp_path, "nested", dataset_type="jsonl", dataset_path=str(bad / "nested.jsonl"))
+    code, _, err = run_cli(capsys, "train", *args, "eval_split_fraction=0")
+    assert_user_error(code, err, "nested too deeply to parse")
+    run_dir = tmp_path / "src"
+    assert run_cli(capsys, "convert", "from-hf", str(GOLDEN / "llama2"), str(run_dir))[0] == 0
+    code, _, err = run_cli(capsys, "generate", str(run_dir), "--prompt", b"\xff\xfe".decode("utf-8", "surrogateescape"))
+    assert_user_error(code, err, "config key 'prompt': is not valid UTF-8 text")
+    (tmp_path / "a_file").write_text("")
+    code, _, err = run_cli(capsys, "convert", "to-hf", str(run_dir), str(tmp_path / "a_file"))
+    assert_user_error(code, err, "is a file, not a directory")
+    assert run_cli(capsys, "convert", "to-hf", str(run_dir), str(tmp_path / "hf"))[0] == 0
+    code, _, err = run_cli(capsys, "convert", "to-hf", str(run_dir), str(tmp_path / "hf"))
+    assert_user_error(code, err, "pass --overwrite")

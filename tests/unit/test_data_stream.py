@@ -199,6 +199,19 @@ def test_bad_record_met_while_training_is_an_error(corpus):
     assert ".txt" in str(err.value)
 
 
+def test_a_split_of_only_bad_records_stops_instead_of_searching_forever(corpus):
+    """skip_bad_records on data with no usable record: the start-up statistics stop it when
+    they see the whole split; otherwise the packer stops after one full pass of bad ones."""
+    c = _open(corpus, bad=True)
+    bad = np.array([i for i in range(len(c)) if "bad" in str(c.paths[i])])
+    with pytest.raises(DataError, match="none of the 2 records of the train split is usable"):
+        _source(c, docs=bad, skip_bad_records=True)
+    spec = RowSpec(seq_len=SEQ, skip_bad_records=True)
+    endless = document_iterator(c, bad, TOK, spec, seed=0, epochs=None, read_threads=0)
+    with pytest.raises(DataError, match="none of the 2 records of a full pass over the data is usable"):
+        next(RowPacker(endless, spec, TOK.pad_id, pass_size=len(bad)))
+
+
 def test_process_shards_are_disjoint_and_complete(corpus):
     c = _open(corpus)
     docs = np.arange(len(c))

@@ -277,6 +277,17 @@ class Config(BaseModel):
             raise ValueError(f"must be one directory name under base_output_directory, but it has {bad}; choose another name")
         return value
 
+    @field_validator("*")
+    @classmethod
+    def _text_is_utf8(cls, value: object) -> object:
+        for text in value if isinstance(value, tuple) else (value,):
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("is not valid UTF-8 text (undecodable bytes on the command line?); pass UTF-8") from None
+        return value
+
     @field_validator("dataset_path", mode="before")
     @classmethod
     def _one_path_is_a_list(cls, value):

@@ -346,7 +346,11 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
     """Write ``config.json`` and ``model.safetensors`` (HF names, ``weight_dtype``) to ``path``."""
     root = Path(path)
     if not overwrite and ((root / WEIGHTS_FILE).exists() or (root / INDEX_FILE).exists()):
-        raise CheckpointError(f"'{root}' already holds an HF checkpoint; choose another directory or pass overwrite=True")
+        raise CheckpointError(
+            f"'{root}' already holds an HF checkpoint; choose another directory or pass --overwrite (overwrite=True in Python)"
+        )
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"'{root}' is a file, not a directory; choose a directory for the HF checkpoint")
     cfg: Config = model.config
     hf_config = family_for(cfg.decoder_block).config_to_hf(cfg)
     params = {p: v for p, v in nnx.to_flat_state(nnx.state(model)) if not _is_counter(v)}

@@ -210,6 +210,11 @@ class CorpusBatches(BatchSource):
             raise DataError(
                 f"bad record: {self._stats['first_problem']}; fix or remove it, or set skip_bad_records=true to skip such records"
             )
+        if self._stats["sampled_documents"] == len(self.documents) and self._stats["bad_records"] == len(self.documents):
+            raise DataError(  # (a larger split is caught by the packer after one full pass)
+                f"none of the {len(self.documents)} records of the {split} split is usable (all bad; the first: "
+                f"{self._stats['first_problem']}); fix the data or its settings (dataset_text_field, tokenizer)"
+            )
 
     def _documents(self, process_index: int, process_count: int, **kw: Any):
         train = self.split == "train"
@@ -222,7 +227,8 @@ class CorpusBatches(BatchSource):
     def iterator(self, process_index: int = 0, process_count: int = 1) -> DataIterator:
         rows = local_rows(self.global_batch_size, process_count)
         docs = self._documents(process_index, process_count, read_threads=self.read_threads)
-        return _Prefetched(BatchIterator(RowPacker(docs, self.spec, self.tokenizer.pad_id), rows), self.prefetch)
+        pass_size = max(1, len(self.documents) // process_count)  # this process's documents per epoch
+        return _Prefetched(BatchIterator(RowPacker(docs, self.spec, self.tokenizer.pad_id, pass_size), rows), self.prefetch)
 
     def _measure(self, limit: int) -> dict:
         """Counts from packing up to ``limit`` documents spread evenly over the split."""

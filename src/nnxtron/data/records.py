@@ -115,6 +115,14 @@ def _decode(raw: bytes, what: str) -> str:
         raise BadRecord(f"{what} is not valid UTF-8 (bad byte at offset {e.start})") from None
 
 
+def _loads(text: str) -> object:
+    """``json.loads``; a document nested too deeply for the parser is invalid JSON like any other."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
+
+
 def _field(value: object, field: str) -> str:
     """``value[field]`` of a parsed JSON document, which must be a string."""
     if not isinstance(value, dict):
@@ -165,7 +173,7 @@ class JsonLines(Corpus):
             if len(starts):  # the first document shows a wrong field name at once
                 first = _read_range(path, int(starts[0]), int(ends[0]))
                 try:
-                    value = json.loads(first)
+                    value = _loads(first)
                 except ValueError:
                     continue  # a bad line is a bad record (reported or skipped when read)
                 if isinstance(value, dict) and field not in value:
@@ -210,7 +218,7 @@ class JsonLines(Corpus):
         raw = _read_range(self.paths[file], int(starts[local]), int(ends[local]))
         line = _decode(raw, "the line")
         try:
-            value = json.loads(line)
+            value = _loads(line)
         except ValueError as e:
             raise BadRecord(f"is not valid JSON ({e})") from None
         return _field(value, self.field)
@@ -325,7 +333,7 @@ class ArrayRecords(Corpus):
                     "text, or a JSON object with dataset_text_field set (tf.train.Example is not supported)"
                 ) from None
         try:
-            value = json.loads(_decode(raw, "the record"))
+            value = _loads(_decode(raw, "the record"))
         except ValueError as e:
             raise BadRecord(f"is not a JSON object ({e}) although dataset_text_field is set") from None
         return _field(value, self.field)

@@ -107,10 +107,15 @@ COUNTERS = ("documents", "tokens", "bad_records", "truncated_tokens", "rows", "r
 
 
 class RowPacker:
-    """Rows of ``seq_len + 1`` stream tokens from a documents iterator (see :class:`RowSpec`)."""
+    """Rows of ``seq_len + 1`` stream tokens from a documents iterator (see :class:`RowSpec`).
 
-    def __init__(self, documents: grain.DatasetIterator, spec: RowSpec, pad_id: int) -> None:
-        self.documents, self.spec, self.pad_id = documents, spec, pad_id
+    ``pass_size``: documents in one pass of the stream; that many bad records in a row
+    (skipped with ``skip_bad_records``) mean the data has no usable record at all, an
+    error rather than an endless search."""
+
+    def __init__(self, documents: grain.DatasetIterator, spec: RowSpec, pad_id: int, pass_size: int | None = None) -> None:
+        self.documents, self.spec, self.pad_id, self.pass_size = documents, spec, pad_id, pass_size
+        self._bad_in_a_row = 0
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.first_problem = ""
         self._before = documents.get_state()  # the documents state before self._doc
@@ -134,7 +139,15 @@ class RowPacker:
                 if count:
                     self.counts["bad_records"] += 1
                     self.first_problem = self.first_problem or problem
+                self._bad_in_a_row += 1
+                if self.pass_size and self._bad_in_a_row >= self.pass_size:
+                    raise DataError(
+                        f"none of the {self.pass_size} records of a full pass over the data is usable (all skipped as bad; "
+                        f"the first: {self.first_problem or problem}); fix the data or its settings (dataset_text_field, "
+                        "tokenizer)"
+                    )
                 continue
+            self._bad_in_a_row = 0
             tokens = doc.tokens
             limit = self.spec.seq_len + 1
             if self.spec.truncate_documents and tokens.size > limit:

@@ -41,12 +41,12 @@ def make_run_dir(run_dir: Path) -> None:
     for path in (run_dir.parent, run_dir):
         if path.exists() and not path.is_dir():
             what = "base_output_directory" if path == run_dir.parent else "the run directory"
-            raise RunDirError(f"{what} '{path}' is a file, not a directory; choose another base_output_directory or run_name")
+            raise RunDirError(f"{what} '{path}' is a file, not a directory; choose another directory")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(
-            f"cannot create run directory '{run_dir}' ({err.strerror or err}); choose a writable base_output_directory"
+            f"cannot create run directory '{run_dir}' ({err.strerror or err}); choose a writable directory"
         ) from None
 
 
