@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nnxtron.errors import UserError
+from nnxtron.runtime.distributed import PEER_TIMEOUT_S
 
 EXIT_USER_ERROR = 2
+EXIT_PEER_LOST = 3  # multi-host: another process died; the run resumes from its last checkpoint
 MAX_PLAN_DEVICES = 2048  # measured: 27 s / 3 GB for llama3.1-8b; 4096 fake CPU devices fail inside XLA
 
 
@@ -60,11 +62,23 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             f"sample_after_training={cfg.sample_after_training} leaves no room for the prompt within "
             f"max_position_embeddings={cfg.max_position_embeddings}; sample fewer tokens"
         )
-    if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed):
+    if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout):
         return _train_and_report(cfg, ns)
+    import os
+
     import jax
 
-    code = _train_and_report(cfg, ns, quiet=jax.process_index() != 0)
+    try:
+        code = _train_and_report(cfg, ns, quiet=jax.process_index() != 0)
+    except jax.errors.JaxRuntimeError as err:  # a collective with a process that is gone
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        print(
+            f"error: a collective with another process failed ({first}); a peer process died or was stopped: "
+            "restart all processes with the same command to resume from the last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_PEER_LOST)  # JAX's own shutdown would wait for the dead peer, then abort with a stack dump
     jax.distributed.shutdown()
     return code
 
@@ -75,8 +89,9 @@ def _train_and_report(cfg, ns: argparse.Namespace, quiet: bool = False) -> int:
     from nnxtron.train.loop import train
 
     result = train(cfg, progress=None if not ns.no_progress else False)
+    status = 128 + result.stopped_by if result.stopped_by else 0  # stopped by a signal, after a checkpoint
     if quiet:  # another process of a multi-host run: process 0 reports
-        return 0
+        return status
     first, last = (result.losses[0], result.losses[-1]) if result.losses else (None, None)
     if first is not None:
         print(
@@ -84,6 +99,8 @@ def _train_and_report(cfg, ns: argparse.Namespace, quiet: bool = False) -> int:
             + (f" (eval {list(result.eval_losses.values())[-1]:.4f})" if result.eval_losses else "")
         )
     print(f"run directory: {result.run_dir}")
+    if status:
+        return status
     if cfg.sample_after_training and result.state is not None:
         if jax.process_count() > 1:
             print("no sample: decoding runs in one process; run `nnxtron generate` on the run directory")
@@ -307,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--distributed", action="store_true",
         help="multi-host: let JAX detect the coordinator, count and id (SLURM, Open MPI, TPU VMs, Kubernetes)",
+    )  # fmt: skip
+    p.add_argument(
+        "--peer-timeout", type=int, default=PEER_TIMEOUT_S, metavar="SECONDS",
+        help=f"multi-host: a process that has not been heard from for this long is dead and the others stop (default {PEER_TIMEOUT_S})",
     )  # fmt: skip
     p.set_defaults(func=_cmd_train)
 

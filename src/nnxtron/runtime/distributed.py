@@ -11,6 +11,7 @@ from __future__ import annotations
 from nnxtron.errors import UserError
 
 INIT_TIMEOUT_S = 300
+PEER_TIMEOUT_S = 60  # a process silent this long (JAX's heartbeat) is taken for dead; the others stop
 
 
 def initialize(
@@ -18,6 +19,7 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     detect: bool = False,
+    peer_timeout: int = PEER_TIMEOUT_S,
 ) -> bool:
     """Join the distributed run described by the arguments; False (nothing done) when none
     is given and ``detect`` is off. Must run before anything touches a JAX backend."""
@@ -29,6 +31,8 @@ def initialize(
             "--coordinator-address, --num-processes and --process-id go together; give all three, "
             "or --distributed to detect them from the cluster (SLURM, MPI, TPU, Kubernetes)"
         )
+    if peer_timeout < 1:
+        raise UserError(f"--peer-timeout must be at least 1 second, got {peer_timeout}")
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes must be at least 1, got {num_processes}")
     if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
@@ -37,7 +41,13 @@ def initialize(
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only read by the CPU backend
     try:
-        jax.distributed.initialize(coordinator_address, num_processes, process_id, initialization_timeout=INIT_TIMEOUT_S)
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            initialization_timeout=INIT_TIMEOUT_S,
+            heartbeat_timeout_seconds=peer_timeout,
+        )
     except (RuntimeError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.train.checkpoint import Checkpointer, UnreadableCheckpoint
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
+from nnxtron.train.preemption import StopRequests
 from nnxtron.train.run_dir import RunDirError, RunLock, make_run_dir, resolve_run_dir
 from nnxtron.train.state import TrainState, init_state, setup
 from nnxtron.train.step import batch_sharding, device_batch, make_eval_step, make_train_step
@@ -42,6 +44,7 @@ class TrainResult:
     eval_losses: dict[int, float] = field(default_factory=dict)
     eval_mtp_acceptance: dict[int, float] = field(default_factory=dict)  # with mtp_eval_target_module > 0
     skipped_steps: list[int] = field(default_factory=list)  # non-finite updates dropped (non_finite_policy=skip)
+    stopped_by: int | None = None  # the signal (SIGTERM, SIGINT) that stopped the run early, after a checkpoint
     state: TrainState | None = None
 
 
@@ -208,7 +211,8 @@ class Trainer:
         peak, peak_source = peak_flops_total(cfg)
         writer = MetricsWriter(self.run_dir, cfg.enable_tensorboard, start) if jax.process_index() == 0 else None
         try:
-            with ProgressBar(cfg.steps, start, self.progress_enabled, silent=jax.process_index() != 0) as bar:
+            silent = jax.process_index() != 0
+            with ProgressBar(cfg.steps, start, self.progress_enabled, silent=silent) as bar, StopRequests() as stops:
                 bar.log(f"run {self.run_dir} | {'resumed at step ' + str(start) if start else 'new run'} | "
                         f"mesh {self.derived.mesh_shape} | global batch {self.derived.global_batch_size} x {cfg.max_target_length}")  # fmt: skip
                 for note in self.notes:
@@ -224,8 +228,9 @@ class Trainer:
                 for step in range(start, cfg.steps):
                     batch = device_batch(_next_batch(batches, step, cfg), self.batch_shardings)
                     state, metrics = self.train_step(state, batch)
-                    done = step + 1
+                    done = result.end_step = step + 1
                     recorder.submit(done, metrics)  # records the previous step while this one runs
+                    stop = stops.stop_after(done)  # a SIGTERM / SIGINT: this step is the last, and it is saved
                     if (
                         cfg.eval_interval > 0
                         and self.eval_source is not None
@@ -242,7 +247,7 @@ class Trainer:
                         if writer:
                             writer.write({"step": done, **{f"eval_{k}": v for k, v in evaluation.items()}})
                         recorder.restart_clock()
-                    if ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps):
+                    if ckpt is not None and (done % cfg.checkpoint_period == 0 or done == cfg.steps or stop):
                         recorder.flush()  # the guard sees this step first, and the log holds every saved step
                         if writer:
                             writer.flush()
@@ -258,6 +263,10 @@ class Trainer:
                                 "model": fingerprint(cfg),
                             },
                         )
+                    if stop:
+                        result.stopped_by = stops.signal
+                        bar.log(_stopped_line(stops.signal, done, ckpt is not None))
+                        break
                 recorder.flush()
                 data_state = batches.get_state()
                 skipped = data_state.get("counts", {}).get("bad_records", 0)
@@ -270,9 +279,15 @@ class Trainer:
                 ckpt.wait()
         if writer:
             writer.close()
-        result.end_step = max(start, cfg.steps)
         result.state = state
         return result
+
+
+def _stopped_line(signum: int, step: int, saved: bool) -> str:
+    name = signal.Signals(signum).name
+    if saved:
+        return f"{name}: stopped after step {step} and saved checkpoint {step}; run the same command to resume"
+    return f"{name}: stopped after step {step} (enable_checkpointing=false: nothing saved, a new run starts again at 0)"
 
 
 def _cache_line(cfg: Config, directory: str | None) -> str:
