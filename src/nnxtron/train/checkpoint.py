@@ -20,7 +20,13 @@ one group at a time straight into the current shardings (never gathered on one d
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,7 @@ class Checkpointer:
     """Save and restore train states under ``directory`` (one sub-directory per step)."""
 
     def __init__(self, directory: str | Path, max_to_keep: int, *, create: bool = True):
+        _quiet_background_errors()
         self.directory = Path(directory).absolute()
         if not create and not self.directory.is_dir():
             raise CheckpointError(f"checkpoint directory '{self.directory}' does not exist; check the path")
@@ -104,10 +111,39 @@ class Checkpointer:
         layout = {**layout_of(flat["params"]), **meta.get("layout", {})}
         payload = {"format": FORMAT, "step": int(step), "items": sorted(flat), **meta, "layout": layout, "checksums": sums}
         items = {item: ocp.args.StandardSave(arrays) for item, arrays in flat.items()}
-        self.manager.save(int(step), args=ocp.args.Composite(meta=ocp.args.JsonSave(payload), **items))
+        with self._writing():
+            self.manager.save(int(step), args=ocp.args.Composite(meta=ocp.args.JsonSave(payload), **items))
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for a save in flight; a failed one is a ``CheckpointError`` (one line)."""
+        with self._writing():
+            self.manager.wait_until_finished()
+
+    def check_writable(self) -> None:
+        """Raise one line now, before training, when no checkpoint could be written here."""
+        probe = self.directory / f".nnxtron-write-probe-{os.getpid()}-{jax.process_index()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise CheckpointError(
+                f"cannot write checkpoints in '{self.directory}' ({err.strerror or err}); make it writable or choose "
+                "another base_output_directory (the checkpoints already there are kept)"
+            ) from None
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A failed write becomes one ``CheckpointError`` line naming the directory and the
+        reason (a half-written save is never listed; ``_quiet_background_errors``)."""
+        try:
+            yield
+        except Exception as err:  # orbax and tensorstore raise many types for a failed write
+            newest = self.steps()
+            kept = f"checkpoints up to step {newest[0]} are kept" if newest else "no checkpoint was written"
+            raise CheckpointError(
+                f"cannot write checkpoints in '{self.directory}' ({_write_error(err)}); "
+                f"free space or fix the permissions of that disk, or choose another base_output_directory ({kept})"
+            ) from None
 
     def read_meta(self, step: int) -> dict[str, Any]:
         path = self.directory / str(step) / "meta" / "metadata"
@@ -324,6 +360,57 @@ def _groups(flat: dict[str, Any], num_layers: LayerCounts, scanned: bool) -> lis
         return layer_groups(flat, num_layers, scanned)
     except ValueError as err:
         raise CheckpointError(f"cannot convert the checkpoint's layer layout: {err}") from None
+
+
+class _FromOrbax(logging.Filter):
+    """Drops error records that orbax's background threads log for a failed read or write
+    (the same failure reaches the caller as an exception, and becomes one line there)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        text = f"{record.pathname} {record.getMessage()} {record.exc_text or ''}"
+        if record.exc_info and record.exc_info[2] is not None:
+            text += " ".join(frame.f_code.co_filename for frame, _ in traceback.walk_tb(record.exc_info[2]))
+        return "orbax" not in text
+
+
+def _quiet_background_errors() -> None:
+    """Once per process: orbax's background-thread error logs (absl, asyncio), the "Event
+    loop is closed" errors its thread pools raise after a failed write and the coroutines
+    of a failed read that Python collects at exit are not printed: the failure itself is
+    raised where the save is waited for or the restore is called (one line there)."""
+    if getattr(_quiet_background_errors, "done", False):
+        return
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_FromOrbax())
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+            return
+        code = getattr(unraisable.object, "cr_code", None)  # a coroutine of a failed read, collected at exit
+        if code is not None and "orbax" in code.co_filename:
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    _quiet_background_errors.done = True
+
+
+def _write_error(err: BaseException) -> str:
+    """The reason of a failed write, with its errno name where the message gives it away."""
+    text = str(err)
+    for marker, reason in (
+        ("No space left", "no space left on device: ENOSPC"),
+        ("RESOURCE_EXHAUSTED", "no space left on device: ENOSPC"),
+        ("Read-only file system", "read-only file system: EROFS"),
+        ("Permission denied", "permission denied: EACCES"),
+        ("Disk quota exceeded", "disk quota exceeded: EDQUOT"),
+    ):
+        if marker in text:
+            return reason
+    return _one_line(err)
 
 
 def _one_line(err: BaseException) -> str:

@@ -203,6 +203,8 @@ class Trainer:
         if jax.process_index() == 0 and not (self.run_dir / "config.yml").exists():
             (self.run_dir / "config.yml").write_text(run_config_to_yaml(cfg))
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
+        if ckpt is not None:
+            ckpt.check_writable()
         state, start, data_state = self.initial_state(ckpt)
         batches = self._data(self.train_source)
         if data_state is not None:
