@@ -109,6 +109,78 @@ def test_random_bytes_as_any_format_read_or_raise_one_data_error(scratch, kind, 
         assert "\n" not in message and "fuzz" in message, message  # one line naming the file
 
 
+YAML_PIECES = [
+    "steps: 3", "run_name: ok", "model_name: llama2-tiny", "a: &a [1, 2, 3]", "b: &b [*a, *a, *a, *a]", "c: [*b, *b, *b]",
+    "dataset_path: *a", "steps: *a", "logical_axis_rules: [[a, [b]]]", "? complex key", "!!python/object/apply:os.system [ls]",
+    "steps: !!binary aGVsbG8=", "vocab_size: 1.0e+40", "learning_rate: .nan", "per_device_batch_size: -.inf", "- a list",
+    "steps: " + "[" * 200, "%YAML 1.1", "---", "...", "run_name: \"\\x00\"", "base_emb_dim: 0x10", "\t", "  indented: 1",
+    "key with spaces: 1", "mlp_activations: {a: b}", "compress_ratios: [1, [2]]", "prompt: &p 'x'", "decode_sampling_seed: 1e30",
+]  # fmt: skip
+yaml_texts = st.one_of(
+    st.lists(st.one_of(st.sampled_from(YAML_PIECES), st.text(max_size=20)), max_size=8).map("\n".join),
+    st.binary(max_size=200).map(lambda b: b.decode("utf-8", "replace")),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=yaml_texts)
+def test_random_yaml_config_files_load_or_raise_one_user_error(scratch, text):
+    path = scratch / "fuzz.yml"
+    path.write_text(text, encoding="utf-8", errors="surrogateescape")
+    try:
+        cfg = load_config(path)
+        derive(cfg, 8)
+    except UserError as err:
+        assert "\n" not in str(err).strip(), str(err)
+
+
+HF_VALUES = st.one_of(
+    st.sampled_from([None, True, -1, 0, 2**40, 1e300, "", "llama", "gpt2", [], {}, [1, "x"], {"rope_type": "nope"}]),
+    st.integers(-(2**20), 2**20),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    family=st.sampled_from(["llama2", "mixtral", "gpt2"]),
+    edits=st.dictionaries(st.text(min_size=1, max_size=24), HF_VALUES, max_size=3),
+    real_keys=st.lists(st.integers(0, 60), max_size=3),
+    weights=st.sampled_from(["keep", "random-bytes", "truncated", "index-outside", "index-garbage"]),
+    payload=st.binary(max_size=64),
+)
+def test_random_hf_directories_load_or_raise_one_user_error(scratch, family, edits, real_keys, weights, payload):
+    """An HF directory with fuzzed config.json values (real keys and unknown ones) and damaged
+    weight files: ``from_hf`` gives a model or one ``UserError`` line, never a traceback."""
+    import json
+    import shutil
+
+    golden = Path(__file__).resolve().parents[1] / "assets" / "golden" / family
+    model = scratch / "hf-fuzz"
+    shutil.rmtree(model, ignore_errors=True)
+    shutil.copytree(golden, model, ignore=shutil.ignore_patterns("golden.safetensors", "fused.safetensors", "generate*"))
+    config = json.loads((model / "config.json").read_text())
+    keys = sorted(config)
+    for i, value in zip(real_keys, edits.values()):
+        config[keys[i % len(keys)]] = value
+    config.update(edits)
+    (model / "config.json").write_text(json.dumps(config))
+    weights_file = model / "model.safetensors"
+    if weights == "random-bytes":
+        weights_file.write_bytes(payload)
+    elif weights == "truncated":
+        weights_file.write_bytes(weights_file.read_bytes()[: len(payload) * 1000])
+    elif weights.startswith("index"):
+        weights_file.unlink()
+        target = "../../../etc/passwd" if weights == "index-outside" else payload.decode("latin-1")
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": target}}))
+    try:
+        nnxtron.from_hf(model)
+    except UserError as err:
+        assert "\n" not in str(err).strip(), str(err)
+
+
 def test_a_huge_line_and_an_empty_file(tmp_path):
     huge = tmp_path / "huge.jsonl"
     huge.write_text('{"text": "' + "a" * 5_000_000 + '"}\n{"text": "short"}\n')

@@ -62,7 +62,7 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         hf = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"'{file}' is not valid JSON ({err}); fix the file or re-save the model") from None
-    if not isinstance(hf, dict) or "model_type" not in hf:
+    if not isinstance(hf, dict) or not isinstance(hf.get("model_type"), str):
         raise CheckpointError(f"'{file}' has no model_type; it is not an HF transformers model config")
     return hf
 
@@ -107,7 +107,7 @@ def _map_config(hf: dict[str, Any], origin: Path) -> dict[str, Any]:
         return family.config_from_hf(hf)
     except KeyError as err:
         raise CheckpointError(f"'{origin}' lacks key {err}; re-save the config with transformers") from None
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, AttributeError, OverflowError) as err:  # a value of the wrong type or range
         raise CheckpointError(f"'{origin}' has an invalid value ({err}); fix config.json") from None
 
 
@@ -275,7 +275,9 @@ def _weight_files(root: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError) as err:
         raise CheckpointError(f"'{index}' is not a valid safetensors index ({err!r}); re-save the model") from None
-    outside = [s for s in shards if not isinstance(s, str) or not (root / s).resolve().is_relative_to(root.resolve())]
+    outside = [
+        s for s in shards if not isinstance(s, str) or "\x00" in s or not (root / s).resolve().is_relative_to(root.resolve())
+    ]
     if outside:
         raise CheckpointError(
             f"'{index}' names shard file {str(outside[0])[:200]!r} outside '{root}'; a model's files stay in its directory"
