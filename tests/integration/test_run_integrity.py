@@ -65,6 +65,8 @@ def _files(tmp_path: Path) -> dict[str, str]:
         (["train", "run_name=" + "x" * 300], "more than 200 characters"),
         (["train", "base_output_directory={file}"], "is a file, not a directory"),
         (["train", "base_output_directory=/proc/nnxtron-runs"], "cannot create run directory"),
+        (["train", "base_output_directory=/dev/null"], "'/dev/null' is a file, not a directory"),
+        (["train", "base_output_directory={tmp}", "run_name=a_file"], "the run directory"),
         # presets are names; config files are regular files of bounded size
         (["train", "model_name={tmp}/evil"], "unknown model_name"),
         (["train", "{tmp}"], "is a directory"),
