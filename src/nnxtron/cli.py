@@ -17,7 +17,6 @@ from nnxtron.errors import UserError
 from nnxtron.runtime.distributed import PEER_TIMEOUT_S
 
 EXIT_USER_ERROR = 2
-EXIT_PEER_LOST = 3  # multi-host: another process died; the run resumes from its last checkpoint
 MAX_PLAN_DEVICES = 2048  # measured: 27 s / 3 GB for llama3.1-8b; 4096 fake CPU devices fail inside XLA
 
 
@@ -54,7 +53,7 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 def _cmd_train(ns: argparse.Namespace) -> int:
     from nnxtron.config import load_config
-    from nnxtron.runtime.distributed import initialize
+    from nnxtron.runtime.distributed import initialize, peer_lost, shutdown
 
     cfg = load_config(*_split_file_and_overrides(ns.args))
     if cfg.sample_after_training >= cfg.max_position_embeddings:  # said before training, not after it
@@ -64,22 +63,14 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         )
     if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout):
         return _train_and_report(cfg, ns)
-    import os
-
     import jax
 
     try:
         code = _train_and_report(cfg, ns, quiet=jax.process_index() != 0)
     except jax.errors.JaxRuntimeError as err:  # a collective with a process that is gone
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        print(
-            f"error: a collective with another process failed ({first}); a peer process died or was stopped: "
-            "restart all processes with the same command to resume from the last checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(EXIT_PEER_LOST)  # JAX's own shutdown would wait for the dead peer, then abort with a stack dump
-    jax.distributed.shutdown()
+        peer_lost(f"a collective with another process failed ({first})")
+    shutdown()
     return code
 
 

@@ -146,23 +146,34 @@ def test_two_processes_stop_after_the_same_step(corpus, tmp_path):
     _assert_same_params(run_dir, tmp_path / "straight")
 
 
-def test_a_dead_peer_stops_the_others_with_one_line(corpus, tmp_path):
-    """SIGKILL one of two processes: the other exits promptly with one error line and status
-    3 (it used to print a traceback, wait for JAX's heartbeat timeout, then abort)."""
+@pytest.mark.parametrize(
+    "how, within, reason",
+    [
+        ("SIGKILL", 25, "a collective with another process failed"),  # its connections close: noticed at once
+        ("SIGSTOP", 25, "process 1 of 2 has not been heard from for 10 s (--peer-timeout)"),  # silent: the heartbeat
+    ],
+)
+def test_a_dead_or_silent_peer_stops_the_others_with_one_line(corpus, tmp_path, how, within, reason):
+    """One of two processes is killed, or stopped (a hung process or a host gone without a
+    word): the other exits with one error line and status 3 within --peer-timeout (it used to
+    print a traceback, wait for JAX's heartbeat timeout, then abort with a C++ stack dump)."""
     port = _free_port()
     procs = [
         _start(_args(corpus, tmp_path, "dead", **SYNTHETIC), devices=2,
                extra=("--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
-                      "--peer-timeout", "30"))
+                      "--peer-timeout", "10"))
         for i in range(2)
     ]  # fmt: skip
     _wait_for_steps(tmp_path / "dead", 3, procs)
-    procs[1].kill()
+    procs[1].send_signal(getattr(signal, how))
     started = time.monotonic()
-    _, err = procs[0].communicate(timeout=120)
+    try:
+        _, err = procs[0].communicate(timeout=120)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
     assert procs[0].returncode == 3, err
-    assert time.monotonic() - started < 30  # well before the heartbeat timeout
+    assert time.monotonic() - started < within
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "a peer process died or was stopped" in errors[0], err
+    assert len(errors) == 1 and reason in errors[0] and "a peer process died or was stopped" in errors[0], err
     assert "Traceback" not in err and "Check failure" not in err
-    procs[1].communicate()

@@ -23,7 +23,7 @@ from nnxtron.cli import _fake_device_env, main
 from nnxtron.convert.runs import load_model
 from nnxtron.params import flatten
 from nnxtron.train.run_dir import LOCK_FILE, RunLock
-from tests.integration.conftest import assert_user_error, run_cli, train_overrides
+from tests.integration.conftest import assert_user_error, metric_records, run_cli, train_overrides
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
 ALIAS_BOMB = "a: &a [1,1,1,1,1,1,1,1,1,1]\n" + "".join(
@@ -101,7 +101,7 @@ def _tiny(corpus: str, base: Path, run: str, **extra) -> list[str]:
 
 
 def _steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    return [record["step"] for record in metric_records(run_dir) if "loss" in record]
 
 
 def test_a_run_held_by_another_writer_is_refused_and_untouched(corpus, tmp_path, capsys):

@@ -4,11 +4,23 @@ Every process runs the same ``nnxtron train`` command. Either all three of
 ``--coordinator-address HOST:PORT --num-processes N --process-id I`` are given, or
 ``--distributed`` lets JAX detect them (SLURM, Open MPI, TPU VMs, Kubernetes...;
 ``JAX_COORDINATOR_ADDRESS`` is read too). CPU processes exchange collectives through gloo.
+
+While the run lasts, every process writes a heartbeat to the coordination service and
+watches the others' (``PeerWatch``): a process not heard from for ``--peer-timeout``
+seconds (hung, stopped, its host gone) ends the others with one line and status 3, before
+JAX's own heartbeat (set to twice as long) would abort them with a stack dump.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
+
 from nnxtron.errors import UserError
+
+EXIT_PEER_LOST = 3  # another process died or stopped answering; the run resumes from its last checkpoint
 
 INIT_TIMEOUT_S = 300
 PEER_TIMEOUT_S = 60  # a process silent this long (JAX's heartbeat) is taken for dead; the others stop
@@ -46,7 +58,7 @@ def initialize(
             num_processes,
             process_id,
             initialization_timeout=INIT_TIMEOUT_S,
-            heartbeat_timeout_seconds=peer_timeout,
+            heartbeat_timeout_seconds=2 * peer_timeout,  # the PeerWatch speaks first, in one line
         )
     except (RuntimeError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -54,4 +66,79 @@ def initialize(
             f"could not join the distributed run ({first[:200]}); check the coordinator address, the process "
             "count and id, and that every process was started"
         ) from None
+    global _WATCH
+    _WATCH = PeerWatch(peer_timeout)
+    _WATCH.start()
     return True
+
+
+def shutdown() -> None:
+    """Stop watching the peers, then leave the distributed run (a barrier with all of them)."""
+    import jax
+
+    if _WATCH is not None:
+        _WATCH.stop()
+    jax.distributed.shutdown()
+
+
+def peer_lost(reason: str) -> None:
+    """End this process at once with one line: a peer is gone (JAX's own shutdown would wait
+    for it, then abort with a stack dump)."""
+    print(
+        f"error: {reason}; a peer process died or was stopped: restart all processes with the same command to resume "
+        "from the last checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(EXIT_PEER_LOST)
+
+
+class PeerWatch(threading.Thread):
+    """Heartbeats through the coordination service's key-value store (see the module docstring)."""
+
+    def __init__(self, timeout: float):
+        import jax
+        from jax._src import distributed
+
+        super().__init__(name="nnxtron-peer-watch", daemon=True)
+        self.client = distributed.global_state.client
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.timeout, self.period = float(timeout), max(float(timeout) / 6, 0.2)
+        self.done = threading.Event()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        seen = {peer: ("", started) for peer in range(self.count) if peer != self.me}  # last value, when it changed
+        beat = 0
+        while not self.done.is_set():
+            beat += 1
+            try:
+                self.client.key_value_set(f"nnxtron/heartbeat/{self.me}", str(beat), allow_overwrite=True)
+                values = {peer: self._get(peer) for peer in seen}
+            except Exception as err:  # noqa: BLE001 - the coordinator (process 0) is gone
+                if not self.done.is_set():
+                    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+                    peer_lost(f"the coordination service (process 0) cannot be reached ({first})")
+                return
+            now = time.monotonic()
+            for peer, value in values.items():
+                if value != seen[peer][0]:
+                    seen[peer] = (value, now)
+                elif now - seen[peer][1] > self.timeout and not self.done.is_set():
+                    peer_lost(f"process {peer} of {self.count} has not been heard from for {self.timeout:g} s (--peer-timeout)")
+            self.done.wait(self.period)
+
+    def _get(self, peer: int) -> str:
+        try:
+            return self.client.key_value_try_get(f"nnxtron/heartbeat/{peer}")
+        except Exception as err:  # noqa: BLE001 - not written yet: the peer has not started beating
+            if "NOT_FOUND" in str(err) or "not found" in str(err).lower():
+                return ""
+            raise
+
+
+_WATCH: PeerWatch | None = None
