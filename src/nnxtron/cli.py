@@ -79,7 +79,7 @@ def _train_and_report(cfg, ns: argparse.Namespace, quiet: bool = False) -> int:
 
     from nnxtron.train.loop import train
 
-    result = train(cfg, progress=None if not ns.no_progress else False)
+    result = train(cfg, progress=None if not ns.no_progress else False, restart=ns.restart)
     status = 128 + result.stopped_by if result.stopped_by else 0  # stopped by a signal, after a checkpoint
     if quiet:  # another process of a multi-host run: process 0 reports
         return status
@@ -309,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (no arguments: the default small byte-level run)")
     p.add_argument("args", nargs="*", help=file_help)
     p.add_argument("--no-progress", action="store_true", help="print log lines instead of the live progress bar")
+    p.add_argument(
+        "--restart", action="store_true",
+        help="with enable_checkpointing=false: start a run that has logged steps again at step 0, replacing its metrics",
+    )  # fmt: skip
     p.add_argument("--coordinator-address", help="multi-host: HOST:PORT of process 0 (with --num-processes, --process-id)")
     p.add_argument("--num-processes", type=int, help="multi-host: how many processes take part")
     p.add_argument("--process-id", type=int, help="multi-host: this process's number, 0 .. num-processes - 1")

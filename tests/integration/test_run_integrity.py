@@ -129,13 +129,18 @@ def test_a_lock_left_by_a_dead_writer_is_taken_over(corpus, tmp_path, capsys):
     assert (run_dir / LOCK_FILE).read_text() == ""  # released at the end
 
 
-def test_rerun_without_checkpoints_does_not_rewrite_history(corpus, tmp_path, capsys):
+def test_rerun_without_checkpoints_does_not_rewrite_history_unless_asked(corpus, tmp_path, capsys):
+    """enable_checkpointing=false cannot resume: running the run again is refused, and
+    --restart starts it again explicitly. (A run that died before its first checkpoint
+    resumes from step 0: tests/integration/test_kill_resume.py.)"""
     args = _tiny(corpus, tmp_path, "nockpt", enable_checkpointing="false")
     assert run_cli(capsys, "train", *args)[0] == 0
     log = (tmp_path / "nockpt" / "metrics.jsonl").read_bytes()
-    code, _, err = run_cli(capsys, "train", *args)
+    code, _, err = run_cli(capsys, "train", *args, "steps=4")
     assert_user_error(code, err, "already holds 6 logged records and enable_checkpointing=false cannot resume")
-    assert (tmp_path / "nockpt" / "metrics.jsonl").read_bytes() == log
+    assert "--restart" in err and (tmp_path / "nockpt" / "metrics.jsonl").read_bytes() == log
+    assert run_cli(capsys, "train", *args, "steps=4", "--restart")[0] == 0
+    assert _steps(tmp_path / "nockpt") == list(range(1, 5))
 
 
 def _child(args: list[str]) -> subprocess.Popen:

@@ -75,14 +75,16 @@ def checkpoint_model(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_no_history(run_dir: Path) -> None:
-    """Without checkpoints a run cannot resume: re-running it would start again at step 0 and
-    rewrite its metrics, so an existing history is refused (one line) instead."""
+    """With ``enable_checkpointing=false`` a run can never resume: running it again starts a
+    new run at step 0 that replaces the metrics logged before, refused (one line) unless
+    ``restart`` asks for it. (With checkpoints, a run with none yet resumes from step 0 like
+    any resume: the records after the newest checkpoint are those of the lost steps.)"""
     log = run_dir / "metrics.jsonl"
     records = sum(1 for line in log.read_text(errors="replace").splitlines() if line.strip()) if log.is_file() else 0
     if records:
         raise RunDirError(
-            f"run '{run_dir}' already holds {records} logged records and enable_checkpointing=false cannot resume "
-            "it (it would start again at step 0 and rewrite them); choose a new run_name, or remove that directory"
+            f"run '{run_dir}' already holds {records} logged records and enable_checkpointing=false cannot resume it "
+            "(it would start again at step 0 and rewrite them); choose a new run_name, or pass --restart to start it again"
         )
 
 
@@ -112,7 +114,7 @@ def load_parameters(path: str | Path, cfg: Config, abstract_params: Any, param_s
 class Trainer:
     """Owns the mesh, compiled steps, data and checkpoints of one run."""
 
-    def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
+    def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None, restart: bool = False):
         self.cfg = cfg
         self.compilation_cache = enable_compilation_cache(cfg)  # before anything compiles; None = off
         self.derived: Derived = derive(cfg, jax.device_count())
@@ -123,6 +125,7 @@ class Trainer:
         self.setup = setup(cfg, self.mesh, self.tx)
         self.batch_shardings = batch_sharding(cfg, self.setup)
         self.progress_enabled = progress
+        self.restart = restart  # a run without checkpoints may start again over its logged steps
         self.notes: list[str] = []  # lines for the start-up print (checkpoints skipped on resume)
         self.train_step = make_train_step(cfg, self.setup, self.tx, self.schedule)
         self.eval_step = make_eval_step(cfg, self.setup)
@@ -198,14 +201,14 @@ class Trainer:
         changes = _check_same_model(self.run_dir, cfg)
         if changes:
             self.notes.append("changed since the run's config.yml: " + "; ".join(changes))
-        if not cfg.enable_checkpointing:
-            _check_no_history(self.run_dir)
         if jax.process_index() == 0 and not (self.run_dir / "config.yml").exists():
             (self.run_dir / "config.yml").write_text(run_config_to_yaml(cfg))
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
         if ckpt is not None:
             ckpt.check_writable()
         state, start, data_state = self.initial_state(ckpt)
+        if ckpt is None and not self.restart:
+            _check_no_history(self.run_dir)
         batches = self._data(self.train_source)
         if data_state is not None:
             batches.set_state(data_state)
@@ -409,5 +412,5 @@ class _Recorder:
             )
 
 
-def train(cfg: Config, *, progress: bool | None = None) -> TrainResult:
-    return Trainer(cfg, progress=progress).run()
+def train(cfg: Config, *, progress: bool | None = None, restart: bool = False) -> TrainResult:
+    return Trainer(cfg, progress=progress, restart=restart).run()
