@@ -72,7 +72,7 @@ MUTATIONS = [
              ("tests/integration/test_reliability.py::test_non_finite_step_stops_and_keeps_the_last_checkpoint",)),
     Mutation("resumed-log-keeps-lost-steps", "train/metrics.py", "_truncate_after(self.path, start_step)", "pass",
              ("tests/integration/test_kill_resume.py", "tests/integration/test_reliability.py::test_resume_skips_an_unreadable_latest_checkpoint")),
-    Mutation("every-process-logs", "train/loop.py", "silent=jax.process_index() != 0", "silent=False",
+    Mutation("every-process-logs", "train/loop.py", "silent = jax.process_index() != 0", "silent = False",
              ("tests/integration/test_multihost.py",)),
     Mutation("eval-split-ignores-fraction", "data/pipeline.py", "< eval_fraction * EVAL_BUCKETS", "< 0 * eval_fraction",
              ("tests/unit/test_data_stream.py",)),
