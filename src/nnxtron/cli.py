@@ -52,21 +52,28 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from nnxtron.config import load_config
+    from nnxtron.config.loader import load_config, parse_overrides, read_config_file
+    from nnxtron.convert.runs import init_config, init_params
+    from nnxtron.data.sources import tokenizer_for
     from nnxtron.runtime.distributed import initialize, peer_lost, shutdown
 
-    cfg = load_config(*_split_file_and_overrides(ns.args))
-    if cfg.sample_after_training >= cfg.max_position_embeddings:  # said before training, not after it
-        raise UserError(
-            f"sample_after_training={cfg.sample_after_training} leaves no room for the prompt within "
-            f"max_position_embeddings={cfg.max_position_embeddings}; sample fewer tokens"
-        )
+    file, overrides = _split_file_and_overrides(ns.args)
+    given = {**(read_config_file(file) if file is not None else {}), **parse_overrides(overrides)}
+    cfg = init_config(file, overrides, given) if given.get("init_from") else load_config(file, overrides)
+    if cfg.sample_after_training:  # said before training, not after it
+        if cfg.sample_after_training >= cfg.max_position_embeddings:
+            raise UserError(
+                f"sample_after_training={cfg.sample_after_training} leaves no room for the prompt within "
+                f"max_position_embeddings={cfg.max_position_embeddings}; sample fewer tokens"
+            )
+        tokenizer_for(cfg)
+    loader = init_params(cfg)
     if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout):
-        return _train_and_report(cfg, ns)
+        return _train_and_report(cfg, ns, loader)
     import jax
 
     try:
-        code = _train_and_report(cfg, ns, quiet=jax.process_index() != 0)
+        code = _train_and_report(cfg, ns, loader, quiet=jax.process_index() != 0)
     except jax.errors.JaxRuntimeError as err:  # a collective with a process that is gone
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         peer_lost(f"a collective with another process failed ({first})")
@@ -74,12 +81,12 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return code
 
 
-def _train_and_report(cfg, ns: argparse.Namespace, quiet: bool = False) -> int:
+def _train_and_report(cfg, ns: argparse.Namespace, init_params, quiet: bool = False) -> int:
     import jax
 
     from nnxtron.train.loop import train
 
-    result = train(cfg, progress=None if not ns.no_progress else False, restart=ns.restart)
+    result = train(cfg, progress=None if not ns.no_progress else False, restart=ns.restart, init_params=init_params)
     status = 128 + result.stopped_by if result.stopped_by else 0  # stopped by a signal, after a checkpoint
     if quiet:  # another process of a multi-host run: process 0 reports
         return status
@@ -101,8 +108,10 @@ def _train_and_report(cfg, ns: argparse.Namespace, quiet: bool = False) -> int:
 
 
 def _sample(model, cfg, max_new_tokens: int):
-    """(tokenizer, token-id iterator) for ``cfg.prompt``: BOS (if the tokenizer has one) +
-    prompt, stop at EOS, decoded with the KV cache (``infer.decode``)."""
+    """(text stream, token-id iterator) for ``cfg.prompt``: BOS (if the tokenizer has one) +
+    prompt, stop at EOS, decoded with the KV cache (``infer.decode``); the stream turns the
+    ids into text as the tokenizer's ``decode`` joins prompt and completion."""
+    from nnxtron.data.detokenize import TextStream
     from nnxtron.data.sources import tokenizer_for
     from nnxtron.infer.decode import generate
 
@@ -119,7 +128,7 @@ def _sample(model, cfg, max_new_tokens: int):
         )
     stop = (tokenizer.eos_id,) if tokenizer.eos_id >= 0 else ()
     rows = generate(model, [prompt], cfg, max_new_tokens, stop)
-    return tokenizer, (step[0] for step in rows if step[0] is not None)
+    return TextStream(tokenizer, prompt), (step[0] for step in rows if step[0] is not None)
 
 
 def _print_sample_from_state(cfg, result) -> None:
@@ -131,41 +140,34 @@ def _print_sample_from_state(cfg, result) -> None:
     graphdef = nnx.split(abstract_model(cfg))[0]
     on_device = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), result.state["params"])
     model = nnx.merge(graphdef, on_device, result.state["rest"])  # (parameter_memory_host_offload keeps them on the host)
-    tokenizer, stream = _sample(model, cfg, cfg.sample_after_training)
+    text, stream = _sample(model, cfg, cfg.sample_after_training)
     ids = list(stream)
+    text.push(ids)
     print(f"--- sample ({cfg.decode_sampling_strategy}, {len(ids)} tokens) ---")
-    print(cfg.prompt + tokenizer.decode(ids))
+    print(text.text())
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from nnxtron.config.loader import parse_overrides
-    from nnxtron.convert.runs import is_hf_directory, load_model
+    from nnxtron.convert.runs import load_model
     from nnxtron.runtime.compile_cache import enable_compilation_cache
 
     overrides = list(ns.overrides)
     if ns.prompt is not None:
         overrides.append(f"prompt={ns.prompt}")
-    given = parse_overrides(overrides)
-    if given.get("tokenizer_type") == "hf" and "tokenizer_path" not in given and is_hf_directory(Path(ns.path)):
-        overrides.append(f"tokenizer_path={ns.path}")  # an HF directory brings its tokenizer.json
-    model = load_model(ns.path, overrides)
+    model = load_model(ns.path, overrides)  # an HF directory or a run brings its own tokenizer
     cfg = model.config
     enable_compilation_cache(cfg)  # before prefill and the decode step compile
-    tokenizer, stream = _sample(model, cfg, cfg.max_new_tokens)
+    text, stream = _sample(model, cfg, cfg.max_new_tokens)
     if ns.json:
         ids = list(stream)
-        print(json.dumps({"prompt": cfg.prompt, "completion": tokenizer.decode(ids), "tokens": ids}))
+        text.push(ids)
+        print(json.dumps({"prompt": cfg.prompt, "completion": text.completion(), "tokens": ids}))
         return 0
-    sys.stdout.write(cfg.prompt)
-    pending: list[int] = []
-    for token in stream:  # stream whole UTF-8 characters as they complete
-        pending.append(token)
-        text = tokenizer.decode(pending)
-        if "\ufffd" not in text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            pending = []
-    sys.stdout.write(tokenizer.decode(pending) + "\n")
+    sys.stdout.write(text.push())  # the prompt, as the tokenizer writes it back
+    for token in stream:
+        sys.stdout.write(text.push([token]))
+        sys.stdout.flush()
+    sys.stdout.write(text.finish() + "\n")
     return 0
 
 
@@ -178,10 +180,17 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     if ns.direction == "to-hf":
         model = load_model(ns.source, ns.overrides)
         out = hf.to_hf(model, ns.dest, overwrite=ns.overwrite)
-        print(f"wrote HF checkpoint to {out}")
+        cfg = model.config
+        tokenizer = f"its {cfg.tokenizer_type} tokenizer" if hf.model_tokenizer(cfg) else "no tokenizer: the model has none"
+        print(f"wrote HF checkpoint to {out} ({tokenizer}, generation_config.json)")
         return 0
+    import jax
     from flax import nnx
 
+    from nnxtron.config.loader import RUN_TOKENIZER_DIR
+    from nnxtron.data.sources import BYTE_MODEL_VOCAB_LIMIT
+    from nnxtron.data.tokenizer import make_tokenizer
+    from nnxtron.data.tokenizer_files import copy_tokenizer
     from nnxtron.train.checkpoint import Checkpointer
     from nnxtron.train.run_dir import make_run_dir
 
@@ -189,13 +198,26 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     if (dest / "config.yml").exists() or (dest / "checkpoints").exists():
         raise UserError(f"'{dest}' already holds an nnxtron run; choose an empty output directory")
     model = hf.from_hf(ns.source, **parse_overrides(ns.overrides))
+    cfg = model.config
+    tokenizer = make_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
     make_run_dir(dest)
-    (dest / "config.yml").write_text(run_config_to_yaml(model.config))
+    kept = copy_tokenizer(tokenizer, dest / RUN_TOKENIZER_DIR)  # the run carries its tokenizer
+    if kept:
+        cfg = cfg.model_copy(update={"tokenizer_path": str((dest / RUN_TOKENIZER_DIR).absolute())})
+    elif cfg.vocab_size > BYTE_MODEL_VOCAB_LIMIT:
+        print(
+            f"note: '{ns.source}' holds no tokenizer file (tokenizer.json, tokenizer.model, *.tiktoken); generate and "
+            "train need tokenizer_type=... tokenizer_path=... for this model",
+            file=sys.stderr,
+        )
+    (dest / "config.yml").write_text(run_config_to_yaml(cfg))
     ckpt = Checkpointer(dest / "checkpoints", max_to_keep=1)
     meta = {"source": str(Path(ns.source).absolute()), "model": fingerprint(model.config)}
-    ckpt.save(0, {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param))}, meta)
+    _, params, rest = nnx.split(model, nnx.Param, ...)  # the model state (router biases, hash tables) travels too
+    state = {"params": nnx.to_pure_dict(params), "rest": nnx.to_pure_dict(rest)}
+    ckpt.save(0, state if jax.tree.leaves(state["rest"]) else {"params": state["params"]}, meta)
     ckpt.wait()
-    print(f"wrote nnxtron checkpoint to {dest} (use: nnxtron generate {dest} | nnxtron train load_parameters_path={dest})")
+    print(f"wrote nnxtron checkpoint to {dest} (use: nnxtron generate {dest} | nnxtron train init_from={dest} ...)")
     return 0
 
 
@@ -302,7 +324,10 @@ def _rerun_plan_with_devices(ns: argparse.Namespace, devices: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nnxtron import __version__
+
     parser = _Parser(prog="nnxtron", description="Train and sample decoder-only language models with JAX + NNX.")
+    parser.add_argument("--version", action="version", version=f"nnxtron {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     file_help = "[FILE.yml] [key=value ...]: an optional YAML config, then overrides"
 
@@ -366,6 +391,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _key_value_hint(unknown: Sequence[str], words: Sequence[str]) -> str:
+    """For ``--steps 100`` / ``--steps=100``: config keys are given as ``steps=100``."""
+    from nnxtron.config.schema import Config
+
+    for arg in unknown:
+        name, _, value = arg.lstrip("-").partition("=")
+        key = name.replace("-", "_")
+        if arg.startswith("--") and key in Config.model_fields:
+            after = words.index(arg) + 1 if arg in words else len(words)
+            if not value and after < len(words) and not words[after].startswith("-"):
+                value = words[after]
+            return f"; config keys are given as key=value: write {key}={value or '...'}"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
@@ -373,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = "overrides" if hasattr(ns, "overrides") else "args"
         unknown = [arg for arg in extra if "=" not in arg or arg.startswith("-")]
         if unknown:
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            words = list(sys.argv[1:] if argv is None else argv)
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}{_key_value_hint(unknown, words)}")
         getattr(ns, target).extend(extra)  # key=value given after an --option
         return ns.func(ns)
     except UserError as err:

@@ -18,12 +18,13 @@ from flax import nnx
 
 from nnxtron.config import load_config
 from nnxtron.convert.runs import load_model
-from nnxtron.errors import CheckpointError, ConfigError
+from nnxtron.errors import ConfigError
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.params import detect_layout, flatten, split_layer_path, stack_layers, unstack_layers
 from nnxtron.train.checkpoint import Checkpointer
-from nnxtron.train.loop import Trainer, _check_same_model, load_parameters
+from nnxtron.train.loop import Trainer, _check_same_model
 from nnxtron.train.state import model_shardings
+from nnxtron.train.weights import load_parameters
 from tests.integration.conftest import train_overrides
 
 LAYERS = 2
@@ -228,7 +229,7 @@ def test_a_different_layer_count_is_still_refused_across_layouts(runs, corpus, s
     base, _ = runs
     cfg = load_config(overrides=_overrides(corpus, base, "x", scan_layers=not scan, base_num_decoder_layers=3))
     _, abstract, _, shardings, _ = model_shardings(cfg, make_mesh(cfg))
-    with pytest.raises(CheckpointError, match="written for a different config"):
+    with pytest.raises(ConfigError, match="created with base_num_decoder_layers=2 but this config has base_num_decoder_layers=3"):
         load_parameters(Path(base) / f"straight-{scan}", cfg, abstract, shardings)
 
 

@@ -250,18 +250,16 @@ def test_generate_longer_than_the_model_is_one_line(trained_run, capsys):
 
 
 def test_generate_with_an_hf_tokenizer(trained_run, capsys, tmp_path):
-    """A run generates through a tokenizer.json (encode the prompt, decode the completion),
-    and an HF model directory uses its own tokenizer.json."""
+    """A run's ids mean its own tokenizer's: decoding them with another is refused (one line
+    naming tokenizer_type); an HF model directory uses its own tokenizer.json unasked."""
     from nnxtron.data.tokenizer import HFTokenizer
     from tests.unit.test_hf_tokenizer import write_bpe
 
     run, _ = trained_run
     bpe = write_bpe(tmp_path / "bpe")
-    code, out, err = run_cli(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=6", "tokenizer_type=hf",
+    code, _, err = run_cli(capsys, "generate", str(run), "--prompt", "The quick", "max_new_tokens=6", "tokenizer_type=hf",
                           f"tokenizer_path={bpe}", "--json")  # fmt: skip
-    assert code == 0, err
-    result = json.loads(out)
-    assert 1 <= len(result["tokens"]) <= 6 and result["completion"] == HFTokenizer(bpe).decode(result["tokens"])
+    assert_user_error(code, err, "tokenizer_type='byte'")
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -271,22 +269,27 @@ def test_generate_with_an_hf_tokenizer(trained_run, capsys, tmp_path):
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.save(str(hf_dir / "tokenizer.json"))
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    code, out, err = run_cli(capsys, "generate", str(hf_dir), "--prompt", "the quick fox", "max_new_tokens=4", "tokenizer_type=hf",
-                          "--json")  # fmt: skip
+    code, out, err = run_cli(capsys, "generate", str(hf_dir), "--prompt", "the quick fox", "max_new_tokens=4", "--json")
     assert code == 0, err
-    assert 1 <= len(json.loads(out)["tokens"]) <= 4
+    result = json.loads(out)
+    words = HFTokenizer(hf_dir)
+    prompt = [words.bos_id, *words.encode("the quick fox").tolist()]
+    assert prompt == [1, 3, 4, 5] and 1 <= len(result["tokens"]) <= 4
+    assert result["completion"] == words.decode(prompt + result["tokens"])[len(words.decode(prompt)) :]
 
 
 @pytest.mark.parametrize(
-    "extra, fragment",
+    "source, extra, fragment",
     [
-        (["tokenizer_type=hf"], "needs tokenizer_path"),
-        (["tokenizer_type=hf", "tokenizer_path=/nonexistent"], "does not exist"),
-        (["tokenizer_type=wordpiece"], "config key 'tokenizer_type'"),
-        (["base_emb_dim=128"], "it was written for a different config"),  # the checkpoint of another model
+        ("hf", ["tokenizer_type=hf"], "needs tokenizer_path"),  # an HF directory without tokenizer files
+        ("hf", ["tokenizer_type=hf", "tokenizer_path=/nonexistent"], "does not exist"),
+        ("run", ["tokenizer_type=hf"], "was created with tokenizer_type='byte'"),  # a run's ids are its tokenizer's
+        ("run", ["tokenizer_type=wordpiece"], "config key 'tokenizer_type'"),
+        ("run", ["base_emb_dim=128"], "was created with base_emb_dim=64"),  # the checkpoint of another model
     ],
 )
-def test_generate_bad_input_is_one_line(trained_run, capsys, extra, fragment):
+def test_generate_bad_input_is_one_line(trained_run, capsys, source, extra, fragment):
     run, _ = trained_run
-    code, _, err = run_cli(capsys, "generate", str(run), "max_new_tokens=2", *extra)
+    path = run if source == "run" else Path(__file__).parents[1] / "assets" / "golden" / "llama2"
+    code, _, err = run_cli(capsys, "generate", str(path), "max_new_tokens=2", *extra)
     assert_user_error(code, err, fragment)

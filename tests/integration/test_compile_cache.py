@@ -49,7 +49,7 @@ print(json.dumps({**counts, **seen, "losses": result.losses}))
 TRAIN = [
     "model_name=llama2-tiny", "base_num_decoder_layers=2", "dataset_type=synthetic", "vocab_size=256",
     "per_device_batch_size=1", "max_target_length=32", "steps=3", "eval_interval=-1", "enable_checkpointing=false",
-    "enable_tensorboard=false", "log_period=1", "compilation_cache_min_compile_seconds=0",
+    "enable_tensorboard=false", "log_period=1", "compilation_cache_min_compile_seconds=0", "sample_after_training=0",
 ]  # fmt: skip
 
 

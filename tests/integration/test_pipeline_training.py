@@ -11,7 +11,8 @@ import numpy as np
 
 from nnxtron.config import load_config
 from nnxtron.params import flatten
-from nnxtron.train.loop import Trainer, load_parameters
+from nnxtron.train.loop import Trainer
+from nnxtron.train.weights import load_parameters
 from tests.integration.conftest import cli_train, metric_records, train_overrides
 
 # 4 layers on 2 stages: a circular schedule with 2 repeats

@@ -8,8 +8,6 @@ tiktoken ranks file with a few merges.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import pathlib
 from collections import Counter
@@ -18,9 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import sentencepiece
 from array_record.python.array_record_module import ArrayRecordWriter
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from nnxtron.config.loader import load_config
 from nnxtron.data.pipeline import CorpusBatches
@@ -29,6 +25,7 @@ from nnxtron.data.sources import make_sources, tokenizer_for
 from nnxtron.data.stream import RowSpec
 from nnxtron.data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer, make_tokenizer
 from nnxtron.errors import ConfigError, DataError
+from tests.tokenizer_files import write_bpe, write_sentencepiece, write_tiktoken
 
 DOCS = [
     "the cat sat on the mat",
@@ -133,36 +130,7 @@ def open_format(info: dict):
 
 def write_hf(directory: pathlib.Path) -> pathlib.Path:
     """A byte-level BPE with <pad>, <s>, </s> (ids 0-2), as in test_hf_tokenizer.py."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(DOCS * 5, trainer)
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
-    return directory / "tokenizer.json"
-
-
-def write_sentencepiece(path: pathlib.Path) -> pathlib.Path:
-    """A tiny BPE model with byte fallback: pad 0, bos 1, eos 2, unk 3."""
-    lines = [line for doc in DOCS for line in doc.splitlines() if line.strip()]
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines * 5), model_writer=model, vocab_size=SP_VOCAB, model_type="bpe", character_coverage=1.0,
-        byte_fallback=True, pad_id=0, bos_id=1, eos_id=2, unk_id=3, minloglevel=2,
-    )  # fmt: skip
-    path.write_bytes(model.getvalue())
-    return path
-
-
-def write_tiktoken(path: pathlib.Path) -> pathlib.Path:
-    """All 256 single bytes (rank = byte value) and TIKTOKEN_MERGES ranked 256, 257, ..."""
-    tokens = [bytes([b]) for b in range(256)] + TIKTOKEN_MERGES
-    path.write_bytes(b"".join(base64.b64encode(t) + f" {rank}\n".encode() for rank, t in enumerate(tokens)))
-    return path
+    return write_bpe(directory, DOCS * 5) / "tokenizer.json"
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +138,8 @@ def tok_files(tmp_path_factory) -> dict[str, pathlib.Path]:
     root = tmp_path_factory.mktemp("tokenizers")
     return {
         "hf": write_hf(root / "hf"),
-        "sentencepiece": write_sentencepiece(root / "tok.model"),
-        "tiktoken": write_tiktoken(root / "ranks.tiktoken"),
+        "sentencepiece": write_sentencepiece(root / "tok.model", DOCS, SP_VOCAB),
+        "tiktoken": write_tiktoken(root / "ranks.tiktoken", TIKTOKEN_MERGES),
     }
 
 

@@ -162,7 +162,7 @@ def test_to_hf_refuses_to_overwrite(models, tmp_path: Path) -> None:
     assert read_hf_config(out)["model_type"] == "mistral"  # untouched
     to_hf(models["llama2", True], out, overwrite=True)
     assert read_hf_config(out)["model_type"] == "llama"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_router_bias_keeps_float32_when_weights_load_as_bfloat16() -> None:

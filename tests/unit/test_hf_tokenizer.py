@@ -7,29 +7,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from nnxtron.config import load_config
 from nnxtron.data.sources import tokenizer_for
 from nnxtron.data.tokenizer import HFTokenizer, make_tokenizer
 from nnxtron.errors import ConfigError, DataError
+from tests import tokenizer_files
 
 TEXT = "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. Ünïcödé too.\n"
 
 
 def write_bpe(directory: Path, vocab_size: int = 300) -> Path:
     """A byte-level BPE with <pad>, <s>, </s> (ids 0-2) and its tokenizer_config.json."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator([TEXT] * 20, trainer)
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
-    return directory
+    return tokenizer_files.write_bpe(directory, [TEXT] * 20, vocab_size)
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,19 @@ import jax
 import jax.numpy as jnp
 import pytest
 import yaml
+from flax import nnx
 
-from nnxtron.config import deepseek4, options
+from nnxtron.config import deepseek4, derive, load_config, options
 from nnxtron.config.loader import PRESET_DIR
 from nnxtron.config.schema import Config
 from nnxtron.data.tokenizer import TOKENIZERS
 from nnxtron.infer.sample import sample_logits
+from nnxtron.models.build import abstract_model
 from nnxtron.models.quant import MODES
 from nnxtron.models.registry import FAMILIES
 from nnxtron.parallel.remat import RematSpec, jax_policy
+from nnxtron.train.optimizer import base_optimizer
+from nnxtron.train.schedules import learning_rate_schedule
 
 BASE = yaml.safe_load((PRESET_DIR / "base.yml").read_text())
 
@@ -38,6 +42,10 @@ SCHEMA_LISTS = {  # config key -> the option list its Literal is built from
     "packing": options.PACKING_MODES,
     "non_finite_policy": options.NON_FINITE_POLICIES,
     "decode_sampling_strategy": options.SAMPLING_STRATEGIES,
+    "lr_schedule_type": options.LR_SCHEDULES,  # each has a schedule: test_every_schedule_and_wsd_style_has_a_schedule
+    "wsd_decay_style": options.WSD_DECAY_STYLES,
+    "opt_type": options.OPTIMIZERS,  # each builds: test_every_optimizer_builds_and_updates
+    "wandb_mode": options.WANDB_MODES,  # each reaches wandb.init: tests/integration/test_wandb.py
 }
 
 
@@ -77,9 +85,33 @@ def test_every_sampling_strategy_samples(strategy):
 
 @pytest.mark.parametrize(
     "table",
-    [options.PIPELINE_OPTIONS_OFF, options.QUANTIZATION_OPTIONS_OFF, deepseek4.OPTIONS_OFF],
-    ids=["pipeline", "quantization", "deepseek4"],
+    [options.PIPELINE_OPTIONS_OFF, options.QUANTIZATION_OPTIONS_OFF, deepseek4.OPTIONS_OFF, options.WANDB_OPTIONS_OFF],
+    ids=["pipeline", "quantization", "deepseek4", "wandb"],
 )
 def test_base_yml_holds_the_off_values(table):
     values = {key: tuple(BASE[key]) if isinstance(BASE[key], list) else BASE[key] for key in table}
     assert values == table
+
+
+@pytest.mark.parametrize("opt", options.OPTIMIZERS)
+def test_every_optimizer_builds_and_updates(opt):
+    cfg = load_config(values={"model_name": "llama2-tiny", "base_num_decoder_layers": 1, "vocab_size": 64, "opt_type": opt})
+    params = jax.tree.map(jnp.ones_like, nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param)))
+    tx = base_optimizer(cfg, lambda step: 0.1)
+    updates, _ = jax.jit(lambda p: tx.update(p, tx.init(p), p))(params)
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
+
+
+@pytest.mark.parametrize("kind, style", [(k, s) for k in options.LR_SCHEDULES for s in options.WSD_DECAY_STYLES])
+def test_every_schedule_and_wsd_style_has_a_schedule(kind, style):
+    values = {"lr_schedule_type": kind} | ({"wsd_decay_style": style} if kind == "wsd" else {})
+    cfg = load_config(values={"model_name": "llama2-tiny", **values})
+    assert float(learning_rate_schedule(cfg, derive(cfg, 1))(cfg.steps // 2)) > 0
+
+
+def test_base_yml_holds_the_optimization_defaults():
+    """The keys a schedule or optimizer reads are checked against these values when another
+    one is chosen (config/checks.py: check_optimization): base.yml's, and every such key."""
+    read = {k for table in (options.SCHEDULE_KEYS, options.OPTIMIZER_KEYS) for keys in table.values() for k in keys}
+    assert read == set(options.OPTIMIZATION_DEFAULTS)
+    assert {key: BASE[key] for key in options.OPTIMIZATION_DEFAULTS} == options.OPTIMIZATION_DEFAULTS

@@ -7,6 +7,7 @@ with one line that names the key and the fix. The DeepSeek-V4 keys are checked i
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,29 @@ def check_combinations(cfg: Config) -> None:
     if cfg.rope_type == "llama3" and cfg.rope_high_freq_factor < cfg.rope_low_freq_factor:
         raise ConfigError("rope_high_freq_factor must be at least rope_low_freq_factor for rope_type=llama3")
     check_data(cfg)
+    check_mixture(cfg)
+    check_wandb(cfg)
+    check_init_from(cfg)
+    check_optimization(cfg)
+
+
+def check_init_from(cfg: Config) -> None:
+    """A run starts from one source of weights."""
+    if cfg.init_from and cfg.load_parameters_path:
+        raise ConfigError(
+            "init_from and load_parameters_path are both set; init_from takes the model, tokenizer and weights of an "
+            "HF directory or run, load_parameters_path only the weights of a checkpoint: keep one"
+        )
+
+
+def check_wandb(cfg: Config) -> None:
+    """The wandb_* keys are read only with enable_wandb=true: set without it, they name themselves."""
+    if cfg.enable_wandb:
+        return
+    changed = [key for key, off in options.WANDB_OPTIONS_OFF.items() if getattr(cfg, key) != off]
+    if changed:
+        raise ConfigError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} set but enable_wandb=false; "
+                          "set enable_wandb=true to log to Weights & Biases, or unset them")  # fmt: skip
 
 
 def check_data(cfg: Config) -> None:
@@ -73,6 +97,68 @@ def check_data(cfg: Config) -> None:
         raise ConfigError("dataset_text_field is not read by dataset_type=text (one document per file); unset it")
     if cfg.eval_interval > 0 and cfg.eval_split_fraction == 0:
         raise ConfigError(f"eval_interval > 0 with dataset_type={kind} needs eval_split_fraction > 0 (or set eval_interval=-1)")
+
+
+DEFAULT_DATASET_PATH = ("{python_stdlib}/*.py",)  # base.yml's dataset_path: grain_train_files may replace only it
+
+
+def check_mixture(cfg: Config) -> None:
+    """dataset_weights / grain_train_files (a mixture of sources) are well formed; see ``mixture_sources``."""
+    if cfg.dataset_type == "synthetic":
+        for key in ("dataset_weights", "grain_train_files"):
+            if getattr(cfg, key):
+                raise ConfigError(f"{key} is not read with dataset_type=synthetic; unset it or train on a corpus")
+        return
+    mixture_sources(cfg)
+
+
+def mixture_sources(cfg: Config) -> tuple[tuple[tuple[str, ...], float], ...]:
+    """The corpus sources of a config: ``((patterns, weight), ...)``.
+
+    Without weights all of ``dataset_path`` is one source of weight 1 (one corpus). With
+    ``dataset_weights`` (one per ``dataset_path`` entry) each entry is a source; MaxText's
+    ``grain_train_files`` gives ``"glob"`` (one source) or ``"glob:weight;glob:weight"``."""
+    weights, text = tuple(cfg.dataset_weights), cfg.grain_train_files.strip()
+    if text:
+        if weights:
+            raise ConfigError("set dataset_weights (with dataset_path) or grain_train_files (MaxText's form), not both")
+        if tuple(cfg.dataset_path) != DEFAULT_DATASET_PATH:
+            raise ConfigError(
+                "set dataset_path (with dataset_weights) or grain_train_files (MaxText's form), not both; "
+                "grain_train_files replaces dataset_path"
+            )
+        if ";" not in text:
+            return (((text,), 1.0),)
+        sources = []
+        for part in (p.strip() for p in text.split(";")):
+            pattern, _, weight = part.rpartition(":")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = None
+            if not pattern.strip() or value is None:
+                raise ConfigError(
+                    f"grain_train_files part {part!r} is not 'glob:weight'; write 'glob:weight;glob:weight' (MaxText's form)"
+                )
+            sources.append(((pattern.strip(),), _positive_weight("grain_train_files", part, value)))
+        return tuple(sources)
+    if not weights:
+        return ((tuple(cfg.dataset_path), 1.0),)
+    if len(weights) != len(cfg.dataset_path):
+        raise ConfigError(
+            f"dataset_weights has {len(weights)} weights for {len(cfg.dataset_path)} dataset_path entries; "
+            "give one weight per entry (each entry is one source of the mixture) or unset dataset_weights"
+        )
+    return tuple(((path,), _positive_weight("dataset_weights", path, w)) for path, w in zip(cfg.dataset_path, weights))
+
+
+def _positive_weight(key: str, source: str, weight: float) -> float:
+    if not (math.isfinite(weight) and weight > 0):
+        raise ConfigError(
+            f"{key}: the weight of {source!r} is {weight}, not a positive finite number; give every source a weight > 0 "
+            "(leave a source out rather than weighting it 0)"
+        )
+    return float(weight)
 
 
 def check_moe(cfg: Config) -> None:
@@ -263,3 +349,29 @@ def _check_calibration(key: str, value: str) -> None:
             float(arg)
         except ValueError:
             raise ConfigError(f"{key}={value!r}: {arg!r} is not a number") from None
+
+
+def check_optimization(cfg: Config) -> None:
+    """A schedule or optimizer key is set (differs from its base.yml default) only where the
+    chosen ``lr_schedule_type`` / ``opt_type`` reads it (``options.SCHEDULE_KEYS``, ``OPTIMIZER_KEYS``)."""
+    hints = {
+        ("cosine", "learning_rate_final_fraction"): "; cosine's is cosine_learning_rate_final_fraction",
+        ("wsd", "cosine_learning_rate_final_fraction"): "; wsd's is learning_rate_final_fraction",
+        ("linear", "cosine_learning_rate_final_fraction"): "; linear's is learning_rate_final_fraction",
+    }
+    for choice_key, table in (("lr_schedule_type", options.SCHEDULE_KEYS), ("opt_type", options.OPTIMIZER_KEYS)):
+        choice = getattr(cfg, choice_key)
+        for key in dict.fromkeys(k for keys in table.values() for k in keys):
+            value = getattr(cfg, key)
+            if key in table[choice] or value == options.OPTIMIZATION_DEFAULTS[key]:
+                continue
+            readers = "/".join(name for name, keys in table.items() if key in keys)
+            raise ConfigError(
+                f"{key}={value!r} is not read by {choice_key}={choice} (only by {choice_key}={readers}); "
+                f"unset it or choose that {choice_key}{hints.get((choice, key), '')}"
+            )
+    if cfg.lr_schedule_type == "wsd" and cfg.warmup_steps_fraction + cfg.wsd_decay_steps_fraction > 1:
+        raise ConfigError(
+            f"warmup_steps_fraction ({cfg.warmup_steps_fraction}) + wsd_decay_steps_fraction "
+            f"({cfg.wsd_decay_steps_fraction}) exceed 1 with lr_schedule_type=wsd; lower one of them"
+        )

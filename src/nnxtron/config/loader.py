@@ -26,8 +26,14 @@ ENVIRONMENT_DEFAULTS = {
 # holds them and reading a run ignores them, so another person's run can never choose where
 # compiled executables are loaded from
 MACHINE_SETTINGS = tuple(ENVIRONMENT_DEFAULTS)
+RUN_TOKENIZER_DIR = "tokenizer"  # a run's copy of its tokenizer files (data/tokenizer_files.py)
 MAX_YAML_BYTES = 1 << 20  # a config file or preset
 MAX_YAML_VALUES = 100_000  # values after YAML aliases are expanded (an alias bomb stops here)
+
+
+def base_values() -> dict[str, Any]:
+    """Every key's default: ``presets/base.yml`` (a fresh copy)."""
+    return _read_yaml((PRESET_DIR / "base.yml").read_text(), "base.yml")
 
 
 def preset_names() -> list[str]:
@@ -167,26 +173,34 @@ def _format_validation_error(err: pydantic.ValidationError) -> str:
     return f"config key '{loc.split('.')[0]}': {msg}{shown}"
 
 
-def load_config(file: str | Path | None = None, overrides: Iterable[str] = (), values: dict[str, Any] | None = None) -> Config:
-    """Resolve the configuration: base.yml < environment < preset(model_name) < file < values < overrides.
+def load_config(
+    file: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    values: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> Config:
+    """Resolve the configuration: base.yml < environment < preset(model_name) < defaults <
+    file < values < overrides.
 
     ``values`` are typed key/values from code (e.g. a converted HF config.json);
+    ``defaults`` too, but under the file (the model an ``init_from`` brings);
     ``overrides`` are ``key=value`` strings from the command line; the environment is
     JAX's compilation-cache variables (``ENVIRONMENT_DEFAULTS``).
     """
-    defaults = _read_yaml((PRESET_DIR / "base.yml").read_text(), "base.yml")
-    defaults.update(_environment_defaults())
     file_values = read_config_file(file) if file is not None else {}
-    code_values = dict(values or {})
-    _check_keys(code_values, "the values passed from code")
+    code_values, under = dict(values or {}), dict(defaults or {})
+    _check_keys({**code_values, **under}, "the values passed from code")
     cli_values = parse_overrides(overrides)
     merged = {**file_values, **code_values, **cli_values}
-    model_name = merged.get("model_name", defaults["model_name"])
+    resolved = base_values()
+    resolved.update(_environment_defaults())
+    model_name = merged.get("model_name", resolved["model_name"])
     if model_name != "default":
-        defaults.update(_load_preset(str(model_name)))
-    defaults.update(merged)
+        resolved.update(_load_preset(str(model_name)))
+    resolved.update(under)
+    resolved.update(merged)
     try:
-        return Config(**defaults)
+        return Config(**resolved)
     except pydantic.ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
 
@@ -205,9 +219,25 @@ def run_config_to_yaml(cfg: Config) -> str:
     return _to_yaml({key: value for key, value in cfg.model_dump(mode="json").items() if key not in MACHINE_SETTINGS})
 
 
+def is_hf_directory(path: str | Path) -> bool:
+    """An HF model directory (``config.json``), not an nnxtron run (``config.yml``)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / "config.yml").is_file()
+
+
+def run_values(run_dir: str | Path) -> dict[str, Any]:
+    """The stored values of a run directory's ``config.yml`` without the ``MACHINE_SETTINGS``;
+    a run that carries its tokenizer (``<run>/tokenizer/``) reads it from there, wherever
+    the run has been moved."""
+    run_dir = Path(run_dir)
+    values = {k: v for k, v in read_config_file(run_dir / "config.yml").items() if k not in MACHINE_SETTINGS}
+    if (run_dir / RUN_TOKENIZER_DIR).is_dir() and values.get("tokenizer_type", "byte") != "byte":
+        values["tokenizer_path"] = str(run_dir / RUN_TOKENIZER_DIR)
+    return values
+
+
 def load_run_config(run_dir: str | Path, overrides: Iterable[str] = ()) -> Config:
-    """The config a run directory was written with (``<run>/config.yml``) plus ``overrides``;
-    the ``MACHINE_SETTINGS`` come from this machine (base.yml, the environment, overrides),
-    never from the run (an older run's ``config.yml`` may hold them: they are ignored)."""
-    values = read_config_file(Path(run_dir) / "config.yml")
-    return load_config(None, overrides, values={k: v for k, v in values.items() if k not in MACHINE_SETTINGS})
+    """The config a run directory was written with (``run_values``) plus ``overrides``; the
+    ``MACHINE_SETTINGS`` come from this machine (base.yml, the environment, overrides), never
+    from the run (an older run's ``config.yml`` may hold them: they are ignored)."""
+    return load_config(None, overrides, values=run_values(run_dir))

@@ -79,5 +79,50 @@ DATASET_TYPES = ("synthetic", *DATASET_FORMATS)
 TOKENIZER_TYPES = ("byte", "hf", "sentencepiece", "tiktoken")
 PACKING_MODES = ("concat", "pad")  # concat: documents flow across rows; pad: each row starts a document
 
+# learning-rate schedules and optimizers (train/schedules.py, train/optimizer.py; docs/optimizers.md):
+# a schedule or optimizer reads exactly its keys here; any other of these keys set to a value
+# other than its base.yml default (OPTIMIZATION_DEFAULTS, tested) is an error (config/checks.py)
+LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")  # each after the linear warm-up; MaxText has cosine, wsd
+WSD_DECAY_STYLES = ("linear", "cosine")
+SCHEDULE_KEYS: dict[str, tuple[str, ...]] = {
+    "cosine": ("cosine_learning_rate_final_fraction",),
+    "wsd": ("learning_rate_final_fraction", "wsd_decay_steps_fraction", "wsd_decay_style"),
+    "linear": ("learning_rate_final_fraction",),
+    "constant": (),
+}
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "muon")  # MaxText has adamw, adam_pax, sgd, muon
+_ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps", "adam_weight_decay")
+OPTIMIZER_KEYS: dict[str, tuple[str, ...]] = {
+    "adamw": _ADAM_KEYS,
+    "adafactor": ("adafactor_decay_rate", "adafactor_weight_decay"),
+    "lion": ("lion_b1", "lion_b2", "lion_weight_decay"),
+    "sgd": ("sgd_momentum",),
+    "muon": ("muon_beta", "muon_weight_decay", "muon_consistent_rms", *_ADAM_KEYS),  # Adam: embeddings, norms, vectors
+}
+OPTIMIZATION_DEFAULTS: dict[str, Any] = {  # their base.yml values
+    "cosine_learning_rate_final_fraction": 0.1,
+    "learning_rate_final_fraction": 0.1,
+    "wsd_decay_steps_fraction": 0.1,
+    "wsd_decay_style": "linear",
+    "adam_b1": 0.9,
+    "adam_b2": 0.95,
+    "adam_eps": 1.0e-8,
+    "adam_weight_decay": 0.1,
+    "adafactor_decay_rate": 0.8,
+    "adafactor_weight_decay": 0.0,
+    "lion_b1": 0.9,
+    "lion_b2": 0.99,
+    "lion_weight_decay": 1.0e-3,
+    "sgd_momentum": 0.0,
+    "muon_beta": 0.95,
+    "muon_weight_decay": 0.0,
+    "muon_consistent_rms": 0.0,
+}
+
 NON_FINITE_POLICIES = ("stop", "skip")  # a NaN/Inf loss or gradient: stop the run, or skip that update
 SAMPLING_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
+
+# Weights & Biases (train/wandb_logger.py passes it to wandb.init): "" = W&B's own choice (WANDB_MODE, else online)
+WANDB_MODES = ("", "online", "offline")
+# the wandb_* keys' base.yml values; any other value needs enable_wandb=true
+WANDB_OPTIONS_OFF: dict[str, Any] = {"wandb_project": "", "wandb_entity": "", "wandb_run_name": "", "wandb_mode": ""}

@@ -211,8 +211,10 @@ class Config(BaseModel):
     # --- data -------------------------------------------------------------------
     dataset_type: Literal[options.DATASET_TYPES]  # see docs/data.md
     dataset_path: tuple[str, ...]
+    dataset_weights: tuple[float, ...]  # one weight per dataset_path entry: a mixture of sources (empty = one corpus)
+    grain_train_files: str  # MaxText's form of the sources: "glob" or "glob:weight;glob:weight" (replaces dataset_path)
     dataset_text_field: str  # JSON field / Parquet column of the text ("" = "text"); arrayrecord: records are JSON
-    tokenizer_type: Literal[options.TOKENIZER_TYPES]
+    tokenizer_type: Model[Literal[options.TOKENIZER_TYPES]]  # the ids a model was trained on mean its tokenizer's
     tokenizer_path: str  # the tokenizer file or its directory (every type but byte)
     add_bos: bool
     add_eos: bool
@@ -233,11 +235,25 @@ class Config(BaseModel):
     learning_rate: float = Field(gt=0, lt=FLOAT32_MAX)  # finite in float32
     warmup_steps_fraction: float = Field(ge=0, le=1)
     learning_rate_schedule_steps: int = Field(ge=-1, le=MAX_STEPS)  # -1 = steps
-    cosine_learning_rate_final_fraction: float = Field(ge=0, le=1)
+    cosine_learning_rate_final_fraction: float = Field(ge=0, le=1)  # read by lr_schedule_type=cosine
+    lr_schedule_type: Literal[options.LR_SCHEDULES]  # see docs/optimizers.md
+    learning_rate_final_fraction: float = Field(ge=0, le=1)  # read by lr_schedule_type=wsd and linear
+    wsd_decay_steps_fraction: float = Field(ge=0, le=1)  # the final fraction of the schedule that decays
+    wsd_decay_style: Literal[options.WSD_DECAY_STYLES]
+    opt_type: Literal[options.OPTIMIZERS]  # keys each optimizer reads: options.OPTIMIZER_KEYS
     adam_b1: float = Field(ge=0, lt=1)
     adam_b2: float = Field(ge=0, lt=1)
     adam_eps: float = Field(gt=0)
     adam_weight_decay: float = Field(ge=0)
+    adafactor_decay_rate: float = Field(gt=0, le=1)  # second-moment decay exponent: beta2_t = 1 - t^-decay_rate
+    adafactor_weight_decay: float = Field(ge=0)  # decoupled, times the learning rate (0 = off)
+    lion_b1: float = Field(ge=0, lt=1)
+    lion_b2: float = Field(ge=0, lt=1)
+    lion_weight_decay: float = Field(ge=0)  # decoupled, times the learning rate
+    sgd_momentum: float = Field(ge=0, lt=1)  # 0 = plain SGD (MaxText's opt_type=sgd)
+    muon_beta: float = Field(ge=0, lt=1)
+    muon_weight_decay: float = Field(ge=0)  # decoupled, on the Muon matrices; times the learning rate
+    muon_consistent_rms: float = Field(ge=0)  # 0 = width scaling (MaxText's None); > 0: updates of this RMS
     gradient_clipping_threshold: float = Field(ge=0)  # 0 = off
     non_finite_policy: Literal[options.NON_FINITE_POLICIES]  # a NaN/Inf loss or gradient: stop the run, or skip that update
     init_weights_seed: int = Field(ge=-(2**63), lt=2**63)
@@ -249,8 +265,14 @@ class Config(BaseModel):
     checkpoint_period: int = Field(gt=0, le=MAX_STEPS)
     max_num_checkpoints_to_keep: int = Field(gt=0, le=MAX_STEPS)
     load_parameters_path: str  # "" = fresh init; else an nnxtron checkpoint (e.g. from `convert from-hf`)
+    init_from: str  # "" = off; else an HF model directory or nnxtron run: its model, tokenizer and weights
     log_period: int = Field(gt=0, le=MAX_STEPS)  # progress-bar / TensorBoard flush period in steps
     enable_tensorboard: bool
+    enable_wandb: bool  # Weights & Biases (pip install 'nnxtron[wandb]'); the wandb_* keys need it on
+    wandb_project: str  # "" = W&B's default (WANDB_PROJECT, else "uncategorized")
+    wandb_entity: str  # "" = W&B's default (WANDB_ENTITY, else your default entity)
+    wandb_run_name: str  # "" = the run directory's name
+    wandb_mode: Literal[options.WANDB_MODES]  # "" = WANDB_MODE from the environment, else online
     peak_tflops: float = Field(ge=0)  # 0 = look up (accelerators) or measure (CPU) once
     sample_after_training: int = Field(ge=0, le=MAX_SIZE)  # tokens to sample at the end of `train` (0 = off)
 

@@ -27,6 +27,9 @@ from safetensors.numpy import save_file
 from nnxtron.config.loader import load_config
 from nnxtron.config.schema import Config
 from nnxtron.config.stacks import layer_stacks
+from nnxtron.data.sources import BYTE_MODEL_VOCAB_LIMIT, tokenizer_for
+from nnxtron.data.tokenizer import ByteTokenizer, Tokenizer
+from nnxtron.data.tokenizer_files import tokenizer_values, write_hf_tokenizer
 from nnxtron.errors import CheckpointError
 from nnxtron.layers.moe import ExpertLoad
 from nnxtron.models.build import abstract_model
@@ -34,9 +37,10 @@ from nnxtron.models.decoder import Decoder
 from nnxtron.models.family import WeightMap
 from nnxtron.models.registry import family_for, family_for_hf
 
-__all__ = ["from_hf", "to_hf", "read_hf_config", "hf_config_to_nnxtron"]
+__all__ = ["from_hf", "to_hf", "hf_config", "load_hf_weights", "read_hf_config", "hf_config_to_nnxtron"]
 
 CONFIG_FILE = "config.json"
+GENERATION_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = (
@@ -303,17 +307,28 @@ def _open_all(stack: contextlib.ExitStack, files: list[Path]) -> dict[str, Any]:
     return handles
 
 
-def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any) -> Decoder:
-    """Load an HF model directory (any registered family) as a ``Decoder``.
+def hf_config(path: str | os.PathLike, dtype: str | None = None, **overrides: Any) -> Config:
+    """The nnxtron config of an HF model directory: its ``config.json``, the tokenizer it
+    holds (``tokenizer.json``, ``tokenizer.model``: see ``data/tokenizer_files.py``), then
+    ``overrides``. ``dtype`` sets both ``dtype`` and ``weight_dtype`` (default float32)."""
+    root = Path(path)
+    dtype = dtype or "float32"
+    mapped = _map_config(read_hf_config(root), root / CONFIG_FILE)
+    values = {**mapped, "dtype": dtype, "weight_dtype": dtype, **tokenizer_values(root, overrides), **overrides}
+    return load_config(values=values)
 
-    ``dtype`` sets both ``dtype`` and ``weight_dtype`` (default float32); ``overrides``
-    are further config values (e.g. ``scan_layers=False``), applied last.
-    """
+
+def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any) -> Decoder:
+    """Load an HF model directory (any registered family) as a ``Decoder`` (``hf_config``:
+    ``overrides`` such as ``scan_layers=False`` are applied last)."""
+    return load_hf_weights(path, hf_config(path, dtype, **overrides))
+
+
+def load_hf_weights(path: str | os.PathLike, cfg: Config) -> Decoder:
+    """The ``Decoder`` of ``cfg`` (an HF directory's model in any layout) holding that
+    directory's weights, cast to ``weight_dtype``."""
     root = Path(path)
     hf = read_hf_config(root)
-    dtype = dtype or "float32"
-    values = {**_map_config(hf, root / CONFIG_FILE), "dtype": dtype, "weight_dtype": dtype, **overrides}
-    cfg = load_config(values=values)
     weight_dtype = jnp.dtype(cfg.weight_dtype)
     graphdef, state = nnx.split(abstract_model(cfg))
     params = dict(nnx.to_flat_state(state))
@@ -354,7 +369,9 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"'{root}' is a file, not a directory; choose a directory for the HF checkpoint")
     cfg: Config = model.config
-    hf_config = family_for(cfg.decoder_block).config_to_hf(cfg)
+    tokenizer = model_tokenizer(cfg)  # before anything is written: a tokenizer that does not fit is refused
+    ids = special_ids(tokenizer) if tokenizer is not None else {}
+    hf_values = {**family_for(cfg.decoder_block).config_to_hf(cfg), **ids}
     params = {p: v for p, v in nnx.to_flat_state(nnx.state(model)) if not _is_counter(v)}
     tensors: dict[Any, np.ndarray] = {}
     mapped: set[ParamPath] = set()
@@ -369,5 +386,34 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
     tmp = root / f"{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, root / WEIGHTS_FILE)
-    (root / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    (root / CONFIG_FILE).write_text(json.dumps(hf_values, indent=2) + "\n", encoding="utf-8")
+    if tokenizer is not None:
+        write_hf_tokenizer(tokenizer, root)
+    generation = {**ids, **sampling_settings(cfg)}
+    (root / GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     return root
+
+
+def model_tokenizer(cfg: Config) -> Tokenizer | None:
+    """The tokenizer a model is exported with: the configured one, checked against the model's
+    vocabulary; None for a model that has none (an HF checkpoint imported without tokenizer
+    files, left on the byte default whose 259 ids do not fit its vocabulary)."""
+    byte = ByteTokenizer.vocab_size
+    if cfg.tokenizer_type == "byte" and not byte <= cfg.vocab_size <= BYTE_MODEL_VOCAB_LIMIT:
+        return None
+    return tokenizer_for(cfg)
+
+
+def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of the ids the tokenizer has."""
+    ids = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
+    return {f"{kind}_token_id": i for kind, i in ids.items() if i >= 0}
+
+
+def sampling_settings(cfg: Config) -> dict[str, Any]:
+    """``decode_sampling_*`` as HF ``generation_config.json`` settings (top_k=0 and top_p=1 are off)."""
+    if cfg.decode_sampling_strategy == "greedy":
+        return {"do_sample": False}
+    top_k = cfg.decode_sampling_top_k if cfg.decode_sampling_strategy == "topk" else 0
+    top_p = cfg.decode_sampling_nucleus_p if cfg.decode_sampling_strategy == "nucleus" else 1.0
+    return {"do_sample": True, "temperature": cfg.decode_sampling_temperature, "top_k": top_k, "top_p": top_p}

@@ -1,35 +1,45 @@
-"""Opening trained models: a run directory (config.yml + checkpoints) or an HF directory."""
+"""Opening trained models: a run directory (config.yml + checkpoints) or an HF directory, to
+sample from, export, or start a fine-tuning run from (``init_from``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from flax import nnx
 
-from nnxtron.config.loader import load_run_config, parse_overrides
+from nnxtron.config.fingerprint import MODEL_KEYS, check_same_model, fingerprint
+from nnxtron.config.loader import is_hf_directory, load_config, load_run_config, parse_overrides, run_values
 from nnxtron.config.schema import Config
-from nnxtron.convert.hf import from_hf
-from nnxtron.errors import CheckpointError
+from nnxtron.convert.hf import from_hf, hf_config, load_hf_weights
+from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.models.decoder import Decoder
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.train.loop import load_parameters
 from nnxtron.train.state import init_non_params, model_shardings
+from nnxtron.train.weights import load_weights
 
+__all__ = ["is_hf_directory", "run_config", "load_model", "init_config", "init_params"]
 
-def is_hf_directory(path: Path) -> bool:
-    return (path / "config.json").is_file() and not (path / "config.yml").is_file()
+# HF weights are cast on reading: a fine-tuning run chooses its own precision
+FREE_WITH_HF_SOURCE = ("dtype", "weight_dtype")
+
+ParamsLoader = Callable[[dict, dict], tuple[Any, Any]]  # train.loop.ParamsLoader
 
 
 def run_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     """The config a run was created with (``<run>/config.yml``), plus overrides."""
     run_dir = Path(path)
+    _check_run_dir(run_dir)
+    return load_run_config(run_dir, overrides)
+
+
+def _check_run_dir(run_dir: Path) -> None:
     if not (run_dir / "config.yml").is_file():
         raise CheckpointError(
-            f"'{path}' is not an nnxtron run directory (no config.yml); pass a directory written by "
+            f"'{run_dir}' is not an nnxtron run directory (no config.yml); pass a directory written by "
             "`nnxtron train` or `nnxtron convert from-hf`, or an HF model directory"
         )
-    return load_run_config(run_dir, overrides)
 
 
 def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:
@@ -41,6 +51,60 @@ def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:
     if is_hf_directory(path):
         return from_hf(path, **parse_overrides(overrides))
     cfg = run_config(path, overrides)
-    graphdef, abstract_params, _, param_sh, rest_sh = model_shardings(cfg, make_mesh(cfg))
-    params = load_parameters(path, cfg, abstract_params, param_sh)
-    return nnx.merge(graphdef, params, init_non_params(cfg, rest_sh))
+    graphdef, abstract_params, abstract_rest, param_sh, rest_sh = model_shardings(cfg, make_mesh(cfg))
+    params, rest = load_weights(
+        path, cfg, {"params": abstract_params, "rest": abstract_rest}, {"params": param_sh, "rest": rest_sh}
+    )
+    return nnx.merge(graphdef, params, init_non_params(cfg, rest_sh) if rest is None else rest)
+
+
+def _source_model(source: Path, given: dict[str, Any]) -> dict[str, Any]:
+    """The model keys and tokenizer of ``init_from``: every model key's value (so no preset
+    or default can change the model) and where its tokenizer is read from."""
+    if is_hf_directory(source):
+        cfg = hf_config(source, **{k: v for k, v in given.items() if k in ("tokenizer_type", "tokenizer_path")})
+        values = {k: v for k, v in fingerprint(cfg).items() if k not in FREE_WITH_HF_SOURCE}
+        return {**values, "tokenizer_path": cfg.tokenizer_path}
+    if not source.is_dir():
+        raise ConfigError(f"init_from='{source}' does not exist; pass an HF model directory or an nnxtron run directory")
+    _check_run_dir(source)
+    stored = run_values(source)
+    return {key: stored[key] for key in (*MODEL_KEYS, "tokenizer_path") if key in stored}
+
+
+def init_config(file: str | None, overrides: Iterable[str], given: dict[str, Any]) -> Config:
+    """The config of a run that starts from ``init_from`` (``given``: the file's and the
+    command line's values): the source's model keys and tokenizer under the user's values.
+    A model key the user sets to another value than the source's is refused (one line
+    naming it); training keys (steps, learning rate, data, mesh...) are the user's."""
+    source = Path(str(given["init_from"])).expanduser()
+    values = _source_model(source, given)
+    if "model_name" in given:
+        raise ConfigError(
+            f"model_name={given['model_name']} and init_from are both set; init_from brings the model "
+            f"('{source}'): drop model_name"
+        )
+    cfg = load_config(file, overrides, defaults=values)
+    fix = "the model comes from init_from: drop these keys, or start a new model without init_from"
+    check_same_model({k: v for k, v in values.items() if k in MODEL_KEYS}, cfg, f"init_from '{source}'", fix)
+    return cfg
+
+
+def init_params(cfg: Config) -> ParamsLoader | None:
+    """How a new run reads its starting weights from ``cfg.init_from`` (None: no init_from)."""
+    if not cfg.init_from:
+        return None
+    source = Path(cfg.init_from).expanduser()
+    if is_hf_directory(source):
+
+        def from_hf_directory(abstract: dict, shardings: dict) -> tuple[Any, Any]:
+            del abstract, shardings  # init_state places them
+            _, params, rest = nnx.split(load_hf_weights(source, cfg), nnx.Param, ...)
+            return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+        return from_hf_directory
+
+    def from_run(abstract: dict, shardings: dict) -> tuple[Any, Any]:
+        return load_weights(source, cfg, abstract, shardings)
+
+    return from_run

@@ -1,5 +1,6 @@
 """Data layer: corpora of several formats, tokenizers, packing and resumable grain pipelines."""
 
+from nnxtron.data.mixture import MixtureBatches, RowSchedule
 from nnxtron.data.packing import BATCH_KEYS, PackStats, pack_documents, pack_documents_with_stats, row_arrays
 from nnxtron.data.pipeline import BatchSource, CorpusBatches, DataIterator, SyntheticBatches, split_documents
 from nnxtron.data.records import BadRecord, Corpus, open_corpus
@@ -15,7 +16,9 @@ __all__ = [
     "Corpus",
     "CorpusBatches",
     "DataIterator",
+    "MixtureBatches",
     "PackStats",
+    "RowSchedule",
     "RowSpec",
     "SyntheticBatches",
     "Tokenizer",

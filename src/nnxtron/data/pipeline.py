@@ -14,7 +14,7 @@ from nnxtron.data.stream import BatchIterator, RowPacker, RowSpec, document_iter
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import DataError
 
-__all__ = ["BatchSource", "CorpusBatches", "DataIterator", "SyntheticBatches", "split_documents"]
+__all__ = ["BatchSource", "CorpusBatches", "DataIterator", "Prefetched", "SyntheticBatches", "local_rows", "split_documents"]
 
 Batch = dict[str, np.ndarray]
 EVAL_BUCKETS = 10000
@@ -226,9 +226,13 @@ class CorpusBatches(BatchSource):
 
     def iterator(self, process_index: int = 0, process_count: int = 1) -> DataIterator:
         rows = local_rows(self.global_batch_size, process_count)
+        return Prefetched(BatchIterator(self.packer(process_index, process_count), rows), self.prefetch)
+
+    def packer(self, process_index: int = 0, process_count: int = 1) -> RowPacker:
+        """This process's packed rows, one at a time (a mixture draws rows from several)."""
         docs = self._documents(process_index, process_count, read_threads=self.read_threads)
         pass_size = max(1, len(self.documents) // process_count)  # this process's documents per epoch
-        return _Prefetched(BatchIterator(RowPacker(docs, self.spec, self.tokenizer.pad_id, pass_size), rows), self.prefetch)
+        return RowPacker(docs, self.spec, self.tokenizer.pad_id, pass_size)
 
     def _measure(self, limit: int) -> dict:
         """Counts from packing up to ``limit`` documents spread evenly over the split."""
@@ -271,14 +275,15 @@ class CorpusBatches(BatchSource):
         )
 
 
-class _Prefetched:
+class Prefetched:
     """``batches`` prepared ``size`` ahead in a background thread (grain keeps the state of the
-    batch last handed out); ``close`` stops that thread and the reader threads."""
+    batch last handed out); ``close`` stops that thread and the reader threads. ``batches`` is
+    any iterator with ``get_state`` / ``set_state`` / ``close`` (a :class:`BatchIterator`, a mixture's)."""
 
-    def __init__(self, batches: BatchIterator, size: int) -> None:
+    def __init__(self, batches: Any, size: int) -> None:
         self.batches, self.ahead = batches, ThreadPrefetchDatasetIterator(batches, size)
 
-    def __iter__(self) -> _Prefetched:
+    def __iter__(self) -> Prefetched:
         return self
 
     def __next__(self) -> Batch:

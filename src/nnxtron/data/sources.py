@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+from nnxtron.config.checks import mixture_sources
 from nnxtron.config.schema import Config
+from nnxtron.data.mixture import MixtureBatches, source_seed
 from nnxtron.data.pipeline import BatchSource, CorpusBatches, SyntheticBatches, split_documents
 from nnxtron.data.records import open_corpus
 from nnxtron.data.stream import RowSpec
 from nnxtron.data.tokenizer import Tokenizer, make_tokenizer
-from nnxtron.errors import ConfigError
+from nnxtron.errors import ConfigError, DataError
 
 EVAL_SEED_OFFSET = 1_000_003  # synthetic eval batches come from a different stream
+BYTE_MODEL_VOCAB_LIMIT = 512  # the byte tokenizer's 259 ids, padded; a larger vocabulary is another tokenizer's
 
 
 def tokenizer_for(cfg: Config) -> Tokenizer:
     """The config's tokenizer, checked against the model's vocabulary."""
     tokenizer = make_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+    if cfg.tokenizer_type == "byte" and cfg.vocab_size > BYTE_MODEL_VOCAB_LIMIT:
+        raise ConfigError(
+            f"vocab_size={cfg.vocab_size} but tokenizer_type=byte covers {tokenizer.vocab_size} ids: the model is made "
+            "for another tokenizer; set tokenizer_type and tokenizer_path to its tokenizer (an HF directory or a run "
+            f"carries its own), or vocab_size <= {BYTE_MODEL_VOCAB_LIMIT} for a byte-level model"
+        )
     if cfg.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
             f"vocab_size={cfg.vocab_size} is smaller than the {cfg.tokenizer_type} tokenizer's "
@@ -24,7 +33,8 @@ def tokenizer_for(cfg: Config) -> Tokenizer:
 
 
 def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, BatchSource | None]:
-    """(train, eval) sources; eval is None when periodic eval is off."""
+    """(train, eval) sources; eval is None when periodic eval is off. Several sources (``dataset_weights``,
+    ``grain_train_files``) make a :class:`MixtureBatches` of one :class:`CorpusBatches` per source."""
     seq = cfg.max_target_length
     evaluate = cfg.eval_interval > 0
     if cfg.dataset_type == "synthetic":
@@ -32,8 +42,6 @@ def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, Batc
         evaluation = SyntheticBatches(cfg.vocab_size, seq, global_batch_size, seed=cfg.data_shuffle_seed + EVAL_SEED_OFFSET)
         return train, evaluation if evaluate else None
     tokenizer = tokenizer_for(cfg)
-    corpus = open_corpus(cfg.dataset_type, cfg.dataset_path, cfg.dataset_text_field)
-    train_docs, eval_docs = split_documents(corpus, cfg.eval_split_fraction if evaluate else 0.0)  # no eval: all train
     spec = RowSpec(
         seq_len=seq,
         packing=cfg.packing,
@@ -46,10 +54,27 @@ def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, Batc
         read_threads=cfg.data_read_threads, prefetch=cfg.data_prefetch_batches, stats_documents=cfg.data_stats_documents
     )
     epochs = None if cfg.data_num_epochs == -1 else cfg.data_num_epochs
-    train = CorpusBatches(
-        corpus, train_docs, tokenizer, spec, global_batch_size, split="train", seed=cfg.data_shuffle_seed, epochs=epochs, **common
-    )
-    evaluation = (
-        CorpusBatches(corpus, eval_docs, tokenizer, spec, global_batch_size, split="eval", **common) if evaluate else None
-    )
-    return train, evaluation
+    mixture = mixture_sources(cfg)
+    trains, evals = [], []
+    for i, (patterns, _) in enumerate(mixture):
+        try:
+            corpus = open_corpus(cfg.dataset_type, patterns, cfg.dataset_text_field)
+            train_docs, eval_docs = split_documents(corpus, cfg.eval_split_fraction if evaluate else 0.0)  # no eval: all train
+            seed = source_seed(cfg.data_shuffle_seed, i)
+            trains.append(CorpusBatches(corpus, train_docs, tokenizer, spec, global_batch_size, split="train", seed=seed,
+                                        epochs=epochs, **common))  # fmt: skip
+            if evaluate:
+                evals.append(CorpusBatches(corpus, eval_docs, tokenizer, spec, global_batch_size, split="eval", **common))
+        except DataError as err:
+            if len(mixture) == 1:
+                raise
+            raise DataError(f"dataset source {i + 1} of {len(mixture)} {_label(patterns)}: {err}") from None
+    if len(mixture) == 1:  # one corpus: today's pipeline and iterator state, unchanged
+        return trains[0], evals[0] if evaluate else None
+    weights, labels = [w for _, w in mixture], [_label(p) for p, _ in mixture]
+    mix = dict(seed=cfg.data_shuffle_seed, prefetch=cfg.data_prefetch_batches)
+    return MixtureBatches(trains, weights, labels, **mix), MixtureBatches(evals, weights, labels, **mix) if evaluate else None
+
+
+def _label(patterns: tuple[str, ...]) -> str:
+    return ", ".join(repr(p) for p in patterns)

@@ -13,6 +13,7 @@ from nnxtron.errors import DataError
 
 __all__ = [
     "TOKENIZERS", "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "TiktokenTokenizer", "Tokenizer", "make_tokenizer",
+    "read_tiktoken_ranks",
 ]  # fmt: skip
 
 
@@ -29,6 +30,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> np.ndarray: ...
 
     def decode(self, ids: object) -> str: ...
+
+    def token_text(self, token_id: int) -> str: ...
 
 
 class ByteTokenizer:
@@ -51,6 +54,11 @@ class ByteTokenizer:
         arr = np.asarray(ids, dtype=np.int64).ravel()
         arr = arr[(arr >= self.offset) & (arr < self.vocab_size)]
         return (arr - self.offset).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        """The token's text form: ``<pad>``, ``<s>``, ``</s>``, else ``<0xNN>`` (its byte)."""
+        specials = ("<pad>", "<s>", "</s>")
+        return specials[token_id] if token_id < self.offset else f"<0x{token_id - self.offset:02X}>"
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
@@ -105,6 +113,10 @@ class HFTokenizer:
         """Text of ``ids``; special tokens are skipped."""
         return self._tokenizer.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """The token's string in the vocabulary ("" for an unknown id)."""
+        return self._tokenizer.id_to_token(token_id) or ""
+
     def __repr__(self) -> str:
         return f"HFTokenizer('{self.path}')"
 
@@ -158,6 +170,10 @@ class SentencePieceTokenizer:
         """Text of ``ids``; control ids (BOS/EOS/PAD) are dropped."""
         return self._sp.DecodeIds([int(i) for i in np.asarray(ids).ravel() if 0 <= int(i) < self.vocab_size])
 
+    def token_text(self, token_id: int) -> str:
+        """The piece of ``token_id`` (``<s>``, ``▁the`` ...)."""
+        return self._sp.IdToPiece(token_id)
+
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer('{self.path}')"
 
@@ -168,6 +184,30 @@ LLAMA3_PATTERN = (
 )
 
 
+def read_tiktoken_ranks(file: Path) -> dict[bytes, int]:
+    """The ``token bytes -> rank`` table of a tiktoken BPE file (lines of ``base64(token) rank``)."""
+    import base64
+    import binascii
+
+    ranks: dict[bytes, int] = {}
+    number = 0
+    try:
+        for number, line in enumerate(file.read_bytes().splitlines(), 1):  # noqa: B007 - named in the error
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except (ValueError, binascii.Error):
+        raise DataError(
+            f"'{file}' line {number} is not 'base64-token rank', so it is not a tiktoken BPE file; point tokenizer_path at one"
+        ) from None
+    except OSError as err:
+        raise DataError(f"cannot read tokenizer file '{file}' ({err.strerror or err}); fix its permissions") from None
+    n = len(ranks)
+    if not n or sorted(ranks.values()) != list(range(n)):
+        raise DataError(f"the ranks in '{file}' are not 0..{n - 1} without gaps, so it is not a tiktoken BPE file")
+    return ranks
+
+
 class TiktokenTokenizer:
     """A tiktoken BPE file (lines of ``base64(token) rank``, e.g. Llama 3's ``tokenizer.model``)
     split with the Llama 3 pattern. BOS and EOS are added after the ranks, as Llama 3 does:
@@ -176,35 +216,18 @@ class TiktokenTokenizer:
     name = "tiktoken"
 
     def __init__(self, path: str | Path):
-        import base64
-        import binascii
-
         import tiktoken
 
         file = _tokenizer_file(path, "tokenizer.model", "tiktoken BPE")
-        ranks: dict[bytes, int] = {}
-        number = 0
-        try:
-            for number, line in enumerate(file.read_bytes().splitlines(), 1):  # noqa: B007 - named in the error
-                if line.strip():
-                    token, rank = line.split()
-                    ranks[base64.b64decode(token, validate=True)] = int(rank)
-        except (ValueError, binascii.Error):
-            raise DataError(
-                f"'{file}' line {number} is not 'base64-token rank', so it is not a tiktoken BPE file; point tokenizer_path at one"
-            ) from None
-        except OSError as err:
-            raise DataError(f"cannot read tokenizer file '{file}' ({err.strerror or err}); fix its permissions") from None
+        ranks = read_tiktoken_ranks(file)
         n = len(ranks)
-        if not n or sorted(ranks.values()) != list(range(n)):
-            raise DataError(f"the ranks in '{file}' are not 0..{n - 1} without gaps, so it is not a tiktoken BPE file")
-        specials = {"<|begin_of_text|>": n, "<|end_of_text|>": n + 1}
+        self.specials = {"<|begin_of_text|>": n, "<|end_of_text|>": n + 1}
         try:
-            self._enc = tiktoken.Encoding(file.stem, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+            self._enc = tiktoken.Encoding(file.stem, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=self.specials)
         except ValueError as err:
             raise DataError(f"'{file}' is not a usable tiktoken BPE file ({err}); point tokenizer_path at one") from None
         self.path = file
-        self.vocab_size = n + len(specials)
+        self.vocab_size = n + len(self.specials)
         self.bos_id, self.eos_id = n, n + 1
         self.pad_id = self.eos_id
         self._ranks = n
@@ -217,6 +240,11 @@ class TiktokenTokenizer:
         """Text of ``ids``; BOS/EOS and out-of-range ids are dropped, bad UTF-8 replaced."""
         keep = [int(i) for i in np.asarray(ids).ravel() if 0 <= int(i) < self._ranks]
         return self._enc.decode(keep, errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        """A special token's name, else the token's bytes as text."""
+        names = {i: name for name, i in self.specials.items()}
+        return names.get(token_id) or self._enc.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:
         return f"TiktokenTokenizer('{self.path}')"

@@ -176,12 +176,14 @@ class Checkpointer:
         return {"scan_layers": scanned, "num_layers": num_layers}
 
     def restore(
-        self, step: int, abstract_state: dict[str, Any], shardings: dict[str, Any]
+        self, step: int, abstract_state: dict[str, Any], shardings: dict[str, Any], *, subset: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore ``step`` into the structure and shardings of ``abstract_state``.
 
         ``abstract_state`` may hold only ``params`` (to load weights for generation or
-        fine-tuning from a full training checkpoint or a converted HF one).
+        fine-tuning from a full training checkpoint or a converted HF one). ``subset``: the
+        ``train`` item may hold more than ``abstract_state`` asks for (the model state
+        ``rest`` of a full training checkpoint, without its optimizer state).
         """
         meta = self.read_meta(step)
         parts = {"params": ("params",), "train": tuple(k for k in abstract_state if k != "params")}
@@ -208,15 +210,19 @@ class Checkpointer:
         stored_targets = {}
         for item, target in targets.items():
             stored_targets[item] = _abstract_relayout(target, num_layers, stored_scanned) if convert else target
-            self._check_structure(step, item, stored_targets[item])
+            self._check_structure(step, item, stored_targets[item], allow_extra=subset and item == "train")
+        partial = {item: stored_targets.pop(item) for item in ("train",) if subset and item in stored_targets}
         try:
-            restored = self.manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    meta=ocp.args.JsonRestore(),
-                    **{item: ocp.args.StandardRestore(target) for item, target in stored_targets.items()},
-                ),
+            restored = dict(
+                self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        meta=ocp.args.JsonRestore(),
+                        **{item: ocp.args.StandardRestore(target) for item, target in stored_targets.items()},
+                    ),
+                )
             )
+            restored.update({item: self._restore_part(step, item, target) for item, target in partial.items()})
         except Exception as err:
             raise UnreadableCheckpoint(
                 f"checkpoint '{self.directory / str(step)}' is unreadable ({_one_line(err)}); "
@@ -263,11 +269,19 @@ class Checkpointer:
             raise UnreadableCheckpoint(f"checkpoint '{self.directory / str(step)}' has no readable array metadata for '{item}'")
         return dict(stored)
 
-    def _check_structure(self, step: int, item: str, target: dict[str, jax.ShapeDtypeStruct]) -> None:
+    def _restore_part(self, step: int, item: str, target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
+        """The arrays of ``target`` from ``item``, which may hold more (orbax's partial restore)."""
+        args = {key: ocp.ArrayRestoreArgs(sharding=value.sharding, dtype=value.dtype) for key, value in target.items()}
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(
+                self.directory / str(step) / item, args=ocp.args.PyTreeRestore(target, restore_args=args, partial_restore=True)
+            )
+
+    def _check_structure(self, step: int, item: str, target: dict[str, jax.ShapeDtypeStruct], allow_extra: bool = False) -> None:
         stored = self._stored_metadata(step, item)
         stored_keys = set(stored)
         missing = sorted(set(target) - stored_keys)
-        extra = sorted(stored_keys - set(target))
+        extra = [] if allow_extra else sorted(stored_keys - set(target))
         if missing or extra:
             what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
             raise CheckpointError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,13 @@ import yaml
 from nnxtron.config.derived import Derived, derive
 from nnxtron.config.fingerprint import check_same_model, fingerprint, of_stored, other_changes
 from nnxtron.config.flops import training_flops_per_token
-from nnxtron.config.loader import run_config_to_yaml
+from nnxtron.config.loader import RUN_TOKENIZER_DIR, run_config_to_yaml
 from nnxtron.config.schema import Config
 from nnxtron.data.pipeline import BatchSource, DataIterator
 from nnxtron.data.sources import make_sources
-from nnxtron.errors import CheckpointError, DataError, TrainingError
+from nnxtron.data.tokenizer import make_tokenizer
+from nnxtron.data.tokenizer_files import copy_tokenizer
+from nnxtron.errors import CheckpointError, DataError, TrainingError, UserError
 from nnxtron.models.quant import summary
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.params import flatten_with_treedef
@@ -30,9 +33,15 @@ from nnxtron.train.checkpoint import Checkpointer, UnreadableCheckpoint
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.preemption import StopRequests
-from nnxtron.train.run_dir import RunDirError, RunLock, make_run_dir, resolve_run_dir
+from nnxtron.train.run_dir import RunDirError, RunLock, make_run_dir, remove_unused_run_dir, resolve_run_dir
+from nnxtron.train.schedules import schedule_change_note
 from nnxtron.train.state import TrainState, init_state, setup
 from nnxtron.train.step import batch_sharding, device_batch, make_eval_step, make_train_step
+from nnxtron.train.wandb_logger import require_wandb
+from nnxtron.train.weights import checkpoint_model, load_weights
+
+# (abstract {"params", "rest"}, their shardings) -> the starting (params, model state or None) of an init_from run
+ParamsLoader = Callable[[dict, dict], tuple[Any, Any]]
 
 
 @dataclass
@@ -64,16 +73,6 @@ def _check_same_model(run_dir: Path, cfg: Config) -> list[str]:
     return other_changes(stored, cfg)
 
 
-def checkpoint_model(meta: dict[str, Any]) -> dict[str, Any]:
-    """The fingerprint a checkpoint was written with (older ones: from its config; converted
-    HF checkpoints of older versions have none, and nothing is compared)."""
-    model = meta.get("model")
-    if isinstance(model, dict):
-        return model
-    config = meta.get("config")
-    return of_stored(config) if isinstance(config, dict) else {}
-
-
 def _check_no_history(run_dir: Path) -> None:
     """With ``enable_checkpointing=false`` a run can never resume: running it again starts a
     new run at step 0 that replaces the metrics logged before, refused (one line) unless
@@ -88,37 +87,30 @@ def _check_no_history(run_dir: Path) -> None:
         )
 
 
-def load_parameters(path: str | Path, cfg: Config, abstract_params: Any, param_shardings: Any) -> Any:
-    """Weights from an nnxtron checkpoint: a run directory, its checkpoints/ or one step.
-
-    The checkpoint may be a full training one or params-only (``convert from-hf``), written
-    with either ``scan_layers`` and on any mesh: it is converted to the layout of
-    ``abstract_params`` and placed on ``param_shardings``. It must have been written for
-    the model ``cfg`` describes (``config.fingerprint``)."""
-    directory = Path(path)
-    if (directory / "checkpoints").is_dir():
-        directory = directory / "checkpoints"
-    step = None
-    if directory.name.isdigit() and (directory / "params").exists():
-        step, directory = int(directory.name), directory.parent
-    ckpt = Checkpointer(directory, max_to_keep=1_000_000, create=False)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"no checkpoint found under '{path}'; point load_parameters_path at a run or checkpoint directory")
-    restored, meta = ckpt.restore(step, {"params": abstract_params}, {"params": param_shardings})
-    fix = "use the model settings it was written with (its run's config.yml)"
-    check_same_model(checkpoint_model(meta), cfg, f"checkpoint '{ckpt.directory / str(step)}'", fix)
-    return restored["params"]
-
-
 class Trainer:
     """Owns the mesh, compiled steps, data and checkpoints of one run."""
 
-    def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None, restart: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path | None = None,
+        *,
+        progress: bool | None = None,
+        restart: bool = False,
+        init_params: ParamsLoader | None = None,
+    ):
+        if cfg.init_from and init_params is None:
+            raise UserError(
+                f"init_from={cfg.init_from} needs its weights reader: pass init_params=nnxtron.convert.runs.init_params(cfg) "
+                "(`nnxtron train` does)"
+            )
         self.cfg = cfg
+        self.init_params = init_params  # reads the init_from weights of a new run
         self.compilation_cache = enable_compilation_cache(cfg)  # before anything compiles; None = off
         self.derived: Derived = derive(cfg, jax.device_count())
         self.run_dir = run_dir or resolve_run_dir(cfg)
+        if cfg.enable_wandb:
+            require_wandb()  # a missing extra fails here, before the run directory is written
         self.mesh = make_mesh(cfg)
         self.train_source, self.eval_source = make_sources(cfg, self.derived.global_batch_size)  # bad data fails fast
         self.tx, self.schedule = make_optimizer(cfg, self.derived)
@@ -161,12 +153,14 @@ class Trainer:
                 f"none of the {len(unreadable)} checkpoints in '{ckpt.directory}' reads back (newest: "
                 f"{str(unreadable[0][1]).split('; ')[0]}); repair them or use a new run_name"
             )
-        params = None
+        weights = None  # (params, model state or None: fresh)
+        abstract = {key: self.setup.abstract_state[key] for key in ("params", "rest")}
+        shardings = {key: self.setup.state_shardings[key] for key in ("params", "rest")}
         if self.cfg.load_parameters_path:
-            params = load_parameters(
-                self.cfg.load_parameters_path, self.cfg, self.setup.abstract_state["params"], self.setup.state_shardings["params"]
-            )
-        return init_state(self.cfg, self.setup, self.tx, params), 0, None
+            weights = load_weights(self.cfg.load_parameters_path, self.cfg, abstract, shardings)
+        elif self.init_params is not None:
+            weights = self.init_params(abstract, shardings)
+        return init_state(self.cfg, self.setup, self.tx, *(weights or ())), 0, None
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """``{"loss": token-mean eval loss}`` plus ``"mtp_acceptance"`` (fraction) when configured."""
@@ -185,28 +179,41 @@ class Trainer:
         return result
 
     def run(self) -> TrainResult:
-        """Train as the run directory's one writer (``train.run_dir``)."""
+        """Train as the run directory's one writer (``train.run_dir``). A start that fails before
+        the run's ``config.yml`` is written removes the directory it created (nothing else)."""
+        self.changes = _check_same_model(self.run_dir, self.cfg)  # before anything is written
+        created = not self.run_dir.exists()
         make_run_dir(self.run_dir)
         lock = RunLock(self.run_dir)
-        lock.acquire()
         try:
+            lock.acquire()
             if lock.previous:
                 self.notes.append(f"run lock taken over from {lock.previous}, which ended without releasing it")
             return self._run()
+        except BaseException:
+            lock.release()
+            if created and not (self.run_dir / "config.yml").exists():
+                remove_unused_run_dir(self.run_dir)
+            raise
         finally:
             lock.release()
 
     def _run(self) -> TrainResult:
         cfg = self.cfg
-        changes = _check_same_model(self.run_dir, cfg)
+        changes = self.changes
         if changes:
             self.notes.append("changed since the run's config.yml: " + "; ".join(changes))
-        if jax.process_index() == 0 and not (self.run_dir / "config.yml").exists():
-            (self.run_dir / "config.yml").write_text(run_config_to_yaml(cfg))
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
         if ckpt is not None:
             ckpt.check_writable()
         state, start, data_state = self.initial_state(ckpt)
+        stored = self.run_dir / "config.yml"  # a resume whose schedule moved says so (train/schedules.py)
+        note = schedule_change_note(yaml.safe_load(stored.read_text()), cfg, self.derived, start) if stored.is_file() else None
+        if note:
+            self.notes.append(note)
+        if jax.process_index() == 0 and not (self.run_dir / "config.yml").exists():  # the inputs are valid: record the run
+            copy_tokenizer(make_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), self.run_dir / RUN_TOKENIZER_DIR)
+            (self.run_dir / "config.yml").write_text(run_config_to_yaml(cfg))
         if ckpt is None and not self.restart:
             _check_no_history(self.run_dir)
         batches = self._data(self.train_source)
@@ -214,7 +221,7 @@ class Trainer:
             batches.set_state(data_state)
         result = TrainResult(self.run_dir, start, start)
         peak, peak_source = peak_flops_total(cfg)
-        writer = MetricsWriter(self.run_dir, cfg.enable_tensorboard, start) if jax.process_index() == 0 else None
+        writer = MetricsWriter(self.run_dir, cfg, start) if jax.process_index() == 0 else None
         try:
             silent = jax.process_index() != 0
             with ProgressBar(cfg.steps, start, self.progress_enabled, silent=silent) as bar, StopRequests() as stops:
@@ -412,5 +419,7 @@ class _Recorder:
             )
 
 
-def train(cfg: Config, *, progress: bool | None = None, restart: bool = False) -> TrainResult:
-    return Trainer(cfg, progress=progress, restart=restart).run()
+def train(
+    cfg: Config, *, progress: bool | None = None, restart: bool = False, init_params: ParamsLoader | None = None
+) -> TrainResult:
+    return Trainer(cfg, progress=progress, restart=restart, init_params=init_params).run()

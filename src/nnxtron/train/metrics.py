@@ -1,4 +1,4 @@
-"""Per-step metrics: JSON lines, TensorBoard and a live progress bar."""
+"""Per-step metrics: JSON lines, TensorBoard, Weights & Biases and a live progress bar (docs/logging.md)."""
 
 from __future__ import annotations
 
@@ -11,31 +11,38 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from nnxtron.config.schema import Config
+from nnxtron.train.wandb_logger import WandbLogger
+
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors its scalars to TensorBoard
+    (``enable_tensorboard``) and Weights & Biases (``enable_wandb``; the same W&B run on resume).
 
     ``start_step``: the step a run resumes at. Records of later steps (written after that
     checkpoint by a run that then died) and a torn last line are dropped first, so the log
     of a resumed run reads exactly as if it had never stopped."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, start_step: int = 0):
+    def __init__(self, run_dir: Path, cfg: Config, start_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
         _truncate_after(self.path, start_step)
         self.file = self.path.open("a", encoding="utf-8")
         self.tb = None
-        if tensorboard:
+        if cfg.enable_tensorboard:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = WandbLogger(cfg, run_dir) if cfg.enable_wandb else None
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
+        step = record["step"]
+        scalars = {key: value for key, value in record.items() if key != "step" and isinstance(value, (int, float))}
         if self.tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None and scalars:
+            self.wandb.log(scalars, step)
 
     def flush(self) -> None:
         self.file.flush()
@@ -47,6 +54,8 @@ class MetricsWriter:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def _truncate_after(path: Path, step: int) -> None:

@@ -50,6 +50,16 @@ def make_run_dir(run_dir: Path) -> None:
         ) from None
 
 
+def remove_unused_run_dir(run_dir: Path) -> None:
+    """Remove a run directory this start created and left unused: its lock file and empty
+    folders (an empty ``checkpoints/``). Anything else in it is kept, and so is the directory."""
+    for path in (run_dir / LOCK_FILE, run_dir / "checkpoints", run_dir):
+        try:
+            path.rmdir() if path.is_dir() else path.unlink()
+        except OSError:  # not empty, or already gone: keep what is there
+            pass
+
+
 class RunLock:
     """The one-writer lock of a run directory (see the module docstring)."""
 

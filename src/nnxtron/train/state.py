@@ -106,15 +106,22 @@ def init_non_params(cfg: Config, rest_shardings: dict) -> dict:
 
 
 def _opt_shardings(opt_abstract: Any, params_abstract: dict, param_shardings: dict, replicated: NamedSharding) -> Any:
-    """Param-shaped optimizer subtrees (Adam moments) take the parameter shardings."""
-    param_structure = jax.tree.structure(params_abstract)
+    """An optimizer leaf that mirrors a parameter (Adam moments, Lion/SGD/Muon momenta, also
+    inside ``optax.partition``'s masked states) — its key path ends with the parameter's path
+    and it has its shape — takes the parameter's sharding; the rest (step counts, Adafactor's
+    factored row/column statistics) are replicated."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params_abstract)
+    params = {tuple(path): (leaf.shape, sh) for (path, leaf), sh in zip(flat, jax.tree.leaves(param_shardings), strict=True)}
+    depths = sorted({len(path) for path in params})
 
-    def is_param_shaped(node: Any) -> bool:
-        return isinstance(node, dict) and jax.tree.structure(node) == param_structure
+    def one(path: tuple, leaf: Any) -> NamedSharding:
+        for depth in depths:
+            shape, sharding = params.get(tuple(path[-depth:]), (None, None))
+            if shape == leaf.shape:
+                return sharding
+        return replicated
 
-    return jax.tree.map(
-        lambda node: param_shardings if is_param_shaped(node) else replicated, opt_abstract, is_leaf=is_param_shaped
-    )
+    return jax.tree_util.tree_map_with_path(one, opt_abstract)
 
 
 def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSetup:
@@ -137,19 +144,31 @@ def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSet
     return ModelSetup(graphdef, mesh, storage, abstract_state, compute, unsharded)
 
 
-def init_state(cfg: Config, model_setup: ModelSetup, tx: optax.GradientTransformation, params: dict | None = None) -> TrainState:
+def init_state(
+    cfg: Config,
+    model_setup: ModelSetup,
+    tx: optax.GradientTransformation,
+    params: dict | None = None,
+    rest: dict | None = None,
+) -> TrainState:
     """Initialise the train state directly into its shardings (jit with out_shardings).
 
-    ``params``: start from these parameter values (e.g. a converted HF checkpoint)
-    instead of the seeded random init.
+    ``params`` / ``rest``: start from these parameter values / this model state (router
+    biases, hash tables: ``train/weights.py``) instead of the seeded random init.
     """
-
-    def init(loaded):
-        fresh, rest = _fresh_state(cfg)
-        p = fresh if loaded is None else loaded
-        return {"params": p, "rest": rest, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
-
     shardings = model_setup.state_shardings
-    if params is None:
-        return jax.jit(lambda: init(None), out_shardings=shardings)()
-    return jax.jit(init, in_shardings=(shardings["params"],), out_shardings=shardings)(params)
+
+    def init(loaded, loaded_rest):
+        fresh, fresh_rest = _fresh_state(cfg)
+        p = fresh if loaded is None else loaded
+        r = fresh_rest if loaded_rest is None else loaded_rest
+        return {"params": p, "rest": r, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
+
+    given = {"params": params, "rest": rest}
+    inputs = {key: value for key, value in given.items() if value is not None}
+    jitted = jax.jit(
+        lambda loaded: init(loaded.get("params"), loaded.get("rest")),
+        in_shardings=({key: shardings[key] for key in inputs},),
+        out_shardings=shardings,
+    )
+    return jitted(inputs)
