@@ -41,10 +41,13 @@ def _split_file_and_overrides(args: Sequence[str]) -> tuple[str | None, list[str
 def _cmd_config(ns: argparse.Namespace) -> int:
     import jax
 
-    from nnxtron.config import config_to_yaml, derive, load_config
+    from nnxtron.config import config_to_yaml, derive
+    from nnxtron.config.loader import load_config_report
 
-    cfg = load_config(*_split_file_and_overrides(ns.args))
+    cfg, report = load_config_report(*_split_file_and_overrides(ns.args))
     print(config_to_yaml(cfg), end="")
+    for line in report.comment_block():
+        print(line)
     print("# derived for", jax.device_count(), "device(s):")
     for key, value in derive(cfg, jax.device_count()).as_dict().items():
         print(f"#   {key}: {value}")
@@ -52,14 +55,19 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from nnxtron.config.loader import load_config, parse_overrides, read_config_file
+    from nnxtron.config.loader import load_config_report, parse_overrides, read_config_file
     from nnxtron.convert.runs import init_config, init_params
     from nnxtron.data.sources import tokenizer_for
     from nnxtron.runtime.distributed import initialize, peer_lost, shutdown
 
     file, overrides = _split_file_and_overrides(ns.args)
     given = {**(read_config_file(file) if file is not None else {}), **parse_overrides(overrides)}
-    cfg = init_config(file, overrides, given) if given.get("init_from") else load_config(file, overrides)
+    notes: list[str] = []
+    if given.get("init_from"):
+        cfg = init_config(file, overrides, given)
+    else:
+        cfg, report = load_config_report(file, overrides)
+        notes = report.startup_lines(cfg)
     if cfg.sample_after_training:  # said before training, not after it
         if cfg.sample_after_training >= cfg.max_position_embeddings:
             raise UserError(
@@ -69,11 +77,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         tokenizer_for(cfg)
     loader = init_params(cfg)
     if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout):
-        return _train_and_report(cfg, ns, loader)
+        return _train_and_report(cfg, ns, loader, notes=notes)
     import jax
 
     try:
-        code = _train_and_report(cfg, ns, loader, quiet=jax.process_index() != 0)
+        code = _train_and_report(cfg, ns, loader, quiet=jax.process_index() != 0, notes=notes)
     except jax.errors.JaxRuntimeError as err:  # a collective with a process that is gone
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         peer_lost(f"a collective with another process failed ({first})")
@@ -81,12 +89,12 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return code
 
 
-def _train_and_report(cfg, ns: argparse.Namespace, init_params, quiet: bool = False) -> int:
+def _train_and_report(cfg, ns: argparse.Namespace, init_params, quiet: bool = False, notes: Sequence[str] = ()) -> int:
     import jax
 
     from nnxtron.train.loop import train
 
-    result = train(cfg, progress=None if not ns.no_progress else False, restart=ns.restart, init_params=init_params)
+    result = train(cfg, progress=None if not ns.no_progress else False, restart=ns.restart, init_params=init_params, notes=notes)
     status = 128 + result.stopped_by if result.stopped_by else 0  # stopped by a signal, after a checkpoint
     if quiet:  # another process of a multi-host run: process 0 reports
         return status

@@ -12,6 +12,7 @@ from typing import Any
 import pydantic
 import yaml
 
+from nnxtron.config import maxtext
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 
@@ -81,7 +82,25 @@ def _check_size(data: Any, origin: str) -> None:
 
 
 def read_config_file(file: str | Path) -> dict[str, Any]:
-    """The key/values of a YAML config file (every key checked against the schema)."""
+    """The key/values of a YAML config file: every key checked against the schema or, for a
+    MaxText config (``config/maxtext.py``), its ``base_config:`` chain merged and every key
+    checked against MaxText's table and the schema."""
+    return _read_config(file)[0]
+
+
+def _read_config(file: str | Path) -> tuple[dict[str, Any], bool]:
+    """(values, is a MaxText config)."""
+    values = _read_file(file)
+    if not maxtext.is_maxtext_config(values):
+        _check_keys(values, f"config file '{file}'")
+        return values, False
+    values = maxtext.read_chain(Path(file), _read_file)
+    for key in values:
+        maxtext.check_key(key, f"config file '{file}'")
+    return values, True
+
+
+def _read_file(file: str | Path) -> dict[str, Any]:
     path = Path(file)
     shown = str(file)[:200]
     try:
@@ -97,15 +116,14 @@ def read_config_file(file: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"cannot read config file {str(file)[:80]!r} ({err.strerror or err}); pass a readable YAML file"
         ) from None
-    values = _read_yaml(text, f"config file '{file}'")
-    _check_keys(values, f"config file '{file}'")
-    return values
+    return _read_yaml(text, f"config file '{file}'")
 
 
-def _check_keys(values: dict[str, Any], origin: str) -> None:
+def _check_keys(values: dict[str, Any], origin: str, maxtext_keys: bool = False) -> None:
+    """Every key is nnxtron's (or, with ``maxtext_keys``, in MaxText's table: config/maxtext_keys.py)."""
     valid = list(Config.model_fields)
     for key in values:
-        if key not in Config.model_fields:
+        if key not in Config.model_fields and not (maxtext_keys and key in maxtext.KEYS):
             close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else "; `nnxtron config show` lists every key"
             raise ConfigError(f"unknown config key {str(key)!r} in {origin}{hint}")
@@ -131,7 +149,7 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
             field is not None and "tuple[str" in str(field.annotation) and not isinstance(values[key], list)
         ):
             values[key] = raw
-    _check_keys(values, "command-line overrides")
+    _check_keys(values, "command-line overrides", maxtext_keys=True)
     return values
 
 
@@ -185,22 +203,56 @@ def load_config(
     ``values`` are typed key/values from code (e.g. a converted HF config.json);
     ``defaults`` too, but under the file (the model an ``init_from`` brings);
     ``overrides`` are ``key=value`` strings from the command line; the environment is
-    JAX's compilation-cache variables (``ENVIRONMENT_DEFAULTS``).
+    JAX's compilation-cache variables (``ENVIRONMENT_DEFAULTS``). A MaxText config file
+    resolves as ``config/maxtext.py`` says (``load_config_report`` also returns what it ignored).
     """
-    file_values = read_config_file(file) if file is not None else {}
+    return load_config_report(file, overrides, values, defaults)[0]
+
+
+def load_config_report(
+    file: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    values: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> tuple[Config, maxtext.Report]:
+    """``load_config`` and the report of the MaxText keys it ignored (empty without any)."""
+    file_values, is_maxtext = _read_config(file) if file is not None else ({}, False)
     code_values, under = dict(values or {}), dict(defaults or {})
     _check_keys({**code_values, **under}, "the values passed from code")
     cli_values = parse_overrides(overrides)
-    merged = {**file_values, **code_values, **cli_values}
+    report = maxtext.Report(maxtext_file=is_maxtext)
     resolved = base_values()
     resolved.update(_environment_defaults())
-    model_name = merged.get("model_name", resolved["model_name"])
-    if model_name != "default":
-        resolved.update(_load_preset(str(model_name)))
-    resolved.update(under)
-    resolved.update(merged)
+    if is_maxtext:
+        file_values = {
+            **maxtext.DEFAULTS,
+            **maxtext.NNXTRON_KEYS_UNDER_MAXTEXT,
+            **file_values,
+        }  # MaxText's base.yml under the file
+    merged = {**file_values, **code_values, **cli_values}
+    model_name = str(merged.get("model_name", resolved["model_name"]))
+    preset = _load_preset(model_name) if model_name != "default" else {}
+    if is_maxtext:
+        preset = {k: v for k, v in preset.items() if k not in maxtext.PRESET_KEYS_KEPT_FROM_FILE}
+    if is_maxtext or cli_values.get("override_model_config") is False:
+        maxtext.check_model_overrides(model_name, preset, cli_values, {**file_values, **cli_values})
+    if is_maxtext:
+        ctx = {**file_values, **preset, **under, **code_values, **cli_values}
+        maxtext.check_refused({**file_values, **cli_values}, ctx)
+        shadowed = {k: v for k, v in file_values.items() if k not in cli_values}  # the command line decides those
+        resolved.update(maxtext.translate(shadowed, ctx, report, maxtext_meaning=True))
+        resolved.update(preset)
+        resolved.update(under)
+        resolved.update(code_values)
+    else:
+        resolved.update(preset)
+        resolved.update(under)
+        resolved.update({**file_values, **code_values})
+        ctx = {**maxtext.DEFAULTS, **resolved, **cli_values}
+        maxtext.check_refused({k: v for k, v in cli_values.items() if k in maxtext.MAXTEXT_ONLY}, ctx)
+    resolved.update(maxtext.translate(cli_values, ctx, report, maxtext_meaning=is_maxtext))
     try:
-        return Config(**resolved)
+        return Config(**resolved), report
     except pydantic.ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -420,6 +420,14 @@ class _Recorder:
 
 
 def train(
-    cfg: Config, *, progress: bool | None = None, restart: bool = False, init_params: ParamsLoader | None = None
+    cfg: Config,
+    *,
+    progress: bool | None = None,
+    restart: bool = False,
+    init_params: ParamsLoader | None = None,
+    notes: Sequence[str] = (),
 ) -> TrainResult:
-    return Trainer(cfg, progress=progress, restart=restart, init_params=init_params).run()
+    """``notes``: start-up lines from loading the config (MaxText keys ignored ...)."""
+    trainer = Trainer(cfg, progress=progress, restart=restart, init_params=init_params)
+    trainer.notes.extend(notes)
+    return trainer.run()

@@ -1,0 +1,160 @@
+"""Reading MaxText configs: detection, ``base_config:`` inheritance, translation through the one key
+table (``config/maxtext_keys.py``) and the report of ignored keys. Pure Python: no JAX.
+
+A config file is a **MaxText config** when it has a ``base_config:`` key or holds a key of the
+MaxText table that nnxtron's schema does not have. In a MaxText config (and on the command line
+next to one):
+
+* MaxText's values apply: every key of MaxText 0.2.5's ``base.yml`` starts at MaxText's default
+  (``dtype=bfloat16``, ``remat_policy=full`` ...), then the files, then the command line;
+* nnxtron-only keys keep nnxtron's defaults, except ``NNXTRON_KEYS_UNDER_MAXTEXT`` (MaxText's
+  ``train`` samples nothing at the end);
+* ``model_name`` selects nnxtron's preset of that name, which overrides the files (MaxText's order:
+  base < model config < command line) — except ``dtype``, which MaxText's model configs leave to
+  the config file;
+* a command-line key that the preset sets to another value is an error unless
+  ``override_model_config=true`` (MaxText's rule);
+* keys nnxtron's schema has and MaxText's table does not (``rope_scaling_factor`` ...) are taken
+  as they are, after the translated ones.
+
+Outside a MaxText config, MaxText-only keys on the command line are translated, ignored or refused
+the same way; keys both have keep nnxtron's meaning.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nnxtron.config.maxtext_keys import IGNORED, KEYS, MAXTEXT_VERSION, NOT_IN_BASE, REFUSED, accepted, refusal, same
+from nnxtron.config.schema import Config
+from nnxtron.errors import ConfigError
+
+BASE_CONFIG = "base_config"
+MAX_BASE_CONFIG_DEPTH = 16
+MAXTEXT_ONLY = frozenset(key for key in KEYS if key not in Config.model_fields)
+PRESET_KEYS_KEPT_FROM_FILE = ("dtype",)  # MaxText's model configs leave these to base.yml / the config file
+DEFAULTS = {key: rule.default for key, rule in KEYS.items() if rule.default is not NOT_IN_BASE}
+NNXTRON_KEYS_UNDER_MAXTEXT = {
+    "sample_after_training": 0
+}  # nnxtron-only keys whose MaxText behaviour differs: its train does not sample
+
+
+def is_maxtext_config(values: Mapping[str, Any]) -> bool:
+    return BASE_CONFIG in values or any(key in MAXTEXT_ONLY for key in values)
+
+
+def check_key(key: Any, origin: str) -> None:
+    """A key of a MaxText config: MaxText's table or nnxtron's schema."""
+    if key in KEYS or key in Config.model_fields:
+        return
+    close = difflib.get_close_matches(str(key), [*KEYS, *Config.model_fields], n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else "; docs/maxtext.md lists every MaxText key"
+    raise ConfigError(
+        f"unknown config key {str(key)!r} in {origin} (a MaxText config: neither a MaxText {MAXTEXT_VERSION} key nor "
+        f"an nnxtron key){hint}"
+    )
+
+
+def read_chain(path: Path, read: Callable[[Path], dict[str, Any]], seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A MaxText config file with its ``base_config:`` ancestors merged under it. As MaxText's
+    pyconfig: a relative ``base_config`` is relative to the file's directory."""
+    values = read(path)
+    parent = values.pop(BASE_CONFIG, None)
+    if parent is None:
+        return values
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"base_config in config file '{path}' must be a file path, got {parent!r}")
+    parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
+    if not parent_path.is_file():
+        raise ConfigError(
+            f"base_config {parent!r} of config file '{path}' is not a file (looked at '{parent_path}'); MaxText's own "
+            "configs are in its wheel (maxtext/configs/): copy base.yml next to your file or give its path"
+        )
+    resolved = parent_path.resolve()
+    if resolved in seen or len(seen) >= MAX_BASE_CONFIG_DEPTH:
+        raise ConfigError(f"base_config of config file '{path}' leads back to '{parent_path}' (a cycle); fix base_config")
+    return {**read_chain(parent_path, read, (*seen, path.resolve(), resolved)), **values}
+
+
+@dataclass
+class Report:
+    """What a MaxText config (or MaxText keys on the command line) did: the ignored keys with
+    their values, and whether the MaxText layering applied."""
+
+    maxtext_file: bool = False
+    ignored: dict[str, Any] = field(default_factory=dict)
+    moe_kernels: dict[str, Any] = field(default_factory=dict)
+
+    def startup_lines(self, cfg: Config) -> list[str]:
+        lines = []
+        if self.ignored:
+            changed = [f"{k}={v!r}" for k, v in self.ignored.items() if not same(v, KEYS[k].default)]
+            at_default = len(self.ignored) - len(changed)
+            parts = ([f"{at_default} at MaxText's default values"] if at_default else []) + changed
+            lines.append(
+                "MaxText keys ignored (infrastructure nnxtron does not have, or a kernel choice computing the same "
+                f"function; `nnxtron config show` lists them): {', '.join(parts)}"
+            )
+        if self.moe_kernels and cfg.num_experts > 1:
+            asked = " ".join(f"{k}={v}" for k, v in self.moe_kernels.items())
+            lines.append(
+                f"MoE: {asked} — nnxtron computes the routed experts dropless with jax.lax.ragged_dot (XLA's grouped "
+                "matmul, on CPU too; no Pallas megablox kernel): the same function"
+            )
+        return lines
+
+    def comment_block(self) -> list[str]:
+        if not self.ignored:
+            return []
+        lines = [f"# MaxText keys ignored ({len(self.ignored)}; docs/maxtext.md says why for each):"]
+        by_reason: dict[str, list[str]] = {}
+        for key, value in self.ignored.items():
+            by_reason.setdefault(KEYS[key].note, []).append(f"{key}={value!r}")
+        for reason, items in by_reason.items():
+            lines.append(f"#   {reason}:")
+            lines.append(f"#     {', '.join(items)}")
+        return lines
+
+
+def check_model_overrides(model_name: str, preset: Mapping[str, Any], cli: Mapping[str, Any], ctx: Mapping[str, Any]) -> None:
+    """MaxText's rule: a command-line key the model config sets to another value needs
+    ``override_model_config=true``."""
+    if ctx.get("override_model_config"):
+        return
+    for key, value in cli.items():
+        if key in preset and not same(value, preset[key]):
+            raise ConfigError(
+                f"model_name={model_name} sets {key}={preset[key]!r} and the command line sets {key}={value!r}: MaxText "
+                "refuses this unless override_model_config=true; add override_model_config=true to override the model"
+            )
+
+
+def check_refused(values: Mapping[str, Any], ctx: Mapping[str, Any]) -> None:
+    """The first refused value among ``values`` (the winning MaxText-level values), in table order."""
+    for key, rule in KEYS.items():
+        if rule.kind == REFUSED and key in values and not accepted(key, values[key], ctx):
+            raise refusal(key, values[key], rule.note, rule.use)
+
+
+def translate(values: Mapping[str, Any], ctx: Mapping[str, Any], report: Report, maxtext_meaning: bool) -> dict[str, Any]:
+    """nnxtron values for one layer of values. ``maxtext_meaning``: keys both have are MaxText's
+    (a MaxText config); else they are nnxtron's and only MaxText-only keys are translated.
+    Keys only nnxtron has are applied after the translated ones."""
+    out: dict[str, Any] = {}
+    native: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in KEYS or (key in Config.model_fields and not maxtext_meaning):
+            native[key] = value
+            continue
+        rule = KEYS[key]
+        if rule.kind == IGNORED:
+            report.ignored[key] = value
+            if key in ("sparse_matmul", "megablox"):
+                report.moe_kernels[key] = value
+        if rule.to is not None:
+            out.update(rule.to(value, ctx))
+    return {**out, **native}

@@ -1,0 +1,196 @@
+"""MaxText configs: MaxText 0.2.5's own base.yml loads, every key of it is classified, MaxText's
+reference commands resolve, refused values are one error line, base_config inherits."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nnxtron.config import maxtext
+from nnxtron.config.loader import load_config, load_config_report
+from nnxtron.config.maxtext_keys import HONOURED, IGNORED, KEYS, NOT_IN_BASE, REFUSED, TRANSLATED, same
+from nnxtron.errors import ConfigError
+from tests.integration.conftest import assert_user_error, run_cli
+from tests.scripts import load_script
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "maxtext"
+BASE = ASSETS / "base.yml"
+# the reference run of MaxText's MTP/qwix fix (issue 24), verbatim apart from the program
+REFERENCE = (
+    "model_name=deepseek3-tiny per_device_batch_size=1 max_target_length=128 steps=20 dataset_type=synthetic "
+    "enable_checkpointing=false sparse_matmul=false mtp_num_layers=1 mtp_loss_scaling_factor=0.1"
+).split()
+RUN = ["base_output_directory=OUT", "run_name=nnx_mtp"]
+
+
+def base_values() -> dict:
+    return yaml.safe_load(BASE.read_text())
+
+
+def test_every_key_of_maxtexts_base_yml_is_in_the_table_with_its_default():
+    values = base_values()
+    assert len(values) == 786
+    assert [k for k in values if k not in KEYS] == []  # MaxText adds a key: classify it
+    assert [k for k in values if not same(values[k], KEYS[k].default)] == []
+    extra = [k for k, r in KEYS.items() if r.default is NOT_IN_BASE]
+    assert sorted(extra) == ["enable_nnx", "pure_nnx", "pure_nnx_decoder"]
+    counts = Counter(r.kind for k, r in KEYS.items() if k in values)
+    assert counts == {IGNORED: 376, REFUSED: 251, HONOURED: 127, TRANSLATED: 32}
+
+
+def test_each_class_carries_what_it_needs():
+    for key, rule in KEYS.items():
+        if rule.kind in (IGNORED, REFUSED):
+            assert rule.note, key
+        if rule.kind == REFUSED:
+            assert rule.use, key
+        if rule.kind in (HONOURED, TRANSLATED):
+            assert rule.to is not None, key
+
+
+def test_the_docs_table_is_generated_from_the_key_table():
+    script = load_script("scripts/maxtext_keys_table.py")
+    assert script.main(["--check"]) == 0, "run python scripts/maxtext_keys_table.py"
+    text = script.render()
+    for key in KEYS:
+        assert f"| `{key}` |" in text
+
+
+def test_maxtexts_base_yml_loads_unchanged_with_maxtexts_values():
+    cfg, report = load_config_report(BASE)
+    assert report.maxtext_file
+    assert (cfg.dtype, cfg.remat_policy, cfg.per_device_batch_size, cfg.steps) == ("bfloat16", "full", 12.0, 150001)
+    assert (cfg.base_emb_dim, cfg.base_mlp_dim, cfg.base_num_decoder_layers) == (2048, 7168, 16)
+    assert (cfg.attention, cfg.packing, cfg.rope_interleave, cfg.routed_score_func) == ("auto", "concat", True, "softmax")
+    assert (cfg.base_output_directory, cfg.max_num_checkpoints_to_keep, cfg.sample_after_training) == ("maxtext_output", 2**40, 0)
+    assert cfg.tokenizer_type == "byte"  # synthetic data without tokenizer_path: MaxText reads no tokenizer
+    assert len(report.ignored) == 376 and "profiler" in report.ignored and "sparse_matmul" in report.ignored
+
+
+def test_reference_command_resolves():
+    cfg, report = load_config_report(BASE, [*RUN, *REFERENCE])
+    assert (cfg.decoder_block, cfg.attention_type, cfg.base_emb_dim, cfg.num_experts) == ("deepseek", "mla", 64, 16)
+    assert (cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor, cfg.steps, cfg.max_target_length) == (1, 0.1, 20, 128)
+    assert (cfg.dataset_type, cfg.enable_checkpointing, cfg.dtype, cfg.capacity_factor) == ("synthetic", False, "bfloat16", -1.0)
+    assert cfg.rope_scaling_factor == 40.0 and cfg.quantization == ""
+    lines = report.startup_lines(cfg)
+    assert lines[0].startswith("MaxText keys ignored") and "sparse_matmul=False" in lines[0]
+    assert "jax.lax.ragged_dot" in lines[1] and "sparse_matmul=False" in lines[1]
+
+
+def test_fp8_full_variant_quantizes_as_maxtext_does():
+    cfg = load_config(BASE, [*RUN, *REFERENCE, "use_qwix_quantization=true", "quantization=fp8_full"])
+    assert (cfg.use_qwix_quantization, cfg.quantization) == (True, "fp8_full")
+    assert cfg.qwix_module_path == ".*layers/.*"  # quantize_mtp=false: MaxText leaves the MTP depths unquantized
+    assert cfg.qwix_exclude_module_path == ".*/(.*_hc)"  # quantize_router_proj=true: routers quantized
+    cfg = load_config(BASE, [*REFERENCE, "use_qwix_quantization=true", "quantization=fp8_full", "quantize_mtp=true",
+                             "quantize_router_proj=false"])  # fmt: skip
+    assert (cfg.qwix_module_path, cfg.qwix_exclude_module_path) == ("(.*layers|mtp)/.*", ".*/(router|.*_hc)")
+
+
+def test_linen_variant_is_one_line(capsys):
+    args = ["config", "show", str(BASE), *RUN, *REFERENCE, "enable_nnx=false", "pure_nnx_decoder=false", "pure_nnx=false"]
+    code, _, err = run_cli(capsys, *args)
+    assert_user_error(code, err, "MaxText key enable_nnx=False is refused: nnxtron has only the NNX path")
+    assert load_config(BASE, ["enable_nnx=true", "pure_nnx=true", "pure_nnx_decoder=true"]).dtype == "bfloat16"
+
+
+def test_config_show_lists_the_ignored_keys(capsys):
+    code, out, _ = run_cli(capsys, "config", "show", str(BASE), "profiler=xplane")
+    assert code == 0
+    assert "# MaxText keys ignored (376;" in out and "profiler='xplane'" in out and "gcs_metrics=False" in out
+    assert "dtype: bfloat16" in out
+
+
+@pytest.mark.parametrize(
+    ("arg", "fragment"),
+    [
+        ("dropout_rate=0.1", "MaxText key dropout_rate=0.1 is refused: nnxtron has no dropout yet"),
+        ("capacity_factor=1.25", "MaxText key capacity_factor=1.25 is refused: MaxText's expert capacity is per sequence"),
+        ("matmul_precision=highest", "MaxText key matmul_precision='highest' is refused"),
+        ("ragged_buffer_factor=1.0", "MaxText key ragged_buffer_factor=1.0 is refused"),
+        ("use_multimodal=true", "MaxText key use_multimodal=True is refused"),
+        ("attention=paged", "MaxText key attention='paged' is refused"),
+        ("dataset_type=tfds", "MaxText key dataset_type='tfds' is refused"),
+        ("dataset_type=grain", "MaxText key grain_packing_type='first_fit' is refused"),
+        ("z_loss_multiplier=0.0001", "MaxText key z_loss_multiplier=0.0001 is refused"),
+        ("model_name=gemma3-tiny", "MaxText key normalize_embedding_logits=True is refused"),
+        ("base_emb_dim=2048", "model_name=deepseek3-tiny sets base_emb_dim=64 and the command line sets base_emb_dim=2048"),
+    ],
+)
+def test_refused_values_are_one_error_line(capsys, arg, fragment):
+    args = [*REFERENCE, arg] if arg.startswith("base_emb_dim") else [arg]
+    code, _, err = run_cli(capsys, "config", "show", str(BASE), *args)
+    assert_user_error(code, err, fragment)
+
+
+def test_accepted_values_of_refused_keys():
+    cfg = load_config(BASE, ["dropout_rate=0.3", "enable_dropout=false", "ragged_buffer_factor=-1", "megablox=false"])
+    assert cfg.dtype == "bfloat16"
+    assert load_config(BASE, ["model_name=gemma3-tiny", "normalize_embedding_logits=false"]).logits_via_embedding
+    # override_model_config=true: the command line wins over the preset, as in MaxText
+    cfg = load_config(BASE, [*REFERENCE, "override_model_config=true", "base_emb_dim=128"])
+    assert cfg.base_emb_dim == 128
+
+
+def test_maxtext_keys_on_the_command_line_without_a_maxtext_file():
+    cfg, report = load_config_report(None, ["sparse_matmul=false", "megablox=false", "dropout_rate=0", "steps=3"])
+    assert cfg.steps == 3 and cfg.dtype == "float32"  # nnxtron's defaults: no MaxText file
+    assert report.ignored == {"sparse_matmul": False, "megablox": False}
+    with pytest.raises(ConfigError, match="dropout_rate=0.5 is refused"):
+        load_config(None, ["dropout_rate=0.5"])
+
+
+def test_base_config_inherits_relative_to_the_file(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "base.yml").write_text(BASE.read_text())
+    (tmp_path / "configs" / "small.yml").write_text("base_config: base.yml\nbase_emb_dim: 256\nhardware: cpu\n")
+    (tmp_path / "smaller.yml").write_text("base_config: configs/small.yml\nsteps: 7\n")
+    cfg, report = load_config_report(tmp_path / "smaller.yml")
+    assert (cfg.base_emb_dim, cfg.steps, cfg.dtype) == (256, 7, "bfloat16")
+    assert report.ignored["hardware"] == "cpu"
+    (tmp_path / "loop.yml").write_text("base_config: loop.yml\n")
+    with pytest.raises(ConfigError, match="a cycle"):
+        load_config(tmp_path / "loop.yml")
+    (tmp_path / "orphan.yml").write_text("base_config: nowhere.yml\n")
+    with pytest.raises(ConfigError, match="base_config 'nowhere.yml' of config file"):
+        load_config(tmp_path / "orphan.yml")
+
+
+def test_unknown_key_in_a_maxtext_file_names_it(tmp_path):
+    (tmp_path / "mt.yml").write_text("sparse_matmul: false\nmegabox: true\n")
+    with pytest.raises(ConfigError, match="unknown config key 'megabox' .*a MaxText config.*did you mean 'megablox'"):
+        load_config(tmp_path / "mt.yml")
+
+
+def test_an_nnxtron_file_keeps_its_rules(tmp_path):
+    (tmp_path / "run.yml").write_text("steps: 5\npacking: pad\n")
+    cfg, report = load_config_report(tmp_path / "run.yml")
+    assert (cfg.steps, cfg.packing, cfg.dtype) == (5, "pad", "float32") and not report.maxtext_file
+    (tmp_path / "typo.yml").write_text("steps: 5\nlearning_rat: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'learning_rat' in config file .*did you mean 'learning_rate'"):
+        load_config(tmp_path / "typo.yml")
+    with pytest.raises(ConfigError, match="unknown config key 'learning_rat' in command-line overrides"):
+        load_config(None, ["learning_rat=0.1"])
+
+
+def test_detection_rule():
+    assert maxtext.is_maxtext_config({"base_config": "base.yml"})
+    assert maxtext.is_maxtext_config({"steps": 3, "sparse_matmul": True})
+    assert not maxtext.is_maxtext_config({"steps": 3, "dtype": "bfloat16"})
+
+
+def test_train_prints_the_ignored_keys_at_start_up(capsys, tmp_path):
+    tiny = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "head_dim=16", "base_mlp_dim=64",
+            "base_num_decoder_layers=1", "vocab_size=256", "max_target_length=16", "per_device_batch_size=1", "steps=1",
+            "enable_checkpointing=false", "enable_tensorboard=false", "profiler=xplane"]  # fmt: skip
+    code, out, err = run_cli(
+        capsys, "train", str(BASE), f"base_output_directory={tmp_path}", "run_name=mt", "--no-progress", *tiny
+    )
+    assert code == 0, err
+    text = out + err
+    assert "MaxText keys ignored (infrastructure nnxtron does not have" in text
+    assert "375 at MaxText's default values, profiler='xplane'" in text
