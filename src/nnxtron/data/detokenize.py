@@ -42,8 +42,7 @@ class TextStream:
     def finish(self) -> str:
         """The rest of the text (held-back whitespace, a final partial character)."""
         text = self.tokenizer.decode(self.ids)
-        new = text[len(self.emitted) :] if text.startswith(self.emitted) else text[_common_prefix(text, self.emitted) :]
-        self.emitted = text
+        new, self.emitted = _after(text, self.emitted), text
         return new
 
     def text(self) -> str:
@@ -52,16 +51,14 @@ class TextStream:
 
     def completion(self) -> str:
         """The text after the prompt's, as ``decode`` joins them."""
-        text = self.text()
-        return (
-            text[len(self.prompt_text) :] if text.startswith(self.prompt_text) else text[_common_prefix(text, self.prompt_text) :]
-        )
+        return _after(self.text(), self.prompt_text)
 
 
-def _common_prefix(a: str, b: str) -> int:
+def _after(text: str, prefix: str) -> str:
+    """``text`` past ``prefix`` (past their common part, where ``prefix`` is not one)."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(text, prefix):
         if x != y:
             break
         n += 1
-    return n
+    return text[n:]

@@ -115,8 +115,9 @@ def write_hf_tokenizer(tokenizer: Tokenizer, dest: Path) -> list[str]:
 
 def _special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
     """``{"bos_token": "<s>", ...}`` for the special ids the tokenizer has."""
-    names = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
-    return {f"{kind}_token": tokenizer.token_text(i) for kind, i in names.items() if i >= 0 and tokenizer.token_text(i)}
+    ids = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
+    texts = {kind: tokenizer.token_text(i) for kind, i in ids.items() if i >= 0}
+    return {f"{kind}_token": text for kind, text in texts.items() if text}
 
 
 def _write_json(path: Path, value: dict) -> None:
