@@ -52,14 +52,55 @@ on the command line are handled by the same table; keys both have keep nnxtron's
   upload, serving), or a kernel / sharding / remat choice that computes the same function.
   Accepted with any value; `nnxtron train` prints them in one start-up line and
   `nnxtron config show` lists them — never silently. On MoE models the start-up also says which
-  path runs: nnxtron's routed experts are a dropless `jax.lax.ragged_dot` grouped matmul on every
-  backend (CPU included), whatever `sparse_matmul` / `megablox` ask for — the same function.
+  path runs: `sparse_matmul` is translated to nnxtron's `moe_compute` — `true` (MaxText's default)
+  runs a dropless `jax.lax.ragged_dot` grouped matmul, `false` every expert on every token with
+  einsums (MaxText's `dense_matmul`, the only path that reads `capacity_factor`) — on every backend,
+  CPU included; `megablox` is ignored (no Pallas kernel: on CPU the path that runs is the one
+  `sparse_matmul` selects). Both compute the same function; dense is `E / k` times the FLOPs but
+  plain batched matmuls, several times faster on CPU, where `ragged_dot` has no grouped kernel.
+  Quantized (`use_qwix_quantization`), each path is quantized as MaxText's path of the same name:
+  qwix's `ragged_dot` scales each expert weight per output channel shared by all experts, its
+  `einsum` per expert and output channel.
 - **refused** — a value whose computation nnxtron does not implement is one `error:` line (exit
   2) naming the key, why, and what to use. MaxText's default is accepted (the feature is off),
   as are the values listed under "accepted", and any value while the key that reads it is off.
 
 The data pipelines are nnxtron's own: with real data the documents come in another order than
-MaxText's Grain pipeline gives them. Step-for-step parity with MaxText is issue 24's later part.
+MaxText's Grain pipeline gives them; with the same batches and weights nnxtron reproduces
+MaxText's training step for step (next section).
+"""
+
+SEMANTICS = """## MaxText vs HF semantics
+
+nnxtron's models follow HuggingFace's semantics (parameters keep HF meaning). Where MaxText 0.2.5
+computes another function, a MaxText config makes nnxtron compute MaxText's, through config
+values `nnxtron config show` prints; with MaxText's checkpoint and batches nnxtron then gives
+MaxText's logits, loss curve (MTP loss included) and final parameters after 20 steps
+(`tests/parity/test_maxtext_reproduction.py`; MaxText's runs and the measured differences:
+`tests/assets/maxtext/reference/README.md`).
+
+| what | MaxText 0.2.5 | HF / nnxtron otherwise | under a MaxText config |
+|---|---|---|---|
+| attention logits (`decoder_block` llama2, mistral, mixtral, no qk-norm) | `softmax(q.k)`: `1/sqrt(head_dim)` is folded into the query kernel's initialiser | `softmax(q.k / sqrt(head_dim))` | `query_pre_attn_scalar=1` (with `decoder_block`); a MaxText query kernel is used as it is |
+| RoPE pairs | the default RoPE rotates halves whatever `rope_interleave` says (only YaRN reads it); llama3.1 RoPE rotates adjacent pairs | per family (`rope_interleave`) | `rope_interleave` translated so |
+| MoE top-k weights | softmax over the top-k logits (renormalised) whatever `norm_topk_prob` says; DeepSeek renormalises sigmoid scores | `norm_topk_prob` | `norm_topk_prob` translated so |
+| weight decay | every parameter (`adamw_mask=[]`), norm scales included | matrices only | `weight_decay_mask=all` |
+| learning-rate schedule | warm-up `int(fraction * steps)`; the cosine (and WSD decay) reaches its final value at the schedule's last step; 0 after `learning_rate_schedule_steps` | optax's: the final value one step later, kept after the schedule | `lr_schedule_convention=maxtext` |
+| MTP logits | each depth has its own output norm (`mtp_k_final_norm`, DeepSeek-V3's `shared_head.norm`) before the shared LM head | (HF has no MTP) | the same in nnxtron (`mtp/depths/k/final_norm`) |
+| tied output head (`logits_via_embedding`) | `x @ bf16(E)^T` (`attend_on_embedding` casts the table to bfloat16 whatever `dtype` is), then `/ sqrt(emb_dim)` with `normalize_embedding_logits` | `x @ E^T` in `dtype` | `tied_head_bf16=true` (the table, times Gemma's `sqrt(emb_dim)`, rounded to bfloat16, the logits divided by it again) |
+| Gemma 3 embedding scale | `sqrt(emb_dim)` is folded into the table (no input scale); the tied logits divide by it (`normalize_embedding_logits=true`) | the input is scaled by `sqrt(emb_dim)`, the head is `x @ E^T` | the checkpoint table is converted (nnxtron's = MaxText's / `sqrt(emb_dim)`); `normalize_embedding_logits=true` is then HF's head and accepted, `false` is refused (elsewhere with a tied head: the reverse) |
+| Gemma 3 query scale | derived from the sizes: `head_dim ** -0.5` (gemma3-4b, 12b), `(emb_dim // query heads) ** -0.5` (27b) | `query_pre_attn_scalar` as stated (the presets: 256, 256, 168) | with `override_model_config=true` or an overridden `head_dim` / `base_emb_dim` / `base_num_query_heads`, `query_pre_attn_scalar` is derived so (a stated `query_pre_attn_scalar` wins) |
+| MoE load-balance loss | per sequence (each row's token fractions / k and mean `softmax` of the router output before the bias, every position counted), `E^2 ×` mean over rows and experts, averaged over the MoE layers (decoder and MTP; hash-routed layers have none) | over all tokens of the call, summed over layers (HF pools the counts and probabilities of all layers and tokens, fractions not divided by k) | `load_balance_convention=maxtext` (the Mixtral reference run trains with `load_balance_loss_weight=0.01`) |
+
+The same in both (the reproduction checks them): loss = token mean over targets with
+`targets_segmentation != 0`, z-loss off; gradient clipping by global norm before AdamW (eps outside
+the square root, `eps_root=0`, bias correction); RMSNorm epsilon; MLA's softmax scale with YaRN's
+mscale; MTP targets shifted within a packed segment and masked at its end, the MTP loss token-
+weighted over depths and scaled by `mtp_loss_scaling_factor`.
+
+Not covered by the reproduction: a run from scratch draws other initial values than MaxText
+(another RNG), and under `query_pre_attn_scalar=1` nnxtron does not shrink the query kernel's
+initialiser by `sqrt(head_dim)` as MaxText's does; dropout masks (another RNG).
 """
 
 
@@ -94,7 +135,7 @@ def render() -> str:
     in_base = [k for k, r in KEYS.items() if r.default is not NOT_IN_BASE]
     extra = [k for k, r in KEYS.items() if r.default is NOT_IN_BASE]
     counts = Counter(KEYS[k].kind for k in in_base)
-    lines = [INTRO, f"## Counts ({len(in_base)} keys of MaxText {MAXTEXT_VERSION}'s base.yml)", ""]
+    lines = [INTRO, SEMANTICS, f"## Counts ({len(in_base)} keys of MaxText {MAXTEXT_VERSION}'s base.yml)", ""]
     lines += ["| class | keys |", "|---|---|"] + [f"| {kind} | {counts[kind]} |" for kind in KINDS] + [""]
     for kind in (HONOURED, TRANSLATED, REFUSED, IGNORED):
         keys = sorted(k for k in in_base if KEYS[k].kind == kind)

@@ -185,6 +185,15 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     from nnxtron.convert import hf
     from nnxtron.convert.runs import load_model
 
+    if ns.direction == "to-maxtext":
+        from nnxtron.convert.maxtext import export_maxtext
+
+        model = load_model(ns.source, ns.overrides)
+        scanned = model.config.scan_layers if ns.scanned is None else ns.scanned
+        items = export_maxtext(model, ns.dest, scanned=scanned)
+        layout = "scanned" if scanned else "unscanned"
+        print(f"wrote MaxText checkpoint ({layout}) to {items} (use: load_parameters_path={items} with MaxText)")
+        return 0
     if ns.direction == "to-hf":
         model = load_model(ns.source, ns.overrides)
         out = hf.to_hf(model, ns.dest, overwrite=ns.overwrite)
@@ -205,7 +214,12 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     dest = Path(ns.dest)
     if (dest / "config.yml").exists() or (dest / "checkpoints").exists():
         raise UserError(f"'{dest}' already holds an nnxtron run; choose an empty output directory")
-    model = hf.from_hf(ns.source, **parse_overrides(ns.overrides))
+    if ns.direction == "from-maxtext":
+        from nnxtron.convert.maxtext import checkpoint_config, load_maxtext_model
+
+        model = load_maxtext_model(ns.source, checkpoint_config(*_split_file_and_overrides(ns.overrides)))
+    else:
+        model = hf.from_hf(ns.source, **parse_overrides(ns.overrides))
     cfg = model.config
     tokenizer = make_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
     make_run_dir(dest)
@@ -366,12 +380,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("convert", help="convert between HF checkpoints and nnxtron runs")
-    p.add_argument("direction", choices=["from-hf", "to-hf"])
-    p.add_argument("source", help="from-hf: HF model directory; to-hf: nnxtron run directory")
+    p = sub.add_parser("convert", help="convert between HF or MaxText checkpoints and nnxtron runs")
+    p.add_argument("direction", choices=["from-hf", "to-hf", "from-maxtext", "to-maxtext"])
+    p.add_argument(
+        "source", help="from-hf: HF model directory; from-maxtext: MaxText checkpoint directory; to-*: nnxtron run directory"
+    )
     p.add_argument("dest", help="output directory")
-    p.add_argument("overrides", nargs="*", help="key=value (e.g. scan_layers=false, dtype=bfloat16)")
+    p.add_argument(
+        "overrides", nargs="*",
+        help="key=value (e.g. scan_layers=false, dtype=bfloat16); from-maxtext: [config.yml] and the model's keys "
+        "(model_name=... and overrides: a MaxText checkpoint does not carry its config)",
+    )  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="to-hf: replace an existing model.safetensors")
+    p.add_argument("--scanned", action="store_true", default=None, help="to-maxtext: layers stacked (MaxText scan_layers=true)")
+    p.add_argument("--unscanned", action="store_false", dest="scanned", help="to-maxtext: one array per layer")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("config", help="print the resolved config")

@@ -13,7 +13,7 @@ magnitude below what a real bug produces.
 MoE rows (``MOE_ROWS``) run ``deepseek3-test`` — MLA, a dense stack + a MoE stack,
 shared expert, correction bias with expert-load counting (``routed_bias_update_rate``),
 one MTP depth — over meshes with expert parallelism (``ici_expert_parallelism`` 2 and
-4) and the other axes; the non-parameter state (expert-load counts) must match too.
+4) and the other axes, and with ``moe_compute=dense``; the non-parameter state (expert-load counts) must match too.
 The load-balance loss is a product of batch statistics, so it is not additive over
 microbatches: rows with gradient accumulation run without it against their own baseline.
 """
@@ -52,8 +52,8 @@ class Strategy:
 
     @property
     def id(self) -> str:
-        quantization = dict(self.extra).get("quantization")
-        suffix = f"-{quantization}" if quantization else ""
+        extra = dict(self.extra)
+        suffix = "".join(f"-{extra[key]}" for key in ("quantization", "moe_compute") if key in extra)
         return f"{'scan' if self.scan else 'unroll'}-{self.remat}-{self.mesh}-ga{self.accumulation}{suffix}"
 
     def overrides(self) -> dict:
@@ -131,6 +131,9 @@ MOE_ROWS = [
     Strategy(True, "save_dot_except_mlp", "fsdp4_tensor2"),
     Strategy(True, "none", "expert2_fsdp4", 2),
     Strategy(False, "full", "data2_expert4", 2),
+    # moe_compute=dense (every expert on every token, einsums) against the grouped baseline
+    Strategy(True, "full", "expert2_fsdp4", extra=(("moe_compute", "dense"),)),
+    Strategy(False, "save_dot_except_mlp", "1dev", 2, extra=(("moe_compute", "dense"),)),
 ]
 
 

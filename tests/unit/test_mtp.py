@@ -51,7 +51,7 @@ def test_shift_and_validity_respect_segments():
 @pytest.fixture(scope="module")
 def by_hand(setup):
     """Per-depth MTP logits built from the model's pieces, following the definition:
-    depth k at t = block_k(W_k [norm(emb(tok[t+k])) ; norm(h_{k-1}[t])]) -> shared head."""
+    depth k at t = block_k(W_k [norm(emb(tok[t+k])) ; norm(h_{k-1}[t])]) -> own norm -> shared LM head."""
     cfg, model, batch = setup
 
     @nnx.jit
@@ -65,7 +65,7 @@ def by_hand(setup):
             ahead = jnp.zeros_like(inputs).at[:, :-k].set(inputs[:, k:])
             combined = jnp.concatenate([depth.embedding_norm(model.embed(ahead)), depth.hidden_norm(h)], -1)
             h, _ = depth.block(depth.projection(combined), positions, segments)
-            logits.append(model.head(h))
+            logits.append(model.output_head(depth.final_norm(h)))
         return logits
 
     return [np.asarray(x) for x in run(model, batch)]

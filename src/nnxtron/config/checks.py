@@ -191,6 +191,8 @@ def check_moe(cfg: Config) -> None:
             raise ConfigError("n_routing_groups needs routed_score_func=sigmoid or sqrtsoftplus (DeepSeek routing)")
     if cfg.capacity_factor != -1 and cfg.capacity_factor <= 0:
         raise ConfigError(f"capacity_factor={cfg.capacity_factor} must be -1 (dropless) or > 0")
+    if cfg.capacity_scope != "call" and cfg.capacity_factor <= 0:
+        raise ConfigError(f"capacity_scope={cfg.capacity_scope} needs capacity_factor > 0 (the experts are dropless)")
     if cfg.routed_bias_update_rate > 0 and not cfg.routed_bias:
         raise ConfigError("routed_bias_update_rate > 0 needs routed_bias=true (the bias it updates)")
     if cfg.router_scales_expert_input and (k != 1 or cfg.routed_score_func != "sigmoid"):
@@ -370,6 +372,11 @@ def check_optimization(cfg: Config) -> None:
                 f"{key}={value!r} is not read by {choice_key}={choice} (only by {choice_key}={readers}); "
                 f"unset it or choose that {choice_key}{hints.get((choice, key), '')}"
             )
+    if cfg.lr_schedule_convention == "maxtext" and cfg.lr_schedule_type not in ("cosine", "wsd"):
+        raise ConfigError(
+            f"lr_schedule_convention=maxtext follows MaxText's schedules, cosine and wsd; lr_schedule_type="
+            f"{cfg.lr_schedule_type} is nnxtron's: use lr_schedule_convention=nnxtron or lr_schedule_type=cosine|wsd"
+        )
     if cfg.lr_schedule_type == "wsd" and cfg.warmup_steps_fraction + cfg.wsd_decay_steps_fraction > 1:
         raise ConfigError(
             f"warmup_steps_fraction ({cfg.warmup_steps_fraction}) + wsd_decay_steps_fraction "

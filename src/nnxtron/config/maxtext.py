@@ -38,9 +38,14 @@ MAX_BASE_CONFIG_DEPTH = 16
 MAXTEXT_ONLY = frozenset(key for key in KEYS if key not in Config.model_fields)
 PRESET_KEYS_KEPT_FROM_FILE = ("dtype",)  # MaxText's model configs leave these to base.yml / the config file
 DEFAULTS = {key: rule.default for key, rule in KEYS.items() if rule.default is not NOT_IN_BASE}
-NNXTRON_KEYS_UNDER_MAXTEXT = {
-    "sample_after_training": 0
-}  # nnxtron-only keys whose MaxText behaviour differs: its train does not sample
+MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor")  # reported together at start-up (Report.moe_line)
+NNXTRON_KEYS_UNDER_MAXTEXT = {  # nnxtron-only keys whose MaxText behaviour differs (docs/maxtext.md)
+    "sample_after_training": 0,  # MaxText's train does not sample
+    "lr_schedule_convention": "maxtext",  # MaxText's schedule arithmetic (train/schedules.py)
+    "weight_decay_mask": "all",  # MaxText's adamw_mask=[] decays every parameter (norm scales too)
+    "tied_head_bf16": True,  # MaxText's tied head rounds the table to bfloat16 (attend_on_embedding)
+    "load_balance_convention": "maxtext",  # per sequence, mean over the MoE layers (layers/router.py)
+}
 
 
 def is_maxtext_config(values: Mapping[str, Any]) -> bool:
@@ -100,12 +105,25 @@ class Report:
                 f"function; `nnxtron config show` lists them): {', '.join(parts)}"
             )
         if self.moe_kernels and cfg.num_experts > 1:
-            asked = " ".join(f"{k}={v}" for k, v in self.moe_kernels.items())
-            lines.append(
-                f"MoE: {asked} — nnxtron computes the routed experts dropless with jax.lax.ragged_dot (XLA's grouped "
-                "matmul, on CPU too; no Pallas megablox kernel): the same function"
-            )
+            lines.append(self.moe_line(cfg))
         return lines
+
+    def moe_line(self, cfg: Config) -> str:
+        """Which MoE computation MaxText's sparse_matmul / megablox / capacity_factor select."""
+        asked = " ".join(f"{k}={self.moe_kernels[k]}" for k in MOE_KEYS if k in self.moe_kernels)
+        if cfg.capacity_factor > 0:
+            how = f"with expert capacity (capacity_factor={cfg.capacity_factor}, capacity_scope={cfg.capacity_scope})"
+        else:
+            how = "dropless"
+        if cfg.moe_compute == "dense":
+            kernel = "moe_compute=dense: every expert on every token with einsums, unrouted ones weighted by zero"
+        else:
+            kernel = "moe_compute=grouped: jax.lax.ragged_dot, XLA's grouped matmul, on CPU too; no Pallas megablox kernel"
+        line = f"MoE: {asked} — nnxtron computes the routed experts {how} ({kernel}): the same function"
+        factor = self.moe_kernels.get("capacity_factor", -1)
+        if isinstance(factor, (int, float)) and factor > 0 and cfg.capacity_factor <= 0:
+            line += "; MaxText reads capacity_factor on its dense path only (sparse_matmul=false), so this run is dropless"
+        return line
 
     def comment_block(self) -> list[str]:
         if not self.ignored:
@@ -153,8 +171,8 @@ def translate(values: Mapping[str, Any], ctx: Mapping[str, Any], report: Report,
         rule = KEYS[key]
         if rule.kind == IGNORED:
             report.ignored[key] = value
-            if key in ("sparse_matmul", "megablox"):
-                report.moe_kernels[key] = value
+        if key in MOE_KEYS:
+            report.moe_kernels[key] = value
         if rule.to is not None:
             out.update(rule.to(value, ctx))
     return {**out, **native}

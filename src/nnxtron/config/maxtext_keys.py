@@ -127,7 +127,7 @@ MONITORING = 'metrics upload, logging and monitoring services (GCS, Vertex, good
 PROFILING = 'profilers and compiler dumps nnxtron does not have (`nnxtron bench` times a step)'
 RUNTIME = 'process, compilation and cluster set-up of MaxText (hardware choice, AOT compiles, jax.distributed, Pathways, elastic slices); nnxtron uses the devices JAX finds and its own compilation_cache_dir'
 MESH = "MaxText's mesh axes, logical sharding rules and collective scheduling: where values live, not what is computed; nnxtron lays out its mesh from its own ici_* keys and logical_axis_rules"
-KERNELS = "a kernel, tiling or fusion choice that computes the same function (nnxtron's routed experts are a dropless jax.lax.ragged_dot grouped matmul on every backend, its attention the `attention` key's implementation)"
+KERNELS = "a kernel, tiling or fusion choice that computes the same function (nnxtron's routed experts are, on every backend, CPU included, a jax.lax.ragged_dot grouped matmul with sparse_matmul=true, einsums over every expert with sparse_matmul=false (moe_compute), its attention the `attention` key's implementation)"
 REMAT = 'remat choice for an activation nnxtron does not name (read only by remat_policy=custom); remat never changes the function'
 INFERENCE = "read only by MaxText's serving, decoding benchmarks and RL rollout programs (MaxEngine, JetStream, vLLM); nnxtron's `generate` reads prompt, max_new_tokens and decode_sampling_*"
 DATA_IO = "data-loader performance and order of MaxText's Grain pipeline (workers, buffers, threads, shuffle buffer); nnxtron's loader has data_read_threads, data_prefetch_batches and data_shuffle_seed"
@@ -135,13 +135,13 @@ DISTILL = "read only by MaxText's distillation trainer, not by pre-training"
 
 
 _honoured(
-    run_name='', model_name='default', normalization_layer_epsilon=1e-05, load_parameters_path='', enable_checkpointing=True,
+    run_name='', model_name='default', normalization_layer_epsilon=1e-05, enable_checkpointing=True,
     checkpoint_period=10000, enable_wandb=False, wandb_run_name='', dtype='bfloat16', quantization='',
     use_qwix_quantization=False, weight_quantization_calibration_method='absmax', act_quantization_calibration_method='absmax',
-    bwd_quantization_calibration_method='absmax', decoder_block='llama2', weight_dtype='float32', base_emb_dim=2048,
-    base_num_query_heads=16, base_num_kv_heads=16, base_mlp_dim=7168, base_num_decoder_layers=16, head_dim=128,
+    bwd_quantization_calibration_method='absmax', weight_dtype='float32',
+    base_num_kv_heads=16, base_mlp_dim=7168, base_num_decoder_layers=16,
     mlp_activations=['silu', 'linear'], logits_via_embedding=False, mtp_num_layers=0, mtp_loss_scaling_factor=0.1,
-    mtp_eval_target_module=0, num_experts=1, num_experts_per_tok=1, load_balance_loss_weight=0.0, norm_topk_prob=False,
+    mtp_eval_target_module=0, num_experts=1, num_experts_per_tok=1, load_balance_loss_weight=0.0,
     first_num_dense_layers=0, shared_experts=0, routed_scaling_factor=1.0, routed_bias=False, routed_bias_update_rate=0.0,
     n_routing_groups=-1, first_num_hash_layers=0, topk_routing_group=-1, num_layers_per_pipeline_stage=1,
     num_pipeline_repeats=-1, pipeline_parallel_layers=-1, num_pipeline_microbatches=-1,
@@ -160,7 +160,7 @@ _honoured(
     warmup_steps_fraction=0.1, learning_rate_schedule_steps=-1, max_target_length=2048, prompt='I love to',
     data_shuffle_seed=0, init_weights_seed=0, gradient_clipping_threshold=1.0, gradient_accumulation_steps=1, opt_type='adamw',
     adam_b1=0.9, adam_b2=0.95, adam_eps=1e-08, adam_weight_decay=0.1, muon_beta=0.95, muon_weight_decay=0,
-    rope_max_timescale=10000, max_position_embeddings=163840, beta_fast=32, beta_slow=1, mscale=1.0, rope_interleave=True,
+    rope_max_timescale=10000, max_position_embeddings=163840, beta_fast=32, beta_slow=1, mscale=1.0,
     decode_sampling_strategy='greedy', decode_sampling_temperature=1.0, eval_interval=-1, enable_tensorboard=True,
     use_qk_norm=False, interleave_moe_layer_step=1, temperature_tuning=False, mhc_expansion_rate=1, sinkhorn_iterations=20,
 )
@@ -242,8 +242,8 @@ _ignored(
 )
 _ignored(
     KERNELS,
-    mla_qk_head_chunk_size=0, csa_qk_head_chunk_size=0, megablox=True, sparse_matmul=True, use_custom_sort_vjp=True,
-    router_topk_matmul_vjp=False, te_ep_overflow_check_every_n_steps=20, use_ragged_sort=False,
+    mla_qk_head_chunk_size=0, csa_qk_head_chunk_size=0, megablox=True, use_custom_sort_vjp=True,
+    router_topk_matmul_vjp=False, te_ep_overflow_check_every_n_steps=20,
     moe_use_direct_token_gather=False, use_gather_mosaic_kernel=False, ragged_gather_fallback=False,
     ragged_gather_reduce_fallback=False, ragged_gather_cost_estimate_flops=-1, ragged_gather_reduce_cost_estimate_flops=-1,
     ragged_gather_cost_estimate_bytes_accessed=-1, ragged_gather_reduce_cost_estimate_bytes_accessed=-1,
@@ -299,6 +299,11 @@ _ignored(
     grain_num_threads_eval=16, grain_prefetch_buffer_size_eval=500, grain_data_source_max_workers=16,
     grain_index_storage_option=None, grain_shuffle_buffer_size=100, grain_use_elastic_iterator=False,
 )
+_add("load_parameters_path", Key(
+    HONOURED, '', "an nnxtron checkpoint or a MaxText one (training, param-only or decode checkpoint, scanned or not: "
+    "converted on load; `nnxtron convert from-maxtext` converts once; docs/maxtext.md, Checkpoints)",
+    to=lambda value, ctx: {"load_parameters_path": value},
+))
 _ignored(
     DISTILL,
     distill_alpha=0.5, distill_temperature=1.0, distill_beta=0.0, distill_feature_loss_type='cosine',
@@ -329,11 +334,6 @@ _refused(
     quantization_local_shard_count=-1, unquantized_modules=[], weight_block_size=None, te_moe_block=False,
     te_gmm_quantization='', moe_quantize_token_all_gather=False, moe_quantize_combine_bwd_method='',
     experimental_sa_quant_q_fp8=False, experimental_sa_quant_k_fp8=False,
-)
-_refused(
-    "nnxtron computes matmuls at JAX's default precision",
-    'leave matmul_precision=default, or set JAX_DEFAULT_MATMUL_PRECISION=highest in the environment',
-    matmul_precision='default',
 )
 _refused(
     'nnxtron computes activations in dtype',
@@ -410,11 +410,6 @@ _refused(
     'a MoE variant nnxtron does not implement',
     "leave it at MaxText's default",
     moe_use_megatron_seq_aux_loss=False, use_random_routing=False, mlp_bias=False, use_lineage=False,
-)
-_refused(
-    "drops routed tokens past a ragged buffer; nnxtron's routed experts are dropless (or capacity_factor, nnxtron's rule)",
-    'use ragged_buffer_factor=-1',
-    ragged_buffer_factor=-1.0, eval_ragged_buffer_factor=-1.0,
 )
 _refused(
     'read only when ragged_buffer_factor drops tokens',
@@ -724,8 +719,26 @@ def _rope_linear(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
     return {"rope_type": "linear", "rope_scaling_factor": value}
 
 
+def _gemma3_query_scalar(ctx: Mapping[str, Any]) -> dict[str, Any]:
+    """MaxText derives Gemma 3's query scale from the sizes (models/gemma3.py get_query_pre_attn_scalar):
+    ``head_dim ** -0.5`` for gemma3-4b / 12b, ``(emb_dim // query heads) ** -0.5`` for gemma3-27b;
+    nnxtron's presets state it (``query_pre_attn_scalar``), so overridden sizes re-derive it."""
+    name = str(ctx.get("model_name", ""))
+    if name in ("gemma3-4b", "gemma3-12b"):
+        return {"query_pre_attn_scalar": float(ctx["head_dim"])}
+    if name == "gemma3-27b":
+        return {"query_pre_attn_scalar": float(int(ctx["base_emb_dim"]) // int(ctx["base_num_query_heads"]))}
+    return {}
+
+
 def _override_model_config(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
-    return {}  # a rule about the command line (config/maxtext.py: check_model_overrides), no nnxtron key
+    """A rule about the command line (config/maxtext.py: check_model_overrides); with it, Gemma 3's
+    query scale follows the overridden sizes."""
+    return _gemma3_query_scalar(ctx) if value is True else {}
+
+
+for _key, _default in (("base_emb_dim", 2048), ("base_num_query_heads", 16), ("head_dim", 128)):  # sizes: the query scale too
+    _add(_key, Key(HONOURED, _default, to=lambda v, c, key=_key: {key: v, **_gemma3_query_scalar(c)}))
 
 
 _translated("base_output_directory", "", "base_output_directory; \"\" is MaxText's ./maxtext_output",
@@ -787,6 +800,44 @@ _translated("nope_layer_interval", -1, "nope_layer_interval; -1 (off) is 0", _po
 _translated("rope_factor", 40, "rope_scaling_factor (read with rope_type=yarn)", _rope_scaling("rope_scaling_factor"))
 _translated("original_max_position_embeddings", 4096, "rope_original_max_position_embeddings (read with rope_type=yarn)",
             _rope_scaling("rope_original_max_position_embeddings"))  # fmt: skip
+
+
+def _rope_interleave(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
+    """MaxText reads rope_interleave in its YaRN RoPE only; its default RoPE rotates halves and its
+    llama3.1 RoPE (model_name llama3.1*, rope_type llama3.1, Llama 4) rotates adjacent pairs."""
+    rope_type = str(ctx.get("rope_type", "default"))
+    if rope_type.startswith("yarn"):
+        return {"rope_interleave": value}
+    return {"rope_interleave": rope_type == "llama3.1" or str(ctx.get("model_name", "")).startswith("llama3.1")}
+
+
+UNSCALED_QUERY_BLOCKS = ("llama2", "mistral", "mixtral")  # MaxText's plain Attention without query_pre_attn_scalar
+
+
+def _decoder_block(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
+    """MaxText's plain attention (these blocks, without qk-norm) computes softmax(q.k): 1/sqrt(head_dim)
+    is folded into the query kernel's initialiser, not applied; nnxtron's query_pre_attn_scalar=1 is that."""
+    block = ctx.get("decoder_block", value)
+    unscaled = block in UNSCALED_QUERY_BLOCKS and not ctx.get("use_qk_norm") and ctx.get("attention_type", "global") == "global"
+    return {"decoder_block": value, **({"query_pre_attn_scalar": 1.0} if unscaled else {})}
+
+
+def _norm_topk_prob(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
+    """MaxText's router (layers/moe.py get_topk) takes the softmax over the top-k logits, which is
+    renormalised whatever norm_topk_prob says; DeepSeek's routing renormalises sigmoid /
+    sqrtsoftplus scores and never softmax ones; only Llama 4's reads norm_topk_prob."""
+    block = ctx.get("decoder_block", "llama2")
+    if block in ("deepseek", "deepseek4"):
+        return {"norm_topk_prob": ctx.get("routed_score_func") in ("sigmoid", "sqrtsoftplus")}
+    return {"norm_topk_prob": value if block == "llama4" else True}
+
+
+_translated("norm_topk_prob", False, "true (MaxText's softmax over the top-k logits is renormalised); DeepSeek: true for "
+            "sigmoid / sqrtsoftplus scores; Llama 4: norm_topk_prob", _norm_topk_prob)  # fmt: skip
+_translated("rope_interleave", True, "rope_interleave with rope_type=yarn (where MaxText reads it); else false (MaxText's "
+            "default RoPE rotates halves), true for llama3.1 RoPE", _rope_interleave)  # fmt: skip
+_translated("decoder_block", "llama2", "decoder_block; llama2, mistral and mixtral (without qk-norm) also set "
+            "query_pre_attn_scalar=1: MaxText folds 1/sqrt(head_dim) into the query kernel", _decoder_block)  # fmt: skip
 _translated("rope_linear_scaling_factor", 1.0, "rope_type=linear with rope_scaling_factor (default RoPE only)", _rope_linear)
 _translated("quantize_mtp", False, "with quantization on: qwix_module_path '.*layers/.*' (false) or '(.*layers|mtp)/.*' (true)",
             lambda v, c: {"qwix_module_path": "(.*layers|mtp)/.*" if v else ".*layers/.*"} if _quantized(c) else {})  # fmt: skip
@@ -802,35 +853,80 @@ _translated(
 
 
 # --- refused with a rule of their own ---------------------------------------------------------------
-def _dropout_off(value: Any, ctx: Mapping[str, Any]) -> bool:
-    return not ctx.get("enable_dropout", True) or number(ctx.get("dropout_rate", 0.0), "dropout_rate") == 0
-
-
 def _nnx(value: Any, ctx: Mapping[str, Any]) -> bool:
     return value is True
 
 
-DROPOUT = "nnxtron has no dropout yet"
+def _embedding_logits(value: Any, ctx: Mapping[str, Any]) -> bool:
+    """MaxText's tied logits are ``(x @ E^T) / sqrt(emb_dim)`` with true. Gemma 3's table holds
+    ``sqrt(emb_dim)`` (MaxText folds the input scale in; nnxtron's = MaxText's / sqrt(emb_dim)), so
+    there true is HF's and nnxtron's head and false is not; elsewhere false is."""
+    return not ctx.get("logits_via_embedding") or value is (ctx.get("decoder_block") == "gemma3")
+
+
 _add("normalize_embedding_logits", Key(
-    REFUSED, True, "with logits_via_embedding=true MaxText divides the logits by sqrt(emb_dim); nnxtron (HF semantics) does not",
-    "set normalize_embedding_logits=false", check=lambda v, c: v is False or not c.get("logits_via_embedding"),
+    REFUSED, True, "with logits_via_embedding=true MaxText divides the logits by sqrt(emb_dim), HF's (and nnxtron's) head "
+    "only for decoder_block gemma3, whose MaxText embedding table holds sqrt(emb_dim)",
+    "set normalize_embedding_logits=true for gemma3, false otherwise", check=_embedding_logits,
 ))  # fmt: skip
 _add("grain_packing_type", Key(
     REFUSED, "first_fit", "nnxtron packs real data by concatenation (documents flow across rows; packing=false pads each)",
     "use grain_packing_type=concat_then_split", check=lambda v, c: v == "concat_then_split" or c.get("dataset_type") != "grain",
 ))  # fmt: skip
-_add("dropout_rate", Key(REFUSED, 0.0, DROPOUT, "use dropout_rate=0 or enable_dropout=false", check=_dropout_off))
-_add(
-    "enable_dropout",
-    Key(
-        REFUSED, True, DROPOUT + " (read with dropout_rate > 0)", "use dropout_rate=0 or enable_dropout=false", check=_dropout_off
-    ),
+_honoured(dropout_rate=0.0, enable_dropout=True)  # MaxText's sites and switch (layers/dropout.py); masks from nnxtron's RNG
+
+
+# --- MoE: MaxText's capacity (dense path) and ragged buffer (sparse path) -----------------------------
+def _sparse(ctx: Mapping[str, Any]) -> bool:
+    return bool(ctx.get("sparse_matmul", True))
+
+
+def _capacity_factor(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
+    """MaxText reads capacity_factor on its dense path only (sparse_matmul=false), per sequence."""
+    if number(value, "capacity_factor") > 0 and not _sparse(ctx):
+        return {"capacity_factor": value, "capacity_scope": "sequence"}
+    return {"capacity_factor": -1.0}
+
+
+def _expert_shards(ctx: Mapping[str, Any]) -> int:
+    """MaxText's expert-parallel degree; -1 (the rest of the devices) counts as several."""
+    ici, dcn = int(ctx.get("ici_expert_parallelism", 1) or 1), int(ctx.get("dcn_expert_parallelism", 1) or 1)
+    return 2 if -1 in (ici, dcn) else ici * dcn
+
+
+def _ragged_buffer_unread(key: str) -> Check:
+    """MaxText drops at its ragged buffer only on the sparse path, with expert parallelism (the
+    ragged all-to-all receive buffer) or with use_ring_of_experts and use_ragged_sort."""
+
+    def check(value: Any, ctx: Mapping[str, Any]) -> bool:
+        if number(value, key) <= 0 or not _sparse(ctx):
+            return True
+        return _expert_shards(ctx) == 1 and not (ctx.get("use_ring_of_experts") and ctx.get("use_ragged_sort"))
+
+    return check
+
+
+_translated("capacity_factor", -1.0, "with sparse_matmul=false and a value > 0: capacity_factor with capacity_scope=sequence "
+            "(MaxText's dense path: per sequence each expert admits int(max(ceil(length * k / experts) * factor, factor)) "
+            "assignments in (position, slot) order, drops the rest, does not renormalise); else -1 (dropless: MaxText's "
+            "sparse path reads no capacity_factor)", _capacity_factor)  # fmt: skip
+_translated("sparse_matmul", True, "moe_compute: false is dense (every expert on every token, einsums; it also applies "
+            "capacity_factor), true is grouped (jax.lax.ragged_dot on the routed tokens; dropless, ragged_buffer_factor "
+            "aside); otherwise the same function", lambda v, c: {"moe_compute": "grouped" if v else "dense"})  # fmt: skip
+_ignored("MaxText's Pallas ragged-sort kernel in place of argsort: the same permutation (only ragged_buffer_factor drops "
+         "tokens)", use_ragged_sort=False)  # fmt: skip
+RAGGED_BUFFER = (
+    "MaxText's sparse path with expert parallelism (or use_ring_of_experts with use_ragged_sort) gives each expert shard a "
+    "buffer of int(factor * its tokens * k) assignments and drops the rest in (sending shard, expert) order, a rule of the "
+    "device layout nnxtron does not reproduce (the value is accepted where MaxText does not read it: factor <= 0, "
+    "sparse_matmul=false, or one expert shard without ring-of-experts ragged sort)"
 )
-_add("capacity_factor", Key(
-    REFUSED, -1.0, "MaxText's expert capacity is per sequence (ceil(length * k / experts) * factor per row); nnxtron's is over "
-    "all tokens of the call", "use capacity_factor=-1 (dropless)",
-    check=lambda v, c: number(v, "capacity_factor") <= 0, to=lambda v, c: {"capacity_factor": -1.0},
-))  # fmt: skip
+for _key in ("ragged_buffer_factor", "eval_ragged_buffer_factor"):
+    _add(_key, Key(REFUSED, -1.0, RAGGED_BUFFER, f"use {_key}=-1 (dropless), or sparse_matmul=false with capacity_factor > 0 "
+                   "for MaxText's per-sequence expert capacity", check=_ragged_buffer_unread(_key)))  # fmt: skip
+MATMUL_PRECISION_ALIASES = {"bfloat16": "default", "float32": "highest"}
+_translated("matmul_precision", "default", "matmul_precision; bfloat16 is default, float32 is highest (MaxText's aliases)",
+            lambda v, c: {"matmul_precision": MATMUL_PRECISION_ALIASES.get(v, v)})  # fmt: skip
 for _key in ("enable_nnx", "pure_nnx", "pure_nnx_decoder"):  # unknown to MaxText 0.2.5 as well (its Linen path is gone)
     _add(_key, Key(REFUSED, NOT_IN_BASE, "nnxtron has only the NNX path (MaxText's Linen decoder is not implemented)",
                    f"use {_key}=true or leave it out", check=_nnx))  # fmt: skip

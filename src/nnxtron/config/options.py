@@ -20,6 +20,12 @@ ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product", "cudnn")  # what attention=au
 ATTENTION_CHOICES = ("auto", *ATTENTION_IMPLEMENTATIONS)
 ROPE_TYPES = ("default", "llama3", "yarn", "linear")  # linear: positions / rope_scaling_factor
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+CAPACITY_SCOPES = ("call", "sequence")  # capacity_factor > 0: over all tokens of a MoE call, or per sequence (MaxText)
+# MoE load-balance loss (layers/router.py): nnxtron = over all tokens of a call, summed over layers; maxtext =
+# per sequence, averaged over the MoE layers (MaxText 0.2.5 load_balance_loss; docs/moe.md)
+LOAD_BALANCE_CONVENTIONS = ("nnxtron", "maxtext")
+MOE_COMPUTES = ("grouped", "dense")  # routed experts: ragged_dot on the routed tokens, or every expert on every token
+MATMUL_PRECISIONS = ("default", "high", "highest")  # jax.lax.Precision of the model's matmuls (MaxText's names)
 SUPPORTED_MLP_ACTIVATIONS = (("silu", "linear"), ("gelu", "linear"), ("gelu",))  # two = gated (GLU), one = plain MLP
 
 # remat (parallel/remat.py gives each policy its jax.checkpoint policy)
@@ -84,6 +90,10 @@ PACKING_MODES = ("concat", "pad")  # concat: documents flow across rows; pad: ea
 # other than its base.yml default (OPTIMIZATION_DEFAULTS, tested) is an error (config/checks.py)
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")  # each after the linear warm-up; MaxText has cosine, wsd
 WSD_DECAY_STYLES = ("linear", "cosine")
+# maxtext: MaxText's schedule arithmetic (warm-up steps int(), its decays reach the final value at the last
+# schedule step, 0 after learning_rate_schedule_steps); cosine and wsd only (train/schedules.py)
+LR_SCHEDULE_CONVENTIONS = ("nnxtron", "maxtext")
+WEIGHT_DECAY_MASKS = ("matrices", "all")  # decoupled weight decay on rank >= 2 parameters, or on every parameter (MaxText)
 SCHEDULE_KEYS: dict[str, tuple[str, ...]] = {
     "cosine": ("cosine_learning_rate_final_fraction",),
     "wsd": ("learning_rate_final_fraction", "wsd_decay_steps_fraction", "wsd_decay_style"),

@@ -142,17 +142,22 @@ class Config(BaseModel):
     n_routing_groups: Model[int] = Field(ge=-1, le=MAX_COUNT)  # group-limited routing: groups of experts (-1 = off)
     topk_routing_group: Model[int] = Field(ge=-1, le=MAX_COUNT)  # group-limited routing: groups kept per token (-1 = off)
     router_scales_expert_input: Model[bool]  # Llama 4: sigmoid(top-1 logit) scales the expert input, not its output
-    capacity_factor: Model[float]  # -1 = dropless; > 0: each expert takes at most factor * tokens * k / experts tokens
+    capacity_factor: Model[float]  # -1 = dropless; > 0: each expert takes at most about factor * tokens * k / experts tokens
+    capacity_scope: Model[Literal[options.CAPACITY_SCOPES]]  # capacity_factor > 0: the tokens counted (layers/moe.py)
+    moe_compute: Literal[options.MOE_COMPUTES]  # grouped (ragged_dot) | dense (all experts, einsums): the same function
     load_balance_loss_weight: float = Field(ge=0)  # 0 = off
+    load_balance_convention: Literal[options.LOAD_BALANCE_CONVENTIONS]  # maxtext: per sequence, mean over layers (docs/moe.md)
 
     # --- multi-token prediction ---------------------------------------------------
     mtp_num_layers: Model[int] = Field(ge=0, le=MAX_COUNT)  # 0 = off
     mtp_loss_scaling_factor: float = Field(ge=0)
     mtp_eval_target_module: int = Field(ge=0, le=MAX_COUNT)  # eval reports this MTP depth's acceptance rate (0 = off)
     logits_via_embedding: Model[bool]  # tied output head
+    tied_head_bf16: Model[bool]  # the tied head rounds its table to bfloat16 whatever dtype is (MaxText's, layers/embed.py)
     final_logits_soft_cap: Model[float] = Field(ge=0)  # 0 = off
     dtype: Model[DType]  # activations
     weight_dtype: Model[DType]  # parameters
+    matmul_precision: Literal[options.MATMUL_PRECISIONS]  # precision of the model's matmuls (default: the backend's)
 
     # --- layer stacking and memory ----------------------------------------------
     scan_layers: bool
@@ -240,7 +245,9 @@ class Config(BaseModel):
     learning_rate_final_fraction: float = Field(ge=0, le=1)  # read by lr_schedule_type=wsd and linear
     wsd_decay_steps_fraction: float = Field(ge=0, le=1)  # the final fraction of the schedule that decays
     wsd_decay_style: Literal[options.WSD_DECAY_STYLES]
+    lr_schedule_convention: Literal[options.LR_SCHEDULE_CONVENTIONS]  # maxtext: MaxText's arithmetic (docs/optimizers.md)
     opt_type: Literal[options.OPTIMIZERS]  # keys each optimizer reads: options.OPTIMIZER_KEYS
+    weight_decay_mask: Literal[options.WEIGHT_DECAY_MASKS]  # the parameters decoupled weight decay applies to
     adam_b1: float = Field(ge=0, lt=1)
     adam_b2: float = Field(ge=0, lt=1)
     adam_eps: float = Field(gt=0)
@@ -256,7 +263,9 @@ class Config(BaseModel):
     muon_consistent_rms: float = Field(ge=0)  # 0 = width scaling (MaxText's None); > 0: updates of this RMS
     gradient_clipping_threshold: float = Field(ge=0)  # 0 = off
     non_finite_policy: Literal[options.NON_FINITE_POLICIES]  # a NaN/Inf loss or gradient: stop the run, or skip that update
-    init_weights_seed: int = Field(ge=-(2**63), lt=2**63)
+    init_weights_seed: int = Field(ge=-(2**63), lt=2**63)  # also seeds the dropout masks (layers/dropout.py)
+    dropout_rate: float = Field(ge=0, lt=1)  # training only, where MaxText drops (docs/optimizers.md#dropout)
+    enable_dropout: bool  # false: train without dropout whatever dropout_rate says (MaxText's switch)
 
     # --- eval, checkpoints, logging ----------------------------------------------
     eval_interval: int = Field(ge=-1, le=MAX_STEPS)  # -1 = no periodic eval

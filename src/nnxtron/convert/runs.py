@@ -13,6 +13,7 @@ from nnxtron.config.fingerprint import MODEL_KEYS, check_same_model, fingerprint
 from nnxtron.config.loader import is_hf_directory, load_config, load_run_config, parse_overrides, run_values
 from nnxtron.config.schema import Config
 from nnxtron.convert.hf import from_hf, hf_config, load_hf_weights
+from nnxtron.convert.maxtext import is_maxtext_checkpoint, load_maxtext_model
 from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.models.decoder import Decoder
 from nnxtron.parallel.mesh import make_mesh
@@ -91,7 +92,18 @@ def init_config(file: str | None, overrides: Iterable[str], given: dict[str, Any
 
 
 def init_params(cfg: Config) -> ParamsLoader | None:
-    """How a new run reads its starting weights from ``cfg.init_from`` (None: no init_from)."""
+    """How a new run reads its starting weights from ``cfg.init_from``, or from a MaxText
+    checkpoint at ``cfg.load_parameters_path`` (converted on load); None: neither (an nnxtron
+    checkpoint at ``load_parameters_path`` is read by the training loop itself)."""
+    if cfg.load_parameters_path and is_maxtext_checkpoint(cfg.load_parameters_path):
+        source_dir = Path(cfg.load_parameters_path).expanduser()
+
+        def from_maxtext_checkpoint(abstract: dict, shardings: dict) -> tuple[Any, Any]:
+            del abstract, shardings  # init_state places them
+            _, params, rest = nnx.split(load_maxtext_model(source_dir, cfg), nnx.Param, ...)
+            return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+        return from_maxtext_checkpoint
     if not cfg.init_from:
         return None
     source = Path(cfg.init_from).expanduser()

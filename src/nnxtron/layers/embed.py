@@ -26,6 +26,13 @@ class Embed(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
 
-    def attend(self, x: jax.Array) -> jax.Array:
-        """Logits against the table (tied head): ``x @ E^T``."""
-        return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype), self.embedding[...].astype(self.dtype))
+    def attend(self, x: jax.Array, bf16_scale: float = 0.0) -> jax.Array:
+        """Logits against the table (tied head): ``x @ E^T``. ``bf16_scale`` > 0: MaxText's tied head
+        (``attend_on_embedding``), ``(x @ bf16(E * bf16_scale)^T) / bf16_scale``: its table, which
+        holds Gemma's ``sqrt(emb_dim)`` folded in (``bf16_scale`` then; else 1), rounded to bfloat16
+        whatever ``dtype`` is, the logits divided by that scale (``normalize_embedding_logits``)."""
+        table = self.embedding[...]
+        if not bf16_scale:
+            return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype), table.astype(self.dtype))
+        rounded = (table.astype(jnp.float32) * bf16_scale).astype(jnp.bfloat16)
+        return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype), rounded.astype(self.dtype)) / bf16_scale

@@ -1,4 +1,7 @@
-"""Feed-forward blocks: gated (SwiGLU, GeGLU) and plain with biases (GPT-3)."""
+"""Feed-forward blocks: gated (SwiGLU, GeGLU) and plain with biases (GPT-3).
+
+Both take an optional ``intermediate`` function applied to the activations before the
+output projection: MaxText's intermediate dropout (``layers.dropout.site_dropout``)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.layers.linear import Linear
 from nnxtron.parallel.sharding import constrain
+
+Intermediate = Callable[[jax.Array], jax.Array] | None
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -49,12 +54,14 @@ class GatedMLP(nnx.Module):
         self.activation = activation
         self.limit = limit
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, intermediate: Intermediate = None) -> jax.Array:
         gate = checkpoint_name(self.wi_0(x), "mlpwi_0")
         up = checkpoint_name(self.wi_1(x), "mlpwi_1")
         hidden = constrain(
             glu(self.activation, self.limit)(gate, up), ("activation_batch", "activation_length", "activation_mlp")
         )
+        if intermediate is not None:
+            hidden = intermediate(hidden)
         return checkpoint_name(self.wo(hidden), "mlpwo")
 
 
@@ -67,7 +74,9 @@ class MLP(nnx.Module):
         self.wo = Linear([mlp_dim], [emb_dim], ("mlp", "embed"), **kw)
         self.activation = activation
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, intermediate: Intermediate = None) -> jax.Array:
         hidden = checkpoint_name(self.wi(x), "mlpwi")
         hidden = constrain(ACTIVATIONS[self.activation](hidden), ("activation_batch", "activation_length", "activation_mlp"))
+        if intermediate is not None:
+            hidden = intermediate(hidden)
         return checkpoint_name(self.wo(hidden), "mlpwo")

@@ -6,16 +6,21 @@
 routed sum accumulates in float32 before the cast to ``cfg.dtype``. An optional shared
 expert (``shared_experts * base_moe_mlp_dim`` wide) sees every token.
 
-Dispatch (``nnxtron.parallel.expert``):
+Dispatch (``nnxtron.parallel.expert``; ``moe_compute=grouped`` sorts the assignments by
+expert for ``jax.lax.ragged_dot``, ``dense`` computes every expert on every token with
+einsums and weights the unselected / dropped ones by zero — the same function either way):
 
 * dropless (``capacity_factor == -1``): every assignment is computed, grouped by expert
   with ``jax.lax.ragged_dot``;
-* capacity (``capacity_factor > 0``): expert ``e`` takes at most
-  ``C = ceil(capacity_factor * T * k / E)`` assignments (``T`` = all tokens of the call);
-  assignments are admitted in (token index, slot) order and the overflow contributes
-  zero — the kept weights are not renormalised;
+* capacity (``capacity_factor > 0``, ``expert_capacity``): expert ``e`` takes at most ``C``
+  assignments, admitted in (token index, slot) order; the overflow contributes zero — the
+  kept weights are not renormalised. ``capacity_scope=call``: ``C = ceil(factor * T * k / E)``
+  over all ``T = B * S`` tokens of the call; ``capacity_scope=sequence`` (MaxText's dense
+  path, ``generate_masks``): per sequence, ``C = int(max(ceil(S * k / E) * factor, factor))``
+  (0 drops every assignment);
 * with an active mesh the experts are split over the ``expert`` axis (logical ``exp``)
-  and dispatched under ``jax.shard_map``; results equal the unsharded layer.
+  and dispatched under ``jax.shard_map`` (grouped) or partitioned by XLA (dense); results
+  equal the unsharded layer.
 
 Non-trainable state: ``router_bias`` (``RouterBias``, selection-only bias, when
 ``routed_bias``), ``tid2eid`` (``HashTable``, hash-routed layers) and ``expert_load`` (``ExpertLoad``, assignments per expert summed over
@@ -33,10 +38,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxtron.config.options import CAPACITY_SCOPES
 from nnxtron.config.schema import Config
 from nnxtron.layers.linear import Linear
-from nnxtron.layers.mlp import ACTIVATIONS, GatedMLP, glu
-from nnxtron.layers.router import RouterSpec, expert_counts, load_balance_loss, route
+from nnxtron.layers.mlp import ACTIVATIONS, GatedMLP, Intermediate, glu
+from nnxtron.layers.router import RouterSpec, expert_counts, load_balance_loss, load_balance_weight, route
 from nnxtron.parallel.expert import capacity_keep, dispatch
 from nnxtron.parallel.sharding import constrain
 
@@ -61,6 +67,27 @@ def random_hash_table(key: jax.Array, vocab: int, experts: int, k: int) -> jax.A
     return jnp.argsort(jax.random.uniform(key, (vocab, experts)), axis=-1)[:, :k].astype(jnp.int32)
 
 
+def expert_capacity(scope: str, factor: float, batch: int, seq: int, k: int, experts: int) -> int:
+    """Assignments each expert admits per call (``scope=call``) or per sequence (``sequence``)."""
+    if scope == "call":
+        return math.ceil(factor * batch * seq * k / experts)
+    if scope == "sequence":  # MaxText 0.2.5 RoutedMoE.generate_masks, rounding included
+        return int(max(math.ceil(seq * k / experts) * factor, factor))
+    raise ValueError(f"capacity_scope={scope!r}; choose one of {CAPACITY_SCOPES}")
+
+
+def keep_mask(indices: jax.Array, num_experts: int, factor: float, scope: str) -> jax.Array:
+    """Bool ``[B, S, k]``: the assignments of ``indices [B, S, k]`` within capacity (all when
+    ``factor <= 0``); admitted in (position, slot) order over the call or within each row."""
+    batch, seq, k = indices.shape
+    if factor <= 0:
+        return jnp.ones(indices.shape, bool)
+    capacity = expert_capacity(scope, factor, batch, seq, k, num_experts)
+    if scope == "sequence":
+        return jax.vmap(lambda row: capacity_keep(row, num_experts, capacity))(indices)
+    return capacity_keep(indices.reshape(batch * seq, k), num_experts, capacity).reshape(indices.shape)
+
+
 def _expert_weight(
     rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, weight_dtype: jnp.dtype, axes: tuple[str, ...]
 ) -> nnx.Param:
@@ -79,8 +106,9 @@ class MoE(nnx.Module):
             raise ValueError(f"mlp_activations[0]={cfg.mlp_activations[0]!r} is not one of {sorted(ACTIVATIONS)}")
         self.activation = cfg.mlp_activations[0]
         self.limit = cfg.mlp_activations_limit
-        self.capacity_factor = cfg.capacity_factor
-        self.lb_weight = cfg.load_balance_loss_weight
+        self.capacity_factor, self.capacity_scope = cfg.capacity_factor, cfg.capacity_scope
+        self.compute = cfg.moe_compute
+        self.lb_weight = load_balance_weight(cfg, hash_routed)  # / the MoE layers under load_balance_convention=maxtext
         self.router = Linear([dim], [experts], ("embed", None), dtype=jnp.float32, weight_dtype=weight_dtype, rngs=rngs)
         if hash_routed:  # the table replaces the selection; no correction bias (as HF)
             table = random_hash_table(rngs.params(), cfg.vocab_size, experts, cfg.num_experts_per_tok)
@@ -118,34 +146,34 @@ class MoE(nnx.Module):
         weights, indices, probs = route(logits.reshape(batch * seq, -1), bias, self.spec, forced)
         return weights.reshape(batch, seq, -1), indices.reshape(batch, seq, -1), probs.reshape(batch, seq, -1)
 
-    def __call__(self, x: jax.Array, tokens: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(
+        self, x: jax.Array, tokens: jax.Array | None = None, intermediate: Intermediate = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``x [B, S, D]`` -> ``(y [B, S, D] in cfg.dtype, aux)``; aux holds ``moe_lb_loss``
-        (already multiplied by ``load_balance_loss_weight``) when that weight is > 0."""
-        batch, seq, _ = x.shape
-        experts, k = self.spec.num_experts, self.spec.k
+        (already multiplied by ``load_balance_loss_weight``, ``router.load_balance_weight``) when that weight is > 0.
+        ``intermediate`` (dropout) acts on the shared expert's intermediate activations only;
+        routed experts are not dropped (MaxText)."""
+        experts = self.spec.num_experts
         x = constrain(x.astype(self.dtype), TOKENS)
         weights, indices, probs = self.route(x, tokens)
         if hasattr(self, "expert_load"):
             self.expert_load[...] = self.expert_load[...] + expert_counts(indices, experts)
-        if self.capacity_factor > 0:
-            capacity = math.ceil(self.capacity_factor * batch * seq * k / experts)
-            keep = capacity_keep(indices.reshape(batch * seq, k), experts, capacity).reshape(indices.shape)
-        else:
-            keep = jnp.ones(indices.shape, bool)
+        keep = keep_mask(indices, experts, self.capacity_factor, self.capacity_scope)
         if self.spec.scales_input:  # Llama 4: the router weight scales the expert input
             combine, in_scale = jnp.ones_like(weights), weights
         else:
             combine, in_scale = weights, None
         routed = dispatch(
             x, indices, combine, keep, in_scale, self.wi_0[...], self.wi_1[...], self.wo[...],
-            glu=glu(self.activation, self.limit),
+            glu=glu(self.activation, self.limit), compute=self.compute,
         )  # fmt: skip
         y = constrain(routed.astype(self.dtype), TOKENS)
         if hasattr(self, "shared"):
-            y = y + self.shared(x)
+            y = y + self.shared(x, intermediate)
         aux = {}
         if self.lb_weight > 0:
-            aux["moe_lb_loss"] = jnp.float32(self.lb_weight) * load_balance_loss(indices, probs)
+            lb_loss = load_balance_loss(indices, probs, self.spec.balance, self.dtype)
+            aux["moe_lb_loss"] = jnp.float32(self.lb_weight) * lb_loss
         return y, aux
 
 

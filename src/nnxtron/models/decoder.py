@@ -9,10 +9,16 @@ families that do (Gemma) and learned position embeddings are added when
 holds ``"losses"`` (already weighted, added to the training objective by the step:
 MoE load balancing, MTP) and diagnostics such as ``"mtp_loss"`` and
 ``"mtp_acceptance"``.
+
+Dropout (``layers.dropout``, training only: the step passes per-row ``dropout_keys``) acts
+where MaxText's does: on the token embeddings before position embeddings are added, inside
+each layer (its blocks' own sites) and on the final-normed hidden states before the head.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,6 +29,7 @@ from nnxtron.config.layout import LayerKind
 from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
 from nnxtron.config.stacks import built_stacks
+from nnxtron.layers import dropout
 from nnxtron.layers.embed import Embed
 from nnxtron.layers.linear import Linear
 from nnxtron.models.mtp import MultiTokenPrediction
@@ -30,6 +37,7 @@ from nnxtron.models.registry import family_for
 from nnxtron.models.stack import make_stack_block
 from nnxtron.parallel.pipeline import PipelinedStack
 from nnxtron.parallel.remat import RematSpec
+from nnxtron.parallel.row_keys import fold
 from nnxtron.parallel.scan import LayerStack, sum_aux
 from nnxtron.parallel.sharding import RESIDUAL, constrain
 
@@ -40,6 +48,21 @@ class DecoderOutput:
 
     logits: jax.Array  # [B, S, V] float32
     aux: dict[str, Any] = struct.field(default_factory=dict)
+
+
+def matmul_precision(call: Callable[..., Any]) -> Callable[..., Any]:
+    """Trace ``call`` under ``jax.default_matmul_precision(self.config.matmul_precision)``: every
+    matmul of the model (and, through the transpose rules, of its gradient) records that
+    precision; ``default`` leaves JAX's own default. The optimizer's matmuls are outside."""
+
+    @functools.wraps(call)
+    def traced(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.matmul_precision == "default":
+            return call(self, *args, **kwargs)
+        with jax.default_matmul_precision(self.config.matmul_precision):
+            return call(self, *args, **kwargs)
+
+    return traced
 
 
 class Decoder(nnx.Module):
@@ -88,6 +111,7 @@ class Decoder(nnx.Module):
                 )
             setattr(self, layout.name, stack)
         self.stack_names = tuple(built.layout.name for built in stacks)
+        self.stack_patterns = tuple(built.pattern_index for built in stacks)
         if cfg.mtp_num_layers:  # MTP blocks are of the last layer's kind
             last_kind = stacks[-1].layout.kinds[-1]
             self.mtp = MultiTokenPrediction(cfg, lambda r: family.make_block(cfg, r, last_kind), jax.random.fold_in(k_head, 1))
@@ -105,6 +129,7 @@ class Decoder(nnx.Module):
         self.tied = cfg.logits_via_embedding
         self.soft_cap = cfg.final_logits_soft_cap
 
+    @matmul_precision
     def __call__(
         self,
         tokens: jax.Array,
@@ -112,51 +137,73 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,
         targets: jax.Array | None = None,
         loss_mask: jax.Array | None = None,
+        dropout_keys: dropout.Keys | None = None,
     ) -> DecoderOutput:
         """tokens [B, S] int; positions default to 0..S-1; segment_ids default to one segment.
 
         ``targets`` (and ``loss_mask``) are only needed by multi-token prediction, whose
-        losses are computed when targets are given.
+        losses are computed when targets are given. ``dropout_keys`` [B]: per-row PRNG keys
+        (``parallel.row_keys``) to train with dropout; None (eval, generation) drops nothing.
         """
         shape = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
         if segment_ids is None:
             segment_ids = jnp.ones(shape, jnp.int32)
-        x = self.embed_scale_and_positions(self.embed(tokens), positions)
+        if self.config.dropout_rate == 0.0:
+            dropout_keys = None
+        x = self.embed_scale_and_positions(self.embed(tokens), positions, dropout_keys)
         embedded = x = constrain(x, RESIDUAL)
         args = (positions, segment_ids, tokens) if self.takes_tokens else (positions, segment_ids)
         if hasattr(self, "hyper_head"):  # k copies of the residual stream
             x = self.hyper_head.expand(x)
         stack_aux = []
-        for name in self.stack_names:
-            x, aux = getattr(self, name)(x, *args)
+        for name, pattern_index in zip(self.stack_names, self.stack_patterns, strict=True):
+            if dropout_keys is None:
+                x, aux = getattr(self, name)(x, *args)
+            else:  # a stack's keys depend on the unsplit stack it comes from, not on the split
+                x, aux = getattr(self, name)(x, *args, dropout_keys=fold(dropout_keys, dropout.STACKS + pattern_index))
             stack_aux.append(aux)
         if hasattr(self, "hyper_head"):
             x = self.hyper_head(x)
-        logits = self.head(x)
+        logits = self.head(x, dropout_keys)
         out_aux: dict[str, Any] = {"losses": sum_aux(*stack_aux)}
         if self.config.mtp_num_layers and targets is not None:
-            mtp = self.mtp(x, embedded, self.head, logits, targets, positions, segment_ids, loss_mask)
+            mtp_keys = fold(dropout_keys, dropout.MTP)
+            if mtp_keys is not None:  # MaxText's MTP embeds the tokens ahead anew (its own dropout masks)
+                embedded = constrain(self.embed_scale_and_positions(self.embed(tokens), positions), RESIDUAL)
+            mtp = self.mtp(x, embedded, self.output_head, logits, targets, positions, segment_ids, loss_mask, mtp_keys)
             out_aux["losses"] = sum_aux(out_aux["losses"], mtp.pop("losses"))
             out_aux.update(mtp)
         if not out_aux["losses"]:
             del out_aux["losses"]
         return DecoderOutput(logits=logits, aux=out_aux)
 
-    def embed_scale_and_positions(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def embed_scale_and_positions(
+        self, x: jax.Array, positions: jax.Array, dropout_keys: dropout.Keys | None = None
+    ) -> jax.Array:
         """Token embeddings -> decoder input: the Gemma ``sqrt(emb_dim)`` scale (HF rounds it to
-        the table's dtype first) and learned position embeddings (GPT-3)."""
+        the table's dtype first), dropout (training) and learned position embeddings (GPT-3)."""
         if self.embed_scale:
             x = x * jnp.asarray(self.embed_scale, self.embed.embedding.dtype).astype(x.dtype)
+        x = dropout.dropout(x, dropout_keys, self.config.dropout_rate, dropout.EMBED)
         if hasattr(self, "position_embed"):
             x = x + self.position_embed(positions)
         return x
 
-    def head(self, x: jax.Array) -> jax.Array:
-        """Final norm and output head: hidden states [B, S, D] -> float32 logits [B, S, V]."""
-        x = self.final_norm(x)
-        logits = self.embed.attend(x) if self.tied else self.logits(x)
+    def head(self, x: jax.Array, dropout_keys: dropout.Keys | None = None) -> jax.Array:
+        """Final norm (then dropout, training) and output head: hidden states [B, S, D] ->
+        float32 logits [B, S, V]."""
+        x = dropout.dropout(self.final_norm(x), dropout_keys, self.config.dropout_rate, dropout.HEAD)
+        return self.output_head(x)
+
+    def output_head(self, x: jax.Array) -> jax.Array:
+        """The LM head on normed hidden states [B, S, D] (also MTP's, after its own norm) ->
+        float32 logits [B, S, V]."""
+        if self.tied:  # tied_head_bf16: MaxText's head (its table holds embed_scale, Embed.attend)
+            logits = self.embed.attend(x, (self.embed_scale or 1.0) if self.config.tied_head_bf16 else 0.0)
+        else:
+            logits = self.logits(x)
         logits = logits.astype(jnp.float32)
         if self.soft_cap > 0:
             logits = self.soft_cap * jnp.tanh(logits / self.soft_cap)

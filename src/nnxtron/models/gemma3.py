@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.layers import dropout
 from nnxtron.layers.attention import gqa_attention
 from nnxtron.layers.mlp import GatedMLP
 from nnxtron.layers.norms import RMSNorm, rms_norm
@@ -59,11 +60,17 @@ class Gemma3Block(nnx.Module):
             rngs=rngs,
         )
         self.post_ffw_norm = gemma_norm(cfg)
+        self.dropout_rate = cfg.dropout_rate
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, dropout_keys: dropout.Keys | None = None
+    ) -> jax.Array:
+        """With ``dropout_keys`` (training) the MLP's intermediate activations and the layer
+        output are dropped, as in MaxText (``layers.dropout``)."""
         x = checkpoint_name(constrain(x, RESIDUAL), "decoder_layer_input")
         h = x + self.post_attention_norm(self.attention(self.pre_attention_norm(x), positions, segment_ids))
-        return h + self.post_ffw_norm(self.mlp(self.pre_ffw_norm(h)))
+        hidden = self.mlp(self.pre_ffw_norm(h), dropout.site_dropout(dropout_keys, self.dropout_rate, dropout.MLP))
+        return dropout.dropout(h + self.post_ffw_norm(hidden), dropout_keys, self.dropout_rate, dropout.LAYER_OUTPUT)
 
 
 LAYER_WEIGHTS = (

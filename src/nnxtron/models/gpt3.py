@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.layers import dropout
 from nnxtron.layers.attention import attend, attend_with_cache, configured_attention, key_value_cache
 from nnxtron.layers.kv_cache import CacheSpec
 from nnxtron.layers.linear import Linear
@@ -93,11 +94,17 @@ class GPT3Block(nnx.Module):
             weight_dtype=jnp.dtype(cfg.weight_dtype),
             rngs=rngs,
         )
+        self.dropout_rate = cfg.dropout_rate
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, dropout_keys: dropout.Keys | None = None
+    ) -> jax.Array:
+        """With ``dropout_keys`` (training) the MLP's intermediate activations and the layer
+        output are dropped, as in MaxText (``layers.dropout``)."""
         x = checkpoint_name(constrain(x, RESIDUAL), "decoder_layer_input")
         h = x + self.attention(self.pre_attention_norm(x), positions, segment_ids)
-        return h + self.mlp(self.pre_mlp_norm(h))
+        y = h + self.mlp(self.pre_mlp_norm(h), dropout.site_dropout(dropout_keys, self.dropout_rate, dropout.MLP))
+        return dropout.dropout(y, dropout_keys, self.dropout_rate, dropout.LAYER_OUTPUT)
 
 
 LAYER_WEIGHTS = (

@@ -5,7 +5,10 @@ Depth ``k`` (1..N) at position ``t`` combines the previous depth's hidden state
 embedding of the input token ``k`` ahead, ``emb(tok[t+k])``::
 
     h_k = Block_k( W_k · [ RMSNorm_e(emb(tok[t+k])) ‖ RMSNorm_h(h_{k-1}[t]) ] )
-    logits_k = shared output head (final norm + LM head)(h_k)   -> predicts tok[t+k+1] = target[t+k]
+    logits_k = shared LM head( RMSNorm_k(h_k) )   -> predicts tok[t+k+1] = target[t+k]
+
+``RMSNorm_k`` is the depth's own output norm (DeepSeek-V3's ``shared_head.norm``, MaxText's
+``mtp_k_final_norm``): the depths share the LM head with the model, not its final norm.
 
 The loss is the token-weighted cross-entropy over all depths (sum of the per-depth
 token losses / number of counted tokens), times ``mtp_loss_scaling_factor``. A position
@@ -23,9 +26,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxtron.config.schema import Config
+from nnxtron.layers import dropout
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.models.loss import cross_entropy_sum
+from nnxtron.parallel.row_keys import Keys, fold
 from nnxtron.parallel.scan import sum_aux
 
 Aux = dict[str, jax.Array]
@@ -57,10 +62,16 @@ class MTPDepth(nnx.Module):
         self.hidden_norm = RMSNorm(d, **norm)
         self.projection = Linear([2 * d], [d], ("mlp", "embed"), dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
         self.block = block
+        self.final_norm = RMSNorm(d, **norm)
 
-    def __call__(self, hidden: jax.Array, embedded_ahead: jax.Array, positions, segment_ids) -> tuple[jax.Array, Aux]:
+    def __call__(
+        self, hidden: jax.Array, embedded_ahead: jax.Array, positions, segment_ids, dropout_keys: Keys | None = None
+    ) -> tuple[jax.Array, Aux]:
         combined = jnp.concatenate([self.embedding_norm(embedded_ahead), self.hidden_norm(hidden)], axis=-1)
-        out = self.block(self.projection(combined), positions, segment_ids)
+        if dropout_keys is None:
+            out = self.block(self.projection(combined), positions, segment_ids)
+        else:
+            out = self.block(self.projection(combined), positions, segment_ids, dropout_keys=dropout_keys)
         return out if isinstance(out, tuple) else (out, {})
 
 
@@ -74,6 +85,7 @@ class MultiTokenPrediction(nnx.Module):
         )
         self.scale = cfg.mtp_loss_scaling_factor
         self.eval_depth = cfg.mtp_eval_target_module
+        self.dropout_rate = cfg.dropout_rate
 
     def __call__(
         self,
@@ -85,14 +97,19 @@ class MultiTokenPrediction(nnx.Module):
         positions: jax.Array,
         segment_ids: jax.Array,
         loss_mask: jax.Array | None,
+        dropout_keys: Keys | None = None,
     ) -> Aux:
         """The MTP aux outputs for one batch.
 
         ``hidden`` [B,S,D]: main stack output before the final norm; ``embedded``: the
-        input embeddings; ``head``: final norm + LM head (float32 logits). Returns
+        input embeddings; ``head``: the LM head on normed states (float32 logits). Returns
         ``{"losses": {"mtp": scaled loss, **block aux losses}, "mtp_loss": unscaled,
         "mtp_acceptance": [accepted, predictions]}`` (acceptance only with
         ``mtp_eval_target_module`` > 0).
+
+        ``dropout_keys`` (training with dropout; ``embedded`` then without dropout): depth ``k``
+        folds ``k`` in and drops, as MaxText's MTP does, its embeddings ahead (site ``EMBED``),
+        inside its block (keys folded with ``STACKS``) and its normed output (``HEAD``).
         """
         loss_sum = jnp.zeros((), jnp.float32)
         tokens = jnp.zeros((), jnp.float32)
@@ -100,9 +117,11 @@ class MultiTokenPrediction(nnx.Module):
         acceptance = None
         h = hidden
         for k, depth in enumerate(self.depths, start=1):
-            h, aux = depth(h, shift_left(embedded, k), positions, segment_ids)
+            keys = fold(dropout_keys, k)
+            ahead = dropout.dropout(shift_left(embedded, k), keys, self.dropout_rate, dropout.EMBED)
+            h, aux = depth(h, ahead, positions, segment_ids, fold(keys, dropout.STACKS))
             block_aux.append(aux)
-            logits = head(h)
+            logits = head(dropout.dropout(depth.final_norm(h), keys, self.dropout_rate, dropout.HEAD))
             valid = valid_ahead(segment_ids, loss_mask, k)
             depth_sum, depth_tokens = cross_entropy_sum(logits, shift_left(targets, k), valid)
             loss_sum, tokens = loss_sum + depth_sum, tokens + depth_tokens

@@ -9,7 +9,8 @@ Its attention is GQA (``layers.attention.gqa_attention``: sliding windows, chunk
 or MLA (``attention_type=mla``, DeepSeek), and its feed-forward is the gated MLP or, for
 MoE layers, the routed ``MoE`` (Mixtral, Qwen3-MoE, DeepSeek, Llama 4). MoE blocks return
 ``(y, aux)`` with the MoE's auxiliary losses. ``pre_norm_family`` makes the ``Family`` of
-a family built from this block.
+a family built from this block. With dropout keys (training, ``layers.dropout``) the dense
+MLP's intermediate activations and the layer output ``y`` are dropped, as MaxText does.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.schema import Config
+from nnxtron.layers import dropout
 from nnxtron.layers.attention import gqa_attention
 from nnxtron.layers.mla import MLA
 from nnxtron.layers.mlp import GatedMLP
@@ -55,14 +57,19 @@ class PreNormBlock(nnx.Module):
                 cfg.base_emb_dim, cfg.base_mlp_dim, cfg.mlp_activations[0], dtype=dtype, weight_dtype=weight_dtype, rngs=rngs
             )
         self.moe = kind.moe
+        self.dropout_rate = cfg.dropout_rate
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, dropout_keys: dropout.Keys | None = None
+    ) -> jax.Array | tuple[jax.Array, dict]:
         x = checkpoint_name(constrain(x, RESIDUAL), "decoder_layer_input")
         h = x + self.attention(self.pre_attention_norm(x), positions, segment_ids)
+        intermediate = dropout.site_dropout(dropout_keys, self.dropout_rate, dropout.MLP)
         if not self.moe:
-            return h + self.mlp(self.post_attention_norm(h))
-        y, aux = self.mlp(self.post_attention_norm(h))
-        return h + y, aux
+            y = h + self.mlp(self.post_attention_norm(h), intermediate)
+            return dropout.dropout(y, dropout_keys, self.dropout_rate, dropout.LAYER_OUTPUT)
+        y, aux = self.mlp(self.post_attention_norm(h), intermediate=intermediate)
+        return dropout.dropout(h + y, dropout_keys, self.dropout_rate, dropout.LAYER_OUTPUT), aux
 
 
 def pre_norm_family(

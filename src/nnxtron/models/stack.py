@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from nnxtron.config.layout import LayerKind, StackLayout
+from nnxtron.parallel.row_keys import Keys, fold
 from nnxtron.parallel.scan import sum_aux
 
 
@@ -23,10 +24,11 @@ class CycleBlock(nnx.Module):
         key = rngs.params()
         self.cycle = nnx.List([make_layer(nnx.Rngs(jax.random.fold_in(key, j)), kind) for j, kind in enumerate(kinds)])
 
-    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, *args: Any, dropout_keys: Keys | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``dropout_keys``: the block's per-row keys; layer ``j`` of the cycle gets them folded with ``j``."""
         parts = []
-        for layer in self.cycle:
-            out = layer(x, *args)
+        for j, layer in enumerate(self.cycle):
+            out = layer(x, *args) if dropout_keys is None else layer(x, *args, dropout_keys=fold(dropout_keys, j))
             x, aux = out if isinstance(out, tuple) else (out, {})
             parts.append(aux)
         return x, sum_aux(*parts)

@@ -1,8 +1,16 @@
 """Routed-expert dispatch: sort assignments by expert, three ``ragged_dot``s, combine.
 
 ``expert_ffn`` runs on one device's tokens for the experts it holds. ``dispatch`` is the
-entry point used by ``MoE``: without an active mesh it calls ``expert_ffn`` directly;
-with one it runs ``expert_ffn`` under ``jax.shard_map`` (manual over every mesh axis):
+entry point used by ``MoE``. With ``compute="dense"`` (``moe_compute=dense``, MaxText's
+``sparse_matmul=false``) it calls ``dense_ffn`` instead: every expert on every token with
+three einsums, combined with the routing weights scattered to ``[B, S, E]`` (zero for
+unselected or dropped assignments) — the same function, ``E / k`` times the FLOPs, but
+plain batched matmuls (fast where ``ragged_dot`` has no grouped kernel: on CPU JAX's
+fallback multiplies every row by every expert anyway). The dense path never enters
+``shard_map``: under a mesh XLA partitions its einsums (expert weights sharded on
+``exp``) like any other matmul. Otherwise, without an active mesh ``dispatch`` calls
+``expert_ffn`` directly; with one it runs ``expert_ffn`` under ``jax.shard_map`` (manual
+over every mesh axis):
 
 * tokens stay on their batch/sequence shards; expert weights are split over the mesh
   axes that the logical name ``exp`` maps to (the ``expert`` axis) and, on the hidden
@@ -28,6 +36,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from nnxtron.config.options import MOE_COMPUTES
 from nnxtron.parallel.sharding import active_mesh, logical_to_spec
 
 TOKEN_NAMES = ("activation_batch", "activation_length")
@@ -84,6 +93,41 @@ def expert_ffn(
     return jnp.einsum("tkd,tk->td", out, weights)
 
 
+def dense_ffn(
+    x: jax.Array,
+    indices: jax.Array,
+    combine: jax.Array,
+    keep: jax.Array,
+    in_scale: jax.Array | None,
+    wi_0: jax.Array,
+    wi_1: jax.Array,
+    wo: jax.Array,
+    *,
+    glu: Callable[[jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+    """``expert_ffn``'s function on ``x [B, S, D]`` and routing ``[B, S, k]`` -> ``[B, S, D]``
+    float32, computing every expert ``[E, ...]`` on every token. ``in_scale`` (Llama 4) needs
+    ``k == 1``: the token's one scale multiplies its input to every expert."""
+    experts, dtype = wi_0.shape[0], x.dtype
+    if in_scale is not None:
+        if in_scale.shape[-1] != 1:
+            raise ValueError("moe_compute=dense scales the expert input (router_scales_expert_input) only with k=1")
+        x = x * in_scale.astype(dtype)
+    weights = jnp.where(keep, combine.astype(jnp.float32), 0.0)  # [B, S, k]
+    chosen = indices[..., None] == jnp.arange(experts, dtype=indices.dtype)  # [B, S, k, E]
+    weights = jnp.sum(jnp.where(chosen, weights[..., None], 0.0), axis=-2)  # [B, S, E]: exact, no matmul rounding
+    # the weights enter the einsums uncast (the activations take the weight dtype; results are cast
+    # to the compute dtype): qwix's einsum rule finds a weight by identity, and its fallback, matching
+    # by shape, cannot tell wi_0 from wi_1 (nor from wo when the widths are equal) — a cast weight
+    # would stay unquantized or fail under the gradient trace
+    xw = x.astype(wi_0.dtype)
+    gate = checkpoint_name(jnp.einsum("bsd,edh->bseh", xw, wi_0).astype(dtype), "mlpwi_0")
+    up = checkpoint_name(jnp.einsum("bsd,edh->bseh", xw, wi_1).astype(dtype), "mlpwi_1")
+    hidden = glu(gate, up).astype(wo.dtype)
+    out = checkpoint_name(jnp.einsum("bseh,ehd->bsed", hidden, wo).astype(dtype), "mlpwo")
+    return jnp.einsum("bsed,bse->bsd", out.astype(jnp.float32), weights)
+
+
 def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -99,10 +143,16 @@ def dispatch(
     wo: jax.Array,
     *,
     glu: Callable[[jax.Array, jax.Array], jax.Array],
+    compute: str = "grouped",
 ) -> jax.Array:
     """Routed output ``[B, S, D]`` float32 for ``x [B, S, D]`` and routing ``[B, S, k]``;
-    ``glu(gate, up)`` is the gated activation (``nnxtron.layers.mlp.glu``)."""
+    ``glu(gate, up)`` is the gated activation (``nnxtron.layers.mlp.glu``); ``compute`` is
+    ``moe_compute`` (``grouped``: ragged_dot, sharded by hand; ``dense``: ``dense_ffn``)."""
     kw = dict(glu=glu)
+    if compute == "dense":
+        return dense_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, **kw)
+    if compute != "grouped":
+        raise ValueError(f"moe_compute={compute!r}; choose one of {MOE_COMPUTES}")
     active = active_mesh()
     if active is None:
         batch, seq, dim = x.shape

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnxtron.config.pipeline import PipelineSpec
 from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
 from nnxtron.parallel.remat import RematSpec, jax_policy
+from nnxtron.parallel.row_keys import Keys
 from nnxtron.parallel.scan import Aux, LayerStack, apply_stacked
 from nnxtron.parallel.sharding import Rules, activate, active_mesh, logical_to_spec, variable_names
 
@@ -74,16 +75,18 @@ class PipelinedStack(LayerStack):
         super().__init__(make_block, num_layers, key=key, scan=True, remat=remat, axis_name=axis_name)
         self.pipeline = pipeline
 
-    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, Aux]:
+    def __call__(self, x: jax.Array, *args: Any, dropout_keys: Keys | None = None) -> tuple[jax.Array, Aux]:
         active = active_mesh()
         if active is None:
-            return super().__call__(x, *args)
+            return super().__call__(x, *args, dropout_keys=dropout_keys)
         mesh, rules = active
         stages = mesh.shape.get(STAGE, 1)
         if stages != self.pipeline.stages:
             raise ValueError(f"the mesh has {stages} '{STAGE}' devices but the pipeline has {self.pipeline.stages} stages")
         graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
-        y, aux, new_rest = run_pipeline(graphdef, params, rest, x, args, self.pipeline, self.remat, self.axis_name, mesh, rules)
+        y, aux, new_rest = run_pipeline(
+            graphdef, params, rest, x, args, self.pipeline, self.remat, self.axis_name, mesh, rules, dropout_keys
+        )
         nnx.update(self.layers, new_rest)
         return y, aux
 
@@ -157,10 +160,13 @@ def run_pipeline(
     axis_name: str,
     mesh: Mesh,
     rules: Rules,
+    dropout_keys: Keys | None = None,
 ) -> tuple[jax.Array, Aux, nnx.State]:
     """Apply the stacked blocks (``params`` + ``rest``, leading axis ``axis_name``) to
     ``x [B, ...]`` by the schedule ``spec``; ``args`` are per-row arrays ``[B, ...]``
-    (positions, segment ids, token ids) that travel with their microbatch.
+    (positions, segment ids, token ids) that travel with their microbatch, and so do the
+    per-row ``dropout_keys`` (``parallel.row_keys``): the block at ``[repeat, stage, j]`` folds
+    in its stack index ``(repeat * stages + stage) * lps + j``, as the unpipelined stack does.
 
     Returns the output ``[B, ...]``, the aux losses (mean over microbatches of their sum
     over blocks) and the new stacked non-trainable state."""
@@ -168,22 +174,30 @@ def run_pipeline(
     inner = without_axis(rules, STAGE)
     layer_remat = remat if spec.remat_layers else RematSpec("none")
 
-    def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple) -> tuple[jax.Array, Aux, nnx.State]:
-        return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name)
+    lps = spec.layers_per_stage
+
+    def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple, keys: Keys | None, first: jax.Array | None) -> tuple:
+        ids = None if keys is None else first + jnp.arange(lps, dtype=jnp.int32)
+        return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name, keys, ids)
 
     run_stages = jax.vmap(run_stage, spmd_axis_name=STAGE)
 
     with activate(mesh, inner):
-        parts = split_microbatches({"x": x, **{f"arg{i}": a for i, a in enumerate(args)}}, micro)
+        keys_part = {} if dropout_keys is None else {"dropout_keys": dropout_keys}
+        parts = split_microbatches({"x": x, **{f"arg{i}": a for i, a in enumerate(args)}, **keys_part}, micro)
         micro_args = tuple(parts[f"arg{i}"] for i in range(len(args)))
+        micro_keys = parts.get("dropout_keys")
         staged_params = _to_stages(params, spec, mesh, inner, drop_fsdp=spec.fsdp_ag_once)
         staged_rest = _to_stages(rest, spec, mesh, inner, drop_fsdp=False)
         stage_ids = jnp.arange(stages)
         place = lambda h: jax.lax.with_sharding_constraint(h, _staged_spec(mesh, inner, h.ndim))  # noqa: E731
 
-        def compute(weights: nnx.State, state: nnx.State, h: jax.Array, a: tuple, repeat_ids: jax.Array | None) -> tuple:
-            """The stages' work in one iteration, on the weights and state of their repeats."""
-            return run_stages(_for_stages(weights, repeat_ids), _for_stages(state, repeat_ids), h, a)
+        def compute(
+            weights: nnx.State, state: nnx.State, h: jax.Array, a: tuple, repeat_ids: jax.Array | None, keys: tuple
+        ) -> tuple:
+            """The stages' work in one iteration, on the weights and state of their repeats;
+            ``keys``: () or (each stage's dropout keys, each stage's first block index)."""
+            return run_stages(_for_stages(weights, repeat_ids), _for_stages(state, repeat_ids), h, a, *(keys or (None, None)))
 
         # per-iteration remat wraps the stages' work only: the checkpoint keeps its inputs
         # (activations, repeat ids, the small non-trainable state), never the microbatch
@@ -191,6 +205,10 @@ def run_pipeline(
         policy = jax_policy(remat) if spec.remat_iterations else None
         if policy is not None:
             compute = jax.checkpoint(compute, policy=policy, prevent_cse=not spec.scan_iterations)
+
+        def first_blocks(repeat_ids: jax.Array) -> jax.Array:
+            """Each stage's first block index in the stack: block ``(r * stages + s) * lps + j``."""
+            return ((repeat_ids * stages + stage_ids) * lps).astype(jnp.int32)
 
         def iteration(carry: tuple, t: jax.Array) -> tuple:
             buffer, shift, previous, state, aux_sum = carry
@@ -202,7 +220,8 @@ def run_pipeline(
             is_first = (stage_ids == 0).reshape(stages, *(1,) * (shift.ndim - 1))
             h = place(jnp.where(is_first, first[None], shift))
             a = tuple(place(jnp.take(m, micro_ids, axis=0)) for m in micro_args)
-            y, aux, new_state = compute(staged_params, state, h, a, repeat_ids if repeats > 1 else None)
+            keys = () if micro_keys is None else (place(jnp.take(micro_keys, micro_ids, axis=0)), first_blocks(repeat_ids))
+            y, aux, new_state = compute(staged_params, state, h, a, repeat_ids if repeats > 1 else None, keys)
             y = place(y)
             state = _write_back(state, repeat_ids, new_state, valid)
             aux_sum = {name: aux_sum[name] + jnp.sum(jnp.where(valid, value, 0.0)) for name, value in aux.items()}
@@ -224,7 +243,8 @@ def run_pipeline(
         zeros = place(jnp.zeros((stages, *parts["x"].shape[1:]), x.dtype))
         first_ids = jnp.zeros(stages, jnp.int32)
         first_args = tuple(jnp.take(m, first_ids, axis=0) for m in micro_args)
-        aux_names = jax.eval_shape(compute, staged_params, staged_rest, zeros, first_args, first_ids)[1]
+        first_keys = () if micro_keys is None else (jnp.take(micro_keys, first_ids, axis=0), first_ids)
+        aux_names = jax.eval_shape(compute, staged_params, staged_rest, zeros, first_args, first_ids, first_keys)[1]
         carry = (parts["x"], zeros, zeros, staged_rest, {name: jnp.zeros((), jnp.float32) for name in aux_names})
         if spec.scan_repeats:
             carry = jax.lax.scan(lambda c, r: (run_iterations(c, r * micro, micro), None), carry, jnp.arange(repeats))[0]

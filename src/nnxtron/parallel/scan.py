@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxtron.parallel.remat import RematSpec, jax_policy
+from nnxtron.parallel.row_keys import Keys, fold
 from nnxtron.parallel.sharding import SHARDING_KEY
 
 STACK_AXIS = "layers"
@@ -96,10 +97,13 @@ def remove_stack_axis(tree: Any, axis_name: str = STACK_AXIS, axis: int = 0) -> 
 Aux = dict[str, jax.Array]
 
 
-def _apply_layer(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: tuple) -> tuple[jax.Array, Aux, nnx.State]:
-    """Pure application of one layer: its output, aux dict and non-parameter state."""
+def _apply_layer(
+    graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: tuple, dropout_keys: Keys | None = None
+) -> tuple[jax.Array, Aux, nnx.State]:
+    """Pure application of one layer: its output, aux dict and non-parameter state.
+    ``dropout_keys``: the layer's per-row keys (``layers.dropout``); None = no dropout."""
     layer = nnx.merge(graphdef, state)
-    out = layer(x, *args)
+    out = layer(x, *args) if dropout_keys is None else layer(x, *args, dropout_keys=dropout_keys)
     y, aux = out if isinstance(out, tuple) else (out, {})
     return y, {name: jnp.asarray(value, jnp.float32) for name, value in aux.items()}, nnx.state(layer, nnx.Not(nnx.Param))
 
@@ -143,6 +147,7 @@ class LayerStack(nnx.Module):
             raise ValueError(f"stack axis name '{axis_name}' must be 'layers' or end with '_layers'")
         self.axis_name = axis_name
         self.num_layers = num_layers
+        self.first_block = first_block
         self.scan = scan
         self.remat = remat
         keys = jnp.stack([jax.random.fold_in(key, first_block + i) for i in range(num_layers)])
@@ -153,37 +158,56 @@ class LayerStack(nnx.Module):
         else:
             self.layers = nnx.List([make_block(nnx.Rngs(keys[i])) for i in range(num_layers)])
 
-    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, Aux]:
+    def block_ids(self) -> jax.Array:
+        """Each block's index in the unsplit stack (what its dropout keys fold in)."""
+        return self.first_block + jnp.arange(self.num_layers, dtype=jnp.int32)
+
+    def __call__(self, x: jax.Array, *args: Any, dropout_keys: Keys | None = None) -> tuple[jax.Array, Aux]:
         """Apply every layer in order; ``args`` are passed unchanged to each layer.
+        ``dropout_keys``: the stack's per-row keys; block ``i`` gets them folded with
+        ``first_block + i`` (None = no dropout).
 
         Returns the output and the blocks' aux entries summed over the layers.
         """
         if not self.scan:
             apply = _with_remat(_apply_layer, self.remat, in_scan=False)
             auxes = []
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 graphdef, state = nnx.split(layer)
-                x, aux, rest = apply(graphdef, state, x, args)
+                x, aux, rest = apply(graphdef, state, x, args, fold(dropout_keys, self.first_block + i))
                 nnx.update(layer, rest)
                 auxes.append(aux)
             return x, sum_aux(*auxes)
         graphdef, state = nnx.split(self.layers)
-        x, aux, new_rest = apply_stacked(graphdef, state, x, args, self.remat, self.axis_name)
+        ids = None if dropout_keys is None else self.block_ids()
+        x, aux, new_rest = apply_stacked(graphdef, state, x, args, self.remat, self.axis_name, dropout_keys, ids)
         nnx.update(self.layers, new_rest)
         return x, aux
 
 
 def apply_stacked(
-    graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: tuple, remat: RematSpec, axis_name: str
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    x: jax.Array,
+    args: tuple,
+    remat: RematSpec,
+    axis_name: str,
+    dropout_keys: Keys | None = None,
+    block_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, Aux, nnx.State]:
     """Scan the stacked blocks in ``state`` (leading axis ``axis_name``) over ``x``, each
-    wrapped in ``remat``. Returns the output, the aux entries summed over the blocks and
-    the new stacked non-parameter state."""
+    wrapped in ``remat``. With ``dropout_keys`` (per-row keys) block ``i`` draws its masks
+    from them folded with ``block_ids[i]`` (its index in the unsplit stack). Returns the
+    output, the aux entries summed over the blocks and the new stacked non-parameter state."""
     apply = _with_remat(_apply_layer, remat, in_scan=True)
 
-    def body(carry, layer_state):
-        y, aux, rest = apply(graphdef, remove_stack_axis(layer_state, axis_name), carry, args)
+    def body(carry, xs):
+        layer_state, block_id = xs
+        keys = None if block_id is None else fold(dropout_keys, block_id)
+        y, aux, rest = apply(graphdef, remove_stack_axis(layer_state, axis_name), carry, args, keys)
         return y, (aux, rest)
 
-    x, (stacked_aux, stacked_rest) = jax.lax.scan(body, x, state)
+    if (dropout_keys is None) != (block_ids is None):
+        raise ValueError("apply_stacked: dropout_keys and block_ids go together")
+    x, (stacked_aux, stacked_rest) = jax.lax.scan(body, x, (state, block_ids))
     return x, {name: jnp.sum(value, axis=0) for name, value in stacked_aux.items()}, add_stack_axis(stacked_rest, axis_name)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from nnxtron.config.stacks import layer_counts
 from nnxtron.parallel.microbatch import merge_microbatches
+from nnxtron.parallel.row_keys import row_keys
 from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
 from nnxtron.params import layer_list_layout
 from nnxtron.train.step import compute_gradients
@@ -52,8 +53,8 @@ class _ProbedEmbed(nnx.Module):
     def embedding(self) -> nnx.Param:
         return self.inner.embedding
 
-    def attend(self, x: jax.Array) -> jax.Array:
-        return self.inner.attend(x)
+    def attend(self, x: jax.Array, *args: float) -> jax.Array:
+        return self.inner.attend(x, *args)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.inner(tokens)
@@ -78,7 +79,11 @@ def _unprobed(flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def loss_and_grads(
-    model: nnx.Module, batch: dict[str, jax.Array], mesh: Mesh | None = None, accumulation_steps: int = 1
+    model: nnx.Module,
+    batch: dict[str, jax.Array],
+    mesh: Mesh | None = None,
+    accumulation_steps: int = 1,
+    dropout_step: int | None = None,
 ) -> GradResult:
     """Loss, input cotangent and parameter gradients of the training objective (jitted).
 
@@ -92,6 +97,9 @@ def loss_and_grads(
 
     With ``mesh``, parameters are placed by the config's logical rules and activations
     are constrained as in training, so the result checks the sharded computation.
+
+    ``dropout_step``: train with the config's dropout, drawing the masks of that step
+    (the per-row keys the train step makes, ``parallel.row_keys``).
     """
     cfg = model.config
     graphdef, params, rest = nnx.split(_probed(model, batch["inputs"], accumulation_steps), nnx.Param, ...)
@@ -109,6 +117,8 @@ def loss_and_grads(
 
     @jax.jit
     def run(params, rest, batch):
+        if dropout_step is not None:
+            batch = {**batch, "dropout_keys": row_keys(cfg.init_weights_seed, jnp.int32(dropout_step), batch["inputs"].shape[0])}
         with activate(mesh, rules) if mesh is not None else contextlib.nullcontext():
             g = compute_gradients(graphdef, params, rest, batch, accumulation_steps, grad_shardings=grad_shardings)
         return g.loss, g.grads, g.aux, g.rest

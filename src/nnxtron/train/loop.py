@@ -156,10 +156,10 @@ class Trainer:
         weights = None  # (params, model state or None: fresh)
         abstract = {key: self.setup.abstract_state[key] for key in ("params", "rest")}
         shardings = {key: self.setup.state_shardings[key] for key in ("params", "rest")}
-        if self.cfg.load_parameters_path:
-            weights = load_weights(self.cfg.load_parameters_path, self.cfg, abstract, shardings)
-        elif self.init_params is not None:
+        if self.init_params is not None:  # init_from, or a MaxText checkpoint at load_parameters_path (convert/runs.py)
             weights = self.init_params(abstract, shardings)
+        elif self.cfg.load_parameters_path:
+            weights = load_weights(self.cfg.load_parameters_path, self.cfg, abstract, shardings)
         return init_state(self.cfg, self.setup, self.tx, *(weights or ())), 0, None
 
     def evaluate(self, state: TrainState) -> dict[str, float]:

@@ -36,9 +36,12 @@ def _params_tree(cfg: Config, one) -> dict:
 
 @functools.lru_cache(maxsize=16)
 def decay_mask(cfg: Config) -> dict:
-    """Weight decay on matrices only, as a pure dict matching the parameters: a parameter
-    is decayed when its logical axes (without the layer stacking axis) have rank >= 2;
-    norm scales and other vectors are not. Read from the abstract model's annotations."""
+    """Where decoupled weight decay applies, as a pure dict matching the parameters. With
+    ``weight_decay_mask=matrices`` a parameter is decayed when its logical axes (without the
+    layer stacking axis) have rank >= 2; norm scales and other vectors are not (read from the
+    abstract model's annotations). ``all`` decays every parameter (MaxText's ``adamw_mask=[]``)."""
+    if cfg.weight_decay_mask == "all":
+        return _params_tree(cfg, lambda v: True)
     return _params_tree(cfg, lambda v: len([n for n in variable_names(v) or () if not is_stack_axis(n)]) >= 2)
 
 

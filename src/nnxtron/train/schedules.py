@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import optax
 
 from nnxtron.config import options
@@ -25,6 +26,7 @@ SCHEDULE_SHAPING_KEYS = (
     "learning_rate_final_fraction",
     "wsd_decay_steps_fraction",
     "wsd_decay_style",
+    "lr_schedule_convention",
 )
 
 
@@ -38,6 +40,8 @@ def wsd_decay_steps(cfg: Config, derived: Derived) -> int:
 def learning_rate_schedule(cfg: Config, derived: Derived) -> optax.Schedule:
     """Linear warm-up from 0 to ``learning_rate`` over ``derived.warmup_steps``, then the
     ``lr_schedule_type`` part until ``derived.schedule_steps``; after that the final value stays."""
+    if cfg.lr_schedule_convention == "maxtext":
+        return maxtext_schedule(cfg, derived)
     lr, warmup, total = cfg.learning_rate, derived.warmup_steps, derived.schedule_steps
     after_warmup = max(total - warmup, 1)
     if cfg.lr_schedule_type == "cosine":
@@ -54,6 +58,50 @@ def learning_rate_schedule(cfg: Config, derived: Derived) -> optax.Schedule:
         return main
     ramp = optax.linear_schedule(0.0, lr, warmup)
     return optax.join_schedules([ramp, main], [warmup])
+
+
+def _maxtext_cosine(init: float, final: float, length: int) -> optax.Schedule:
+    """MaxText's cosine: ``final`` at step ``length - 1`` (optax's reaches it at ``length``)."""
+
+    def schedule(step):
+        pct = step / (length - 1) if length > 1 else 1.0
+        a = 0.5 * (jnp.cos(jnp.pi * pct) + 1)
+        return init * a + final * (1 - a)
+
+    return schedule
+
+
+def maxtext_schedule(cfg: Config, derived: Derived) -> optax.Schedule:
+    """``lr_schedule_convention=maxtext``: MaxText 0.2.5's ``create_learning_rate_schedule``.
+    Against nnxtron's: the warm-up is ``int(fraction * schedule_steps)`` steps (not rounded),
+    the cosine / WSD decay reaches its final value at the schedule's last step (one step
+    earlier), and the rate is 0 after ``learning_rate_schedule_steps`` (not the final value)."""
+    lr, total = cfg.learning_rate, derived.schedule_steps
+    warmup = int(total * cfg.warmup_steps_fraction)
+    pieces: list[optax.Schedule] = []
+    boundaries: list[int] = []
+    if warmup > 0:
+        pieces.append(optax.linear_schedule(0.0, lr, warmup))
+        boundaries.append(warmup)
+    if cfg.lr_schedule_type == "cosine":
+        if total - warmup > 0:
+            pieces.append(_maxtext_cosine(lr, lr * cfg.cosine_learning_rate_final_fraction, total - warmup))
+            boundaries.append(total)
+    else:  # wsd (config/checks.py refuses the others)
+        final = lr * cfg.learning_rate_final_fraction
+        decay = int(total * cfg.wsd_decay_steps_fraction)
+        stable = total - warmup - decay
+        if stable > 0:
+            pieces.append(optax.constant_schedule(lr))
+            boundaries.append(warmup + stable)
+        if decay > 0:
+            linear = cfg.wsd_decay_style == "linear"
+            pieces.append(optax.linear_schedule(lr, final, decay - 1) if linear else _maxtext_cosine(lr, final, decay))
+            boundaries.append(total)
+    if cfg.steps > total:
+        pieces.append(optax.constant_schedule(0.0))
+        boundaries.append(total)
+    return optax.join_schedules(pieces, boundaries[: len(pieces) - 1])
 
 
 def _warmup_stable_decay(cfg: Config, length: int, decay: int) -> optax.Schedule:

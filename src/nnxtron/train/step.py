@@ -13,9 +13,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxtron.config.schema import Config
 from nnxtron.data.packing import BATCH_KEYS
+from nnxtron.layers.dropout import dropout_active
 from nnxtron.layers.moe import update_router_bias
 from nnxtron.models.loss import cross_entropy, cross_entropy_sum
 from nnxtron.parallel.microbatch import split_microbatches
+from nnxtron.parallel.row_keys import row_keys
 from nnxtron.parallel.sharding import activate, constrain, logical_to_spec
 from nnxtron.params import flatten_with_treedef
 from nnxtron.train.state import ModelSetup, TrainState
@@ -64,7 +66,8 @@ def _apply(graphdef: nnx.GraphDef, params: Any, rest: Any, batch: Batch):
     """Run the model on ``batch``. Returns (output, new non-parameter state)."""
     model = nnx.merge(graphdef, params, rest)
     extra = (batch.get("positions"), batch.get("segment_ids"), batch.get("targets"), batch.get("loss_mask"))
-    out = model(batch["inputs"], *extra)
+    keys = batch.get("dropout_keys")  # per-row dropout keys: training with dropout only
+    out = model(batch["inputs"], *extra) if keys is None else model(batch["inputs"], *extra, dropout_keys=keys)
     return out, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
@@ -164,6 +167,10 @@ def make_train_step(
 
     With ``routed_bias_update_rate`` > 0 the MoE routers' correction biases are updated
     after the gradient (loss-free balancing) from the expert load the step counted.
+
+    With dropout (``enable_dropout`` and ``dropout_rate`` > 0) each row of the global batch
+    gets its PRNG key from (``init_weights_seed``, step, row) (``parallel.row_keys``),
+    carried in the batch as ``dropout_keys`` with its row through the microbatches.
     """
     graphdef = model_setup.graphdef
     rules = cfg.logical_axis_rules
@@ -172,8 +179,12 @@ def make_train_step(
     compute_shardings = model_setup.compute_shardings or model_setup.state_shardings
     param_shardings = compute_shardings["params"] if accumulation > 1 else None
 
+    drop = dropout_active(cfg.dropout_rate, cfg.enable_dropout)
+
     def train_step(state: TrainState, batch: Batch):
         state = model_setup.to_compute(state)
+        if drop:
+            batch = {**batch, "dropout_keys": row_keys(cfg.init_weights_seed, state["step"], batch["inputs"].shape[0])}
         with activate(model_setup.mesh, rules):
             g = compute_gradients(graphdef, state["params"], state["rest"], batch, accumulation, grad_shardings=param_shardings)
             updates, opt_state = tx.update(g.grads, state["opt_state"], state["params"])

@@ -42,6 +42,11 @@ def _checkpoint(path: str | Path) -> tuple[Checkpointer, int]:
             f"'{path}' is an HF model directory, not an nnxtron checkpoint; start from it with init_from={path} "
             "(it brings the model's config and tokenizer too)"
         )
+    if (directory / "items").is_dir() or any(directory.glob("[0-9]*/items")):
+        raise CheckpointError(
+            f"'{path}' is a MaxText checkpoint: `nnxtron train load_parameters_path=...` converts it on load (in Python "
+            "pass init_params=nnxtron.convert.runs.init_params(cfg)); or convert it once with `nnxtron convert from-maxtext`"
+        )
     if (directory / "checkpoints").is_dir():
         directory = directory / "checkpoints"
     step = None

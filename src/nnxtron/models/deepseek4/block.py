@@ -21,6 +21,7 @@ from flax import nnx
 from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.layers import dropout
 from nnxtron.layers.moe import MoE
 from nnxtron.layers.norms import rms_norm
 from nnxtron.models.deepseek4.compressed import CompressedAttention
@@ -50,15 +51,24 @@ class DeepSeek4Block(nnx.Module):
         self.mlp_hc = hyper_connection(cfg, rngs)
         self.post_attention_norm = rms_norm(cfg)
         self.mlp = MoE(cfg, rngs, hash_routed=kind.hash)
+        self.dropout_rate = cfg.dropout_rate
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, tokens: jax.Array
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        tokens: jax.Array,
+        dropout_keys: dropout.Keys | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """With ``dropout_keys`` (training) the layer output ``[B, S, k, D]`` is dropped, its
+        mask shared along axis -2 (the streams), as in MaxText (``layers.dropout``)."""
         post, comb, collapsed = self.attention_hc(x)
         x = expand(post, comb, self.attention(self.pre_attention_norm(collapsed), positions, segment_ids), x)
         post, comb, collapsed = self.mlp_hc(x)
-        y, aux = self.mlp(self.post_attention_norm(collapsed), tokens)
-        return expand(post, comb, y, x), aux
+        intermediate = dropout.site_dropout(dropout_keys, self.dropout_rate, dropout.MLP)  # the shared expert's
+        y, aux = self.mlp(self.post_attention_norm(collapsed), tokens, intermediate)
+        return dropout.dropout(expand(post, comb, y, x), dropout_keys, self.dropout_rate, dropout.LAYER_OUTPUT), aux
 
 
 def stream_head(cfg: Config, rngs: nnx.Rngs) -> HyperHead:

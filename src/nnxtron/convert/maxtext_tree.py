@@ -1,0 +1,298 @@
+"""MaxText parameter names and layouts <-> nnxtron's, per family.
+
+MaxText (0.2.5, NNX) writes its parameters in the layout of its former Linen decoders
+(``train_state_nnx.to_checkpoint_dict``: "so NNX and Linen checkpoints stay interchangeable"),
+and Linen's ``nn.scan(variable_axes={"params": param_scan_axis})`` and ``name=f"layers_{i}"``
+gave the same names. Below the params root a tree is:
+
+* top level: ``token_embedder/embedding`` [V, D], ``decoder/decoder_norm/scale``,
+  ``decoder/logits_dense/kernel`` [D, V] (absent with ``logits_via_embedding``);
+* unscanned layers: ``decoder/layers_{i}/...`` (DeepSeek: ``dense_layers_{i}``,
+  ``moe_layers_{i - first_num_dense_layers}``); MTP: ``mtp_block/mtp_layer_{k}/mtp_{k}_*``;
+* model state that is not an ``nnx.Param`` — DeepSeek's router bias, a ``MoEBiasVar`` — sits in
+  its own collection: ``MoEBiasVar/<path>`` here (``params/MoEBiasVar/...`` in a param-only
+  checkpoint, ``nnx_aux/model/...`` in a training one), scanned on axis 0, not 1;
+* scanned layers: ``decoder/layers/...`` (``dense_layers``, ``moe_layers``) holding every layer
+  stacked on axis ``PARAM_SCAN_AXIS`` = 1 (MaxText's default ``param_scan_axis``), for every
+  parameter (a norm scale [D] becomes [D, L], an expert kernel [E, D, F] becomes [E, L, D, F]);
+  Gemma 3 scans blocks of six layers: ``decoder/layers/layers_{j}/...`` (layer ``6 b + j`` at
+  index ``b``) and ``decoder/layers_remainder/layers_{j}/...`` (the last ``L % 6`` layers).
+
+Kernels have nnxtron's layout (``[*in, *out]``, heads split), so a name map suffices, plus the
+value conventions where MaxText's parametrisation differs from nnxtron's (HF's):
+
+* ``QUERY``: Llama 2 / Mistral / Mixtral fold ``1/sqrt(head_dim)`` into the query kernel and do
+  not scale the attention logits; nnxtron scales them by ``query_pre_attn_scalar ** -0.5``
+  (0: ``head_dim``), so its kernel is MaxText's times ``1 / scale`` (none with
+  ``query_pre_attn_scalar=1``);
+* ``NORM_OFFSET``: Gemma's RMSNorm multiplies by ``scale`` in MaxText, by ``1 + scale`` in
+  nnxtron (``nnxtron = maxtext - 1``);
+* ``EMBED_SCALE``: Gemma's ``sqrt(emb_dim)`` input scale is folded into MaxText's table (its
+  tied logits divide by it again, ``normalize_embedding_logits``); nnxtron applies it at run
+  time (``nnxtron = maxtext / sqrt(emb_dim)``). MaxText's tied head also rounds that table to
+  bfloat16 (any dtype): ``tied_head_bf16``, which a MaxText config sets (``layers/embed.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from nnxtron.config.layout import LayerKind
+from nnxtron.config.schema import Config
+from nnxtron.config.stacks import layer_stacks
+from nnxtron.errors import CheckpointError
+
+PARAM_SCAN_AXIS = 1
+GEMMA3_CYCLE = 6  # MaxText's GEMMA3_ATTENTION_PATTERN length: the scanned block
+FOLDED_QUERY_BLOCKS = ("llama2", "mistral", "mixtral")
+SUPPORTED = ("llama2", "mistral", "mixtral", "deepseek", "gemma3")
+
+NONE, QUERY, NORM_OFFSET, EMBED_SCALE = "", "query", "norm_offset", "embed_scale"
+BIAS_COLLECTION = "MoEBiasVar"  # MaxText's nnx.Variable type of the router bias: its collection name
+STATE_SCAN_AXIS = 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One parameter: its MaxText name, its nnxtron name (relative to the layer or the model),
+    the value convention between them, and whether nnxtron holds it as model state."""
+
+    maxtext: str
+    nnxtron: str
+    convention: str = NONE
+    state: bool = False
+
+    def name(self, prefix: str) -> str:
+        """The full MaxText name under layer (or module) ``prefix``; state in its collection."""
+        return f"{BIAS_COLLECTION}/{prefix}/{self.maxtext}" if self.state else f"{prefix}/{self.maxtext}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One MaxText array (unscanned name) and where it goes in nnxtron: ``path`` in the
+    layer-list layout when ``block`` is None, else block ``block`` of the scanned ``path``."""
+
+    maxtext: str
+    path: str
+    rule: Rule
+    block: int | None = None
+
+
+def _attention(cfg: Config) -> tuple[Rule, ...]:
+    if cfg.attention_type == "mla":
+        names = ["wkv_a/kernel", "wkv_b/kernel", "kv_norm/scale", "out/kernel"]
+        names += ["wq_a/kernel", "wq_b/kernel", "q_norm/scale"] if cfg.q_lora_rank else ["query/kernel"]
+        return tuple(Rule(f"self_attention/{n}", f"attention/{n}") for n in names)
+    query = QUERY if cfg.decoder_block in FOLDED_QUERY_BLOCKS else NONE
+    rules = [Rule("self_attention/query/kernel", "attention/query/kernel", query)]
+    rules += [Rule(f"self_attention/{n}/kernel", f"attention/{n}/kernel") for n in ("key", "value", "out")]
+    return tuple(rules)
+
+
+def _mlp(prefix: str, to: str) -> tuple[Rule, ...]:
+    return tuple(Rule(f"{prefix}{n}/kernel", f"{to}{n}/kernel") for n in ("wi_0", "wi_1", "wo"))
+
+
+def _experts(prefix: str) -> tuple[Rule, ...]:
+    return (Rule(f"{prefix}gate/kernel", "mlp/router/kernel"),) + tuple(
+        Rule(f"{prefix}{n}", f"mlp/{n}") for n in ("wi_0", "wi_1", "wo")
+    )
+
+
+def layer_rules(cfg: Config, kind: LayerKind) -> tuple[Rule, ...]:
+    """The parameters of one layer of ``kind``: MaxText names -> nnxtron names."""
+    block = cfg.decoder_block
+    if block == "gemma3":
+        norms = ("pre_self_attention_norm", "post_self_attention_norm", "pre_ffw_norm", "post_ffw_norm")
+        to = ("pre_attention_norm", "post_attention_norm", "pre_ffw_norm", "post_ffw_norm")
+        rules = [Rule(f"{a}/scale", f"{b}/scale", NORM_OFFSET) for a, b in zip(norms, to, strict=True)]
+        rules += [Rule(f"self_attention/{n}_norm/scale", f"attention/{n}_norm/scale", NORM_OFFSET) for n in ("query", "key")]
+        return (*_attention(cfg), *rules, *_mlp("mlp/", "mlp/"))
+    norms = (
+        Rule("pre_self_attention_layer_norm/scale", "pre_attention_norm/scale"),
+        Rule("post_self_attention_layer_norm/scale", "post_attention_norm/scale"),
+    )
+    if not kind.moe:
+        return (*_attention(cfg), *norms, *_mlp("mlp/", "mlp/"))
+    if block == "mixtral":
+        return (*_attention(cfg), *norms, *_experts("MoeBlock_0/"))
+    if block == "deepseek":
+        moe = "DeepSeekMoeBlock_0/"
+        rules = [*_experts(f"{moe}MoeBlock_0/"), *_mlp(f"{moe}shared_experts/", "mlp/shared/")]
+        if cfg.routed_bias:
+            rules.append(Rule(f"{moe}MoeBlock_0/gate/bias", "mlp/router_bias", state=True))
+        return (*_attention(cfg), *norms, *rules)
+    raise CheckpointError(f"decoder_block={block} has MoE layers MaxText conversion does not cover; use {SUPPORTED}")
+
+
+def top_rules(cfg: Config) -> tuple[Rule, ...]:
+    gemma = cfg.decoder_block == "gemma3"
+    rules = [
+        Rule("token_embedder/embedding", "embed/embedding", EMBED_SCALE if gemma else NONE),
+        Rule("decoder/decoder_norm/scale", "final_norm/scale", NORM_OFFSET if gemma else NONE),
+    ]
+    if not cfg.logits_via_embedding:
+        rules.append(Rule("decoder/logits_dense/kernel", "logits/kernel"))
+    return tuple(rules)
+
+
+def maxtext_layer_prefix(cfg: Config, layer: int) -> str:
+    """MaxText's unscanned name of decoder layer ``layer``."""
+    if cfg.decoder_block == "deepseek":
+        dense = cfg.first_num_dense_layers
+        return f"decoder/dense_layers_{layer}" if layer < dense else f"decoder/moe_layers_{layer - dense}"
+    return f"decoder/layers_{layer}"
+
+
+def check_supported(cfg: Config) -> None:
+    if cfg.decoder_block not in SUPPORTED:
+        raise CheckpointError(
+            f"MaxText checkpoint conversion covers decoder_block {', '.join(SUPPORTED)}; decoder_block="
+            f"{cfg.decoder_block} is not one of them"
+        )
+
+
+def entries(cfg: Config) -> Iterator[Entry]:
+    """Every MaxText array of ``cfg``'s model (unscanned names) and its nnxtron place."""
+    check_supported(cfg)
+    for rule in top_rules(cfg):
+        yield Entry(rule.maxtext, rule.nnxtron, rule)
+    for stack in layer_stacks(cfg):
+        for position, kind in enumerate(stack.kinds):
+            sub = "/".join(map(str, stack.sub_path(position)))
+            sub = f"{sub}/" if sub else ""
+            for rule in layer_rules(cfg, kind):
+                for block in range(stack.num_layers):
+                    prefix = maxtext_layer_prefix(cfg, stack.hf_layer(block, position))
+                    if cfg.scan_layers:
+                        yield Entry(rule.name(prefix), f"{stack.name}/layers/{sub}{rule.nnxtron}", rule, block)
+                    else:
+                        yield Entry(rule.name(prefix), f"{stack.name}/layers/{block}/{sub}{rule.nnxtron}", rule)
+    for depth in range(cfg.mtp_num_layers):
+        yield from _mtp_entries(cfg, depth)
+
+
+def _mtp_entries(cfg: Config, depth: int) -> Iterator[Entry]:
+    k = depth + 1
+    mt, nx = f"mtp_block/mtp_layer_{k}/mtp_{k}", f"mtp/depths/{depth}/"
+    for rule in (
+        Rule("embedding_norm/scale", "embedding_norm/scale"),
+        Rule("hidden_state_norm/scale", "hidden_norm/scale"),
+        Rule("projection/kernel", "projection/kernel"),
+        Rule("final_norm/scale", "final_norm/scale"),
+    ):
+        yield Entry(f"{mt}_{rule.maxtext}", nx + rule.nnxtron, rule)
+    kind = LayerKind(moe=cfg.num_experts > 1)
+    for rule in layer_rules(cfg, kind):
+        yield Entry(rule.name(f"{mt}_transformer_layer"), f"{nx}block/{rule.nnxtron}", rule)
+
+
+def query_factor(cfg: Config) -> float:
+    """nnxtron query kernel = MaxText's x this (folded families; 1.0 = same values)."""
+    scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else cfg.head_dim**-0.5
+    return 1.0 / scale
+
+
+def to_nnxtron_value(value: np.ndarray, convention: str, cfg: Config) -> np.ndarray:
+    """MaxText's value -> nnxtron's (float32 arithmetic, then the input's dtype)."""
+    return _apply(value, convention, cfg, forward=True)
+
+
+def to_maxtext_value(value: np.ndarray, convention: str, cfg: Config) -> np.ndarray:
+    return _apply(value, convention, cfg, forward=False)
+
+
+def _apply(value: np.ndarray, convention: str, cfg: Config, forward: bool) -> np.ndarray:
+    if convention == NONE:
+        return value
+    x = value.astype(np.float32)
+    if convention == QUERY:
+        factor = query_factor(cfg)
+        if factor == 1.0:
+            return value
+        out = x * np.float32(factor) if forward else x / np.float32(factor)
+    elif convention == NORM_OFFSET:
+        out = x - np.float32(1.0) if forward else x + np.float32(1.0)
+    elif convention == EMBED_SCALE:
+        scale = np.float32(math.sqrt(cfg.base_emb_dim))
+        out = x / scale if forward else x * scale
+    else:  # a table bug
+        raise ValueError(f"unknown convention {convention!r}")
+    return out.astype(value.dtype)
+
+
+_STATE = f"(?:{BIAS_COLLECTION}/)?"
+_SCANNED = re.compile(rf"^({_STATE})decoder/(layers|dense_layers|moe_layers)/(.*)$")
+_REMAINDER = re.compile(rf"^({_STATE})decoder/layers_remainder/layers_(\d+)/(.*)$")
+_UNSCANNED = re.compile(rf"^({_STATE})decoder/(layers|dense_layers|moe_layers)_(\d+)/(.*)$")
+
+
+def _axis(collection: str) -> int:
+    return STATE_SCAN_AXIS if collection else PARAM_SCAN_AXIS
+
+
+def is_scanned(flat: dict[str, np.ndarray]) -> bool:
+    return any(_SCANNED.match(k) or _REMAINDER.match(k) for k in flat)
+
+
+def unscan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
+    """A scanned MaxText tree under its unscanned names (one array per layer)."""
+    gemma = cfg.decoder_block == "gemma3"
+    blocks = cfg.base_num_decoder_layers // GEMMA3_CYCLE
+    out: dict[str, np.ndarray] = {}
+    for key, value in flat.items():
+        rem, scanned = _REMAINDER.match(key), _SCANNED.match(key)
+        if rem:
+            out[f"{rem[1]}decoder/layers_{blocks * GEMMA3_CYCLE + int(rem[2])}/{rem[3]}"] = value
+            continue
+        if not scanned:
+            out[key] = value
+            continue
+        collection, group, rest = scanned[1], scanned[2], scanned[3]
+        axis = _axis(collection)
+        if value.ndim <= axis:
+            raise CheckpointError(
+                f"MaxText array '{key}' has shape {list(value.shape)}: a scanned layer parameter needs a layer axis at "
+                f"axis {axis}; the checkpoint does not match the config"
+            )
+        position = 0
+        if gemma:
+            inner = re.match(r"^layers_(\d+)/(.*)$", rest)
+            if not inner:
+                raise CheckpointError(f"MaxText array '{key}' is not in a Gemma 3 scanned block (layers/layers_j/...)")
+            position, rest = int(inner[1]), inner[2]
+        for index in range(value.shape[axis]):
+            layer = index * GEMMA3_CYCLE + position if gemma else index
+            out[f"{collection}decoder/{group}_{layer}/{rest}"] = np.take(value, index, axis=axis)
+    return out
+
+
+def scan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
+    """The inverse of ``unscan``: layers stacked on ``PARAM_SCAN_AXIS``."""
+    gemma = cfg.decoder_block == "gemma3"
+    blocks = cfg.base_num_decoder_layers // GEMMA3_CYCLE
+    groups: dict[str, dict[int, np.ndarray]] = {}
+    out: dict[str, np.ndarray] = {}
+    for key, value in flat.items():
+        m = _UNSCANNED.match(key)
+        if not m:
+            out[key] = value
+            continue
+        collection, group, layer, rest = m[1], m[2], int(m[3]), m[4]
+        if gemma:
+            block, position = divmod(layer, GEMMA3_CYCLE)
+            if block >= blocks:
+                out[f"{collection}decoder/layers_remainder/layers_{position}/{rest}"] = value
+                continue
+            groups.setdefault(f"{collection}decoder/layers/layers_{position}/{rest}", {})[block] = value
+        else:
+            groups.setdefault(f"{collection}decoder/{group}/{rest}", {})[layer] = value
+    for key, parts in groups.items():
+        axis = _axis(BIAS_COLLECTION if key.startswith(f"{BIAS_COLLECTION}/") else "")
+        out[key] = np.stack([parts[i] for i in range(len(parts))], axis=axis)
+    return out

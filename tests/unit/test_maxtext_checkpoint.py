@@ -1,0 +1,344 @@
+"""MaxText checkpoints in and out (``convert/maxtext.py``), on checkpoints MaxText 0.2.5 wrote.
+
+The assets (tests/assets/maxtext/checkpoints/README.md says how each was made) hold tiny
+Llama 2, Mistral, Mixtral, DeepSeek-V3 (with MTP) and Gemma 3 models, scanned and unscanned,
+and MaxText's logits on fixed tokens from each (DeepSeek: MaxText's eager forward fails on CPU,
+so its logits are checked on the reference runs' initial checkpoints, tests/assets/maxtext/reference).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnxtron.cli import main
+from nnxtron.config.loader import load_config
+from nnxtron.config.stacks import layer_counts
+from nnxtron.convert import maxtext_tree
+from nnxtron.convert.maxtext import (
+    checkpoint_config,
+    from_maxtext,
+    load_maxtext_model,
+    read_maxtext_checkpoint,
+    to_maxtext,
+    write_maxtext_checkpoint,
+)
+from nnxtron.convert.runs import load_model
+from nnxtron.errors import CheckpointError
+from nnxtron.params import flatten, unstack_layers
+
+ASSETS = Path(__file__).parents[1] / "assets" / "maxtext" / "checkpoints"
+CONFIGS = json.loads((ASSETS / "configs.json").read_text())
+NAMES = sorted(p.name for p in ASSETS.iterdir() if p.is_dir())
+WITH_LOGITS = [n for n in NAMES if (ASSETS / n / "logits.npy").is_file()]
+REFERENCE = ASSETS.parent / "reference"
+REFERENCE_SKIPPED = ("steps=", "learning_rate=", "dataset_type=", "per_device", "max_target", "sparse_matmul", "megablox")
+TOKENS = ((jnp.arange(16, dtype=jnp.int32) * 7 + 3) % 32).reshape(2, 8)  # maxtext_logits.py's tokens
+# measured: 6e-7 to 8e-7 (float32 on CPU; same function, different op order)
+LOGITS_ATOL = 5e-6
+GEMMA3_LOGITS_ATOL = 1e-5  # 8 layers, sandwich norms: measured 1.5e-6 (scanned), 6.0e-6 (unscanned; 3e-7 at position 0)
+MAXTEXT_BASE = str(ASSETS.parent / "base.yml")  # MaxText 0.2.5's base.yml
+
+
+def keys(name: str, **extra: str) -> list[str]:
+    family, layout = name.rsplit("_", 1)
+    values = [*CONFIGS[family], f"scan_layers={'true' if layout == 'scanned' else 'false'}"]
+    return values + [f"{k}={v}" for k, v in extra.items()]
+
+
+def config(name: str, **extra: str):
+    return checkpoint_config(None, keys(name, **extra))
+
+
+def logits(name: str, **extra: str) -> np.ndarray:
+    return np.asarray(load_maxtext_model(ASSETS / name, config(name, **extra))(TOKENS).logits)
+
+
+def test_every_family_and_layout_has_an_asset():
+    families = {"llama2", "mistral", "mixtral", "deepseek3", "gemma3"}
+    assert {n.rsplit("_", 1)[0] for n in NAMES} == families
+    assert all(f"{f}_{s}" in NAMES for f in families for s in ("scanned", "unscanned"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_round_trip_is_byte_exact(name, tmp_path):
+    cfg = config(name)
+    stored = read_maxtext_checkpoint(ASSETS / name)
+    params, state = from_maxtext(stored, cfg)
+    out = write_maxtext_checkpoint(to_maxtext(params, cfg, scanned=cfg.scan_layers, state=state), tmp_path / "out")
+    assert out == tmp_path / "out" / "0" / "items"
+    back = read_maxtext_checkpoint(tmp_path / "out")
+    assert sorted(back) == sorted(stored)
+    for key, value in stored.items():
+        assert back[key].dtype == value.dtype and back[key].shape == value.shape, key
+        assert back[key].tobytes() == value.tobytes(), key
+
+
+@pytest.mark.parametrize("name", [n for n in WITH_LOGITS if not n.startswith("gemma3")])
+def test_logits_equal_maxtexts(name):
+    got = logits(name)
+    want = np.load(ASSETS / name / "logits.npy")
+    assert np.abs(got - want).max() <= LOGITS_ATOL
+
+
+@pytest.mark.parametrize("name", ["llama2_scanned", "mixtral_unscanned"])
+def test_hf_meaning_query_kernels_give_the_same_logits(name):
+    """query_pre_attn_scalar=0: kernels rescaled by sqrt(head_dim) (MaxText folds 1/sqrt(head_dim) in)."""
+    cfg = config(name, query_pre_attn_scalar="0")
+    exact = from_maxtext(read_maxtext_checkpoint(ASSETS / name), config(name))[0]
+    scaled = from_maxtext(read_maxtext_checkpoint(ASSETS / name), cfg)[0]
+    query = [k for k in flatten(exact) if k.endswith("attention/query/kernel")]
+    assert query and all(np.array_equal(flatten(scaled)[k], flatten(exact)[k] * 2.0) for k in query)  # head_dim 4
+    got = logits(name, query_pre_attn_scalar="0")
+    assert np.abs(got - np.load(ASSETS / name / "logits.npy")).max() <= LOGITS_ATOL
+
+
+def gemma3_maxtext_config(name: str, *extra: str):
+    """The MaxText config MaxText ran: its base.yml (normalize_embedding_logits=true) and the keys."""
+    return checkpoint_config(MAXTEXT_BASE, [*keys(name), *extra])
+
+
+@pytest.mark.parametrize("name", ["gemma3_scanned", "gemma3_unscanned"])
+def test_gemma3_logits_equal_maxtexts(name):
+    """MaxText's Gemma 3 config as MaxText ran it: the query scale derived from the overridden
+    head_dim (1/sqrt(4), not the preset's 1/sqrt(256)), the tied head's table rounded to bfloat16
+    (MaxText's attend_on_embedding, also in float32: tied_head_bf16), logits / sqrt(emb_dim)."""
+    cfg = gemma3_maxtext_config(name)
+    assert cfg.query_pre_attn_scalar == 4.0 and cfg.tied_head_bf16
+    got = np.asarray(load_maxtext_model(ASSETS / name, cfg)(TOKENS).logits)
+    assert np.abs(got - np.load(ASSETS / name / "logits.npy")).max() <= GEMMA3_LOGITS_ATOL
+
+
+def test_from_maxtext_defaults_to_maxtexts_head_without_a_maxtext_file():
+    """A MaxText checkpoint converted with command-line keys only computes MaxText's function:
+    the tied head's bfloat16 table is the default (tied_head_bf16=false keeps HF's head)."""
+    assert config("gemma3_scanned").tied_head_bf16
+    assert not config("gemma3_scanned", tied_head_bf16="false").tied_head_bf16
+    assert not config("llama2_scanned").tied_head_bf16  # untied head: not set
+
+
+def test_gemma3_head_without_the_bf16_table_is_hfs_not_maxtexts():
+    """tied_head_bf16 is read: without it the float32 head differs from MaxText's by ~5e-3."""
+    name = "gemma3_scanned"
+    cfg = gemma3_maxtext_config(name, "tied_head_bf16=false")
+    got = np.asarray(load_maxtext_model(ASSETS / name, cfg)(TOKENS).logits)
+    assert np.abs(got - np.load(ASSETS / name / "logits.npy")).max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "model, extra, scalar",
+    [
+        ("gemma3-4b", [], 256.0),  # the preset's sizes
+        ("gemma3-4b", ["override_model_config=true", "head_dim=32"], 32.0),
+        ("gemma3-12b", ["override_model_config=true", "head_dim=16"], 16.0),
+        (
+            "gemma3-27b",
+            ["override_model_config=true", "base_emb_dim=512", "base_num_query_heads=4", "base_num_kv_heads=2"],
+            128.0,
+        ),
+        ("gemma3-4b", ["override_model_config=true", "head_dim=32", "query_pre_attn_scalar=8"], 8.0),  # stated: kept
+    ],
+)
+def test_gemma3_query_scale_follows_the_sizes_as_in_maxtext(model, extra, scalar):
+    """MaxText's get_query_pre_attn_scalar: head_dim (4b, 12b), emb_dim // query heads (27b)."""
+    assert load_config(MAXTEXT_BASE, [f"model_name={model}", *extra]).query_pre_attn_scalar == scalar
+    assert load_config(None, [f"model_name={model}", *extra]).query_pre_attn_scalar == scalar
+
+
+@pytest.mark.parametrize(
+    "model, value",
+    [("gemma3-4b", "false"), ("llama2-7b", "true")],
+)
+def test_normalize_embedding_logits_is_refused_where_it_is_not_hfs_head(model, value):
+    from nnxtron.errors import ConfigError
+
+    tied = ["override_model_config=true", "logits_via_embedding=true"] if model == "llama2-7b" else []
+    with pytest.raises(ConfigError, match="normalize_embedding_logits"):
+        load_config(MAXTEXT_BASE, [f"model_name={model}", *tied, f"normalize_embedding_logits={value}"])
+
+
+@pytest.mark.parametrize("family", ["llama2", "deepseek3", "gemma3"])
+def test_scanned_and_unscanned_layouts_hold_the_same_weights(family):
+    name = f"{family}_scanned"
+    stored = read_maxtext_checkpoint(ASSETS / name)
+    scanned_cfg, unscanned_cfg = config(name), config(name, scan_layers="false")
+    scanned = flatten(from_maxtext(stored, scanned_cfg)[0])
+    unscanned = flatten(from_maxtext(stored, unscanned_cfg)[0])
+    assert {k: v.tobytes() for k, v in unstack_layers(scanned, layer_counts(scanned_cfg)).items()} == {
+        k: v.tobytes() for k, v in unscanned.items()
+    }
+    # MaxText's unscanned names of the same weights read back to the same parameters
+    params, state = from_maxtext(stored, scanned_cfg)
+    as_unscanned = to_maxtext(params, scanned_cfg, scanned=False, state=state)
+    assert not maxtext_tree.is_scanned(as_unscanned)
+    assert {k: v.tobytes() for k, v in flatten(from_maxtext(as_unscanned, unscanned_cfg)[0]).items()} == {
+        k: v.tobytes() for k, v in unscanned.items()
+    }
+
+
+def test_scan_axis_is_maxtexts_param_scan_axis():
+    stored = read_maxtext_checkpoint(ASSETS / "mixtral_scanned")
+    assert stored["decoder/layers/MoeBlock_0/wi_0"].shape == (4, 2, 8, 16)  # [experts, layers, emb, mlp]
+    assert stored["decoder/layers/pre_self_attention_layer_norm/scale"].shape == (8, 2)
+
+
+def test_reads_a_training_checkpoint_root_a_step_and_its_items():
+    root = ASSETS / "llama2_scanned"
+    whole = read_maxtext_checkpoint(root)
+    for path in (root / "0", root / "0" / "items"):
+        part = read_maxtext_checkpoint(path)
+        assert sorted(part) == sorted(whole) and all(np.array_equal(part[k], whole[k]) for k in whole)
+
+
+def test_deepseek_router_bias_is_model_state_and_mtp_is_converted():
+    name = "deepseek3_scanned"
+    params, state = from_maxtext(read_maxtext_checkpoint(ASSETS / name), config(name))
+    assert set(flatten(state)) == {"moe_layers/layers/mlp/router_bias", "mtp/depths/0/block/mlp/router_bias"}
+    assert any(k.startswith("mtp/depths/0/") for k in flatten(params))
+
+
+def reference_config(family: str):
+    overrides = json.loads((REFERENCE / "manifest.json").read_text())["families"][family]["overrides"]
+    keys = [k for k in overrides if not k.startswith(REFERENCE_SKIPPED)]
+    return checkpoint_config(str(ASSETS.parent / "base.yml"), keys)
+
+
+@pytest.mark.parametrize("family", ["deepseek3", "llama2", "mixtral"])
+def test_reference_checkpoints_give_maxtexts_logits_and_round_trip(family, tmp_path):
+    """MaxText's param-only checkpoints (save_params_to_path; DeepSeek's router bias in its
+    params/MoEBiasVar collection) of the reference runs, with MaxText base.yml configs."""
+    cfg = reference_config(family)
+    source = REFERENCE / family / "initial_checkpoint"
+    stored = read_maxtext_checkpoint(source)
+    data = np.load(REFERENCE / family / "logits.npz")
+    model = load_maxtext_model(source, cfg)
+    out = model(jnp.asarray(data["inputs"]), jnp.asarray(data["inputs_position"]), jnp.asarray(data["inputs_segmentation"]))
+    assert np.abs(np.asarray(out.logits) - data["logits"]).max() <= LOGITS_ATOL  # measured 1.2e-6 .. 1.7e-6
+    params, state = from_maxtext(stored, cfg)
+    write_maxtext_checkpoint(to_maxtext(params, cfg, scanned=True, state=state), tmp_path)
+    back = read_maxtext_checkpoint(tmp_path)
+    assert sorted(back) == sorted(stored) and all(back[k].tobytes() == stored[k].tobytes() for k in stored)
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(ASSETS / name, tmp_path / name))
+
+
+@pytest.mark.parametrize(
+    "name, extra, fragment",
+    [
+        ("llama2_scanned", {"base_emb_dim": "16"}, "has shape"),  # another model (sizes)
+        ("llama2_scanned", {"base_num_decoder_layers": "3"}, "lacks"),
+        ("mixtral_scanned", {"num_experts": "1", "num_experts_per_tok": "1"}, "lacks"),  # another model (names)
+        ("llama2_unscanned", {"base_num_decoder_layers": "1"}, "does not use"),
+        ("deepseek3_unscanned", {"mtp_num_layers": "0"}, "does not use"),
+    ],
+)
+def test_a_checkpoint_of_another_model_is_refused(name, extra, fragment):
+    with pytest.raises(CheckpointError, match=fragment):
+        from_maxtext(read_maxtext_checkpoint(ASSETS / name), config(name, **extra))
+
+
+def _damage_metadata(path: Path) -> None:
+    meta = path / "items" / "_METADATA"
+    meta.write_text(meta.read_text()[:-40])
+
+
+def _drop_data(path: Path) -> None:
+    for data in (path / "items").rglob("d/*"):
+        data.unlink()
+
+
+def _flip_manifest(path: Path) -> None:
+    for manifest in (path / "items").rglob("manifest.ocdbt"):
+        data = bytearray(manifest.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        manifest.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_damage_metadata, _drop_data, _flip_manifest])
+def test_a_damaged_checkpoint_is_one_error(damage, tmp_path, capsys):
+    source = _copy("mistral_unscanned", tmp_path)
+    damage(source)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    code = main(["convert", "from-maxtext", str(source), str(tmp_path / "out"), *keys("mistral_unscanned")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("WARNING:absl")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine" and not (tmp_path / "out" / "config.yml").exists()
+
+
+def test_not_a_checkpoint_and_nnxtron_checkpoints_are_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no MaxText checkpoint"):
+        read_maxtext_checkpoint(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        read_maxtext_checkpoint(tmp_path / "missing")
+    run = tmp_path / "run"
+    assert main(["convert", "from-maxtext", str(ASSETS / "llama2_scanned"), str(run), *keys("llama2_scanned")]) == 0
+    for path in (run, run / "checkpoints", run / "checkpoints" / "0", run / "checkpoints" / "0" / "params"):
+        with pytest.raises(CheckpointError, match="nnxtron checkpoint, not a MaxText one"):
+            read_maxtext_checkpoint(path)
+    with pytest.raises(CheckpointError, match="already holds step 0"):
+        write_maxtext_checkpoint({"a": np.zeros(1)}, ASSETS / "llama2_scanned")
+
+
+def test_cli_from_maxtext_then_load_train_and_back(tmp_path):
+    name = "mixtral_scanned"
+    run = tmp_path / "run"
+    assert main(["convert", "from-maxtext", str(ASSETS / name), str(run), *keys(name)]) == 0
+    # what `nnxtron generate RUN` loads (its 32-id vocabulary fits no tokenizer, so not sampled here)
+    got = np.asarray(load_model(run)(TOKENS).logits)
+    assert np.abs(got - np.load(ASSETS / name / "logits.npy")).max() <= LOGITS_ATOL
+    assert main(["convert", "to-maxtext", str(run), str(tmp_path / "mt"), "--unscanned"]) == 0
+    back = read_maxtext_checkpoint(tmp_path / "mt")
+    assert not maxtext_tree.is_scanned(back)
+    stored = maxtext_tree.unscan(read_maxtext_checkpoint(ASSETS / name), load_config(None, keys(name)))
+    assert sorted(back) == sorted(stored) and all(back[k].tobytes() == stored[k].tobytes() for k in stored)
+    train = ["dataset_type=synthetic", "steps=1", "per_device_batch_size=1", "max_target_length=8", "sample_after_training=0"]
+    base = [f"base_output_directory={tmp_path}", "--no-progress"]
+    assert main(["train", *train, "run_name=a", f"init_from={run}", *base]) == 0
+    assert main(["train", *keys(name), *train, "run_name=b", f"load_parameters_path={ASSETS / name}", *base]) == 0
+
+
+def test_reads_the_nnx_decode_layout(tmp_path):
+    """generate_param_only_checkpoint's layout: the bare tree, every leaf ``{"value": array}``
+    (written here with Orbax: MaxText's own tool fails on these tiny checkpoints, README)."""
+    import orbax.checkpoint as ocp
+
+    stored = read_maxtext_checkpoint(ASSETS / "llama2_unscanned")
+    tree: dict = {}
+    for key, value in stored.items():
+        node = tree
+        for part in key.split("/"):
+            node = node.setdefault(part, {})
+        node["value"] = value
+    with ocp.PyTreeCheckpointer() as writer:
+        writer.save(tmp_path / "items", tree)
+    back = read_maxtext_checkpoint(tmp_path)
+    assert sorted(back) == sorted(stored) and all(np.array_equal(back[k], stored[k]) for k in stored)
+
+
+@pytest.mark.parametrize("model, scale", [("llama2-tiny", 1.0), ("gemma3-tiny", None)])
+def test_tied_head_bf16_is_maxtexts_attend_on_embedding(model, scale):
+    """``x @ bf16(E * s)^T / s`` in float32: s = 1, or Gemma's sqrt(emb_dim) MaxText's table holds."""
+    from nnxtron.models.build import build_model
+    from tests.conftest import tiny_config
+
+    decoder = build_model(tiny_config(model, logits_via_embedding=True, tied_head_bf16=True))
+    s = scale or decoder.config.base_emb_dim**0.5
+    x = np.random.default_rng(0).normal(size=(1, 3, decoder.config.base_emb_dim)).astype(np.float32)
+    table = (np.asarray(decoder.embed.embedding[...], np.float32) * np.float32(s)).astype(jnp.bfloat16)
+    want = x.astype(np.float64) @ table.astype(np.float64).T / s
+    got = np.asarray(decoder.output_head(jnp.asarray(x)))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    hf = build_model(tiny_config(model, logits_via_embedding=True))  # the same weights (same seed)
+    assert np.array_equal(np.asarray(hf.embed.embedding[...]), np.asarray(decoder.embed.embedding[...]))
+    plain = np.asarray(hf.output_head(jnp.asarray(x)))
+    assert np.abs(plain - want).max() > 1e-4 * np.abs(want).max()  # the float32 table: another function
