@@ -101,6 +101,35 @@ weighted over depths and scaled by `mtp_loss_scaling_factor`.
 Not covered by the reproduction: a run from scratch draws other initial values than MaxText
 (another RNG), and under `query_pre_attn_scalar=1` nnxtron does not shrink the query kernel's
 initialiser by `sqrt(head_dim)` as MaxText's does; dropout masks (another RNG).
+
+## Checkpoints
+
+```
+nnxtron convert from-maxtext CKPT_DIR OUT_DIR [config.yml] [k=v ...]   # -> an nnxtron run directory
+nnxtron convert to-maxtext RUN_DIR OUT_DIR [--scanned|--unscanned]     # -> OUT_DIR/0/items
+nnxtron train ... load_parameters_path=CKPT_DIR                        # a MaxText checkpoint converts on load
+```
+
+A MaxText checkpoint does not say which model it holds: give its model's keys (`model_name=...`,
+the sizes, `scan_layers`, or a MaxText config file), as for MaxText's own `load_parameters_path`.
+Read on CPU without MaxText: a training checkpoint (`<step>/items`, `params/params/<tree>` next to
+`opt_state`; the newest step of a checkpoint root), a param-only one (`save_params_to_path`) and an
+NNX decode one. MaxText 0.2.5 (NNX) writes the tree of its former Linen decoders
+(`to_checkpoint_dict`: "so NNX and Linen checkpoints stay interchangeable"; Linen's
+`nn.scan(variable_axes={"params": param_scan_axis})` and `layers_{i}` gave the same names), so one
+reader covers both. Scanned layers are stacked on axis 1 (`param_scan_axis`) — DeepSeek's router
+bias (collection `MoEBiasVar`) on axis 0 —, unscanned ones are `layers_{i}`; Gemma 3 scans blocks
+of six layers. Kernels already have nnxtron's layout; the value conventions are converted:
+Llama 2 / Mistral / Mixtral keep MaxText's query kernels (with `1/sqrt(head_dim)` folded in;
+`from-maxtext` then defaults to `query_pre_attn_scalar=1`; `query_pre_attn_scalar=0` rescales them
+to HF meaning, needed for `convert to-hf`), Gemma's norm scales are MaxText's minus 1 and its table
+MaxText's / `sqrt(emb_dim)` (a tied head defaults to `tied_head_bf16=true`, MaxText's head).
+Covered: Llama 2, Mistral, Mixtral, DeepSeek-V3 with MTP and Gemma 3, scanned and unscanned
+(`tests/assets/maxtext/checkpoints/`, written by MaxText 0.2.5); MaxText -> nnxtron -> MaxText is
+byte-exact, and nnxtron's logits from each checkpoint equal MaxText's (float32, <= 6e-6).
+Weights and model state are converted, not the optimizer state. Every MaxText array must be used and
+every nnxtron parameter filled with the config's shape; a checkpoint of another model, a damaged
+one, a directory that is no checkpoint or an nnxtron checkpoint is one `error:` line (exit 2).
 """
 
 
