@@ -36,7 +36,7 @@ from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.remat import RematSpec
 from nnxtron.parallel.row_keys import row_keys
 from nnxtron.parallel.scan import LayerStack
-from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads
+from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads, with_tail_stack_merged
 from nnxtron.train.loop import Trainer
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import setup
@@ -107,17 +107,7 @@ def test_partial_pipeline_tail_stack_continues_the_block_indices():
     """pipeline_parallel_layers=2 of 4: the tail stack's blocks fold in 2 and 3 (``first_block``)."""
     pipeline = dict(PIPELINES["circular_2_stages_2_repeats_4_microbatches"], pipeline_parallel_layers=2)
     result = _result("llama3.1-tiny", devices=4, **LAYERS, **pipeline)
-
-    def rename(tree: dict) -> dict:
-        out = {}
-        for key, value in tree.items():
-            if key.startswith("unpipelined_layers/layers/"):
-                index, rest = key[len("unpipelined_layers/layers/") :].split("/", 1)
-                key = f"layers/layers/{int(index) + 2}/{rest}"
-            out[key] = value
-        return out
-
-    result = GradResult(result.loss, result.input_grad, rename(result.param_grads), result.aux, rename(result.rest))
+    result = with_tail_stack_merged(result, first_block=2)
     assert_grad_parity(result, _result("llama3.1-tiny", **LAYERS), **BOUNDS)
 
 

@@ -20,7 +20,7 @@ import pytest
 from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads
+from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads, with_tail_stack_merged
 from tests.conftest import random_batch, tiny_config
 
 BOUNDS = dict(loss_rtol=2e-6, rel=1e-5, abs_frac=1e-6, aggregate_rel=5e-6)
@@ -127,15 +127,5 @@ def test_partial_pipeline_runs_the_other_layers_after_it():
     model = build_model(cfg)
     assert model.layers.num_layers == 2 and model.unpipelined_layers.num_layers == 2
     result = loss_and_grads(model, _batch(cfg), mesh=make_mesh(cfg, jax.devices()[:4]))
-
-    def rename(tree: dict) -> dict:
-        out = {}
-        for key, value in tree.items():
-            if key.startswith("unpipelined_layers/layers/"):
-                index, rest = key[len("unpipelined_layers/layers/") :].split("/", 1)
-                key = f"layers/layers/{int(index) + 2}/{rest}"
-            out[key] = value
-        return out
-
-    result = GradResult(result.loss, result.input_grad, rename(result.param_grads), result.aux, rename(result.rest))
+    result = with_tail_stack_merged(result, first_block=2)
     assert_grad_parity(result, _sequential("llama3.1-tiny", tuple(overrides.items()), 1, 4), **BOUNDS)

@@ -130,6 +130,24 @@ def loss_and_grads(
     return GradResult(float(loss), np.asarray(g_input), grads, {k: float(v) for k, v in aux.items()}, new_rest)
 
 
+def with_tail_stack_merged(result: GradResult, first_block: int) -> GradResult:
+    """``result`` with a partial pipeline's tail stack (``unpipelined_layers/layers/i``) named as
+    the blocks ``first_block + i`` of the unsplit stack (``layers/layers/...``), to compare with
+    the sequential model."""
+    prefix = "unpipelined_layers/layers/"
+
+    def rename(tree: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {}
+        for key, value in tree.items():
+            if key.startswith(prefix):
+                index, rest = key[len(prefix) :].split("/", 1)
+                key = f"layers/layers/{int(index) + first_block}/{rest}"
+            out[key] = value
+        return out
+
+    return GradResult(result.loss, result.input_grad, rename(result.param_grads), result.aux, rename(result.rest))
+
+
 def _norm(x: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(x, np.float64).ravel()))
 
