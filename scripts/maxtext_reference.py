@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE_YML = ROOT / "tests" / "assets" / "maxtext" / "base.yml"  # MaxText 0.2.5's own base.yml
 OUT = ROOT / "tests" / "assets" / "maxtext" / "reference"
 DRIVER = ROOT / "scripts" / "maxtext" / "driver.py"
+DEFAULT_ENV = Path.home() / ".cache" / "nnxtron" / f"maxtext-{MAXTEXT_VERSION}"  # the cached environment
 REQUIREMENTS = "maxtext/dependencies/requirements/generated_requirements/decoupled-requirements.txt"
 
 # float32, one CPU device, 20 steps at learning_rate 1e-3 with MaxText's optimizer defaults
@@ -141,7 +142,7 @@ def sha256(path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", default="python3.12", help="a Python >= 3.12 to make the MaxText environment with")
-    parser.add_argument("--env", type=Path, default=Path.home() / ".cache" / "nnxtron" / f"maxtext-{MAXTEXT_VERSION}")
+    parser.add_argument("--env", type=Path, default=DEFAULT_ENV)
     parser.add_argument("--families", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()

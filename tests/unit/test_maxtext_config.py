@@ -38,7 +38,7 @@ def test_every_key_of_maxtexts_base_yml_is_in_the_table_with_its_default():
     extra = [k for k, r in KEYS.items() if r.default is NOT_IN_BASE]
     assert sorted(extra) == ["enable_nnx", "pure_nnx", "pure_nnx_decoder"]
     counts = Counter(r.kind for k, r in KEYS.items() if k in values)
-    assert counts == {IGNORED: 375, REFUSED: 247, HONOURED: 126, TRANSLATED: 38}
+    assert counts == {IGNORED: 373, REFUSED: 247, HONOURED: 128, TRANSLATED: 38}
 
 
 def test_each_class_carries_what_it_needs():
@@ -71,7 +71,7 @@ def test_maxtexts_base_yml_loads_unchanged_with_maxtexts_values():
         1.0, True, "all", "maxtext")  # fmt: skip
     assert (cfg.base_output_directory, cfg.max_num_checkpoints_to_keep, cfg.sample_after_training) == ("maxtext_output", 2**40, 0)
     assert cfg.tokenizer_type == "byte"  # synthetic data without tokenizer_path: MaxText reads no tokenizer
-    assert len(report.ignored) == 375 and "profiler" in report.ignored and "use_ragged_sort" in report.ignored
+    assert len(report.ignored) == 373 and "profiler" in report.ignored and "use_ragged_sort" in report.ignored
 
 
 def test_reference_command_resolves():
@@ -106,7 +106,7 @@ def test_linen_variant_is_one_line(capsys):
 def test_config_show_lists_the_ignored_keys(capsys):
     code, out, _ = run_cli(capsys, "config", "show", str(BASE), "profiler=xplane")
     assert code == 0
-    assert "# MaxText keys ignored (375;" in out and "profiler='xplane'" in out and "gcs_metrics=False" in out
+    assert "# MaxText keys ignored (373;" in out and "profiler='xplane'" in out and "gcs_metrics=False" in out
     assert "dtype: bfloat16" in out
 
 
@@ -195,4 +195,4 @@ def test_train_prints_the_ignored_keys_at_start_up(capsys, tmp_path):
     assert code == 0, err
     text = out + err
     assert "MaxText keys ignored (infrastructure nnxtron does not have" in text
-    assert "374 at MaxText's default values, profiler='xplane'" in text
+    assert "372 at MaxText's default values, profiler='xplane'" in text

@@ -36,6 +36,7 @@ SCHEMA_LISTS = {  # config key -> the option list its Literal is built from
     "routed_score_func": options.ROUTER_SCORE_FUNCS,
     "capacity_scope": options.CAPACITY_SCOPES,  # each has a rule: tests/unit/test_moe_capacity.py
     "moe_compute": options.MOE_COMPUTES,  # each computes the experts: tests/unit/test_moe_dense.py
+    "grouped_matmul": options.GROUPED_MATMULS,  # each resolves and runs: tests/unit/test_grouped_matmul.py
     "load_balance_convention": options.LOAD_BALANCE_CONVENTIONS,  # each has a rule: tests/unit/test_load_balance.py
     "matmul_precision": options.MATMUL_PRECISIONS,  # each reaches the matmuls: tests/unit/test_matmul_precision.py
     "remat_policy": options.REMAT_POLICIES,

@@ -195,6 +195,13 @@ def check_moe(cfg: Config) -> None:
         raise ConfigError(f"capacity_scope={cfg.capacity_scope} needs capacity_factor > 0 (the experts are dropless)")
     if cfg.routed_bias_update_rate > 0 and not cfg.routed_bias:
         raise ConfigError("routed_bias_update_rate > 0 needs routed_bias=true (the bias it updates)")
+    if cfg.grouped_matmul != "auto" and cfg.moe_compute != "grouped":
+        raise ConfigError(f"grouped_matmul={cfg.grouped_matmul} applies to moe_compute=grouped only; leave it at auto")
+    if cfg.grouped_matmul == "blocked" and cfg.use_qwix_quantization:
+        raise ConfigError(
+            "grouped_matmul=blocked cannot be quantized with use_qwix_quantization=true (qwix quantizes the experts' "
+            "ragged_dot); use grouped_matmul=auto or ragged_dot"
+        )
     if cfg.router_scales_expert_input and (k != 1 or cfg.routed_score_func != "sigmoid"):
         raise ConfigError("router_scales_expert_input=true needs num_experts_per_tok=1 and routed_score_func=sigmoid")
     if cfg.first_num_dense_layers >= cfg.base_num_decoder_layers:
@@ -230,6 +237,11 @@ def check_attention(cfg: Config) -> None:
         raise ConfigError(
             f"attention={cfg.attention} supports attention_type=global only ({cfg.attention_type} runs its own "
             "einsum attention); use attention=auto or xla"
+        )
+    if cfg.attention == "dot_product" and cfg.ici_context_parallelism != 1 and cfg.context_parallel_strategy == "ring":
+        raise ConfigError(
+            "attention=dot_product cannot run as ring attention (context_parallel_strategy=ring, ici_context_parallelism "
+            "> 1); use attention=auto or xla (ring attention has xla's numerics), or context_parallel_strategy=all_gather"
         )
     if cfg.attention == "cudnn":
         reason = cudnn_unsupported(

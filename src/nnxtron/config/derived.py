@@ -104,6 +104,13 @@ def derive(cfg: Config, num_devices: int) -> Derived:
             f"max_target_length={cfg.max_target_length} does not divide over ici_context_parallelism="
             f"{shape['context']}; choose a sequence length that is a multiple of it"
         )
+    if shape["context"] > 1 and cfg.context_parallel_strategy == "ring" and cfg.context_parallel_load_balance:
+        if cfg.max_target_length % (2 * shape["context"]):
+            raise ConfigError(
+                f"context_parallel_load_balance splits the sequence into 2 x ici_context_parallelism = "
+                f"{2 * shape['context']} chunks; max_target_length={cfg.max_target_length} does not divide into them: "
+                "choose a multiple, or context_parallel_load_balance=false"
+            )
     schedule = cfg.steps if cfg.learning_rate_schedule_steps == -1 else cfg.learning_rate_schedule_steps
     return Derived(
         num_devices=num_devices,

@@ -118,7 +118,10 @@ class Report:
         if cfg.moe_compute == "dense":
             kernel = "moe_compute=dense: every expert on every token with einsums, unrouted ones weighted by zero"
         else:
-            kernel = "moe_compute=grouped: jax.lax.ragged_dot, XLA's grouped matmul, on CPU too; no Pallas megablox kernel"
+            kernel = (
+                f"moe_compute=grouped grouped_matmul={cfg.grouped_matmul}: a grouped matmul over the routed tokens "
+                "(ragged_dot on TPU, padded row blocks elsewhere); no Pallas megablox kernel"
+            )
         line = f"MoE: {asked} — nnxtron computes the routed experts {how} ({kernel}): the same function"
         factor = self.moe_kernels.get("capacity_factor", -1)
         if isinstance(factor, (int, float)) and factor > 0 and cfg.capacity_factor <= 0:

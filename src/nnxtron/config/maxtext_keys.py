@@ -127,7 +127,7 @@ MONITORING = 'metrics upload, logging and monitoring services (GCS, Vertex, good
 PROFILING = 'profilers and compiler dumps nnxtron does not have (`nnxtron bench` times a step)'
 RUNTIME = 'process, compilation and cluster set-up of MaxText (hardware choice, AOT compiles, jax.distributed, Pathways, elastic slices); nnxtron uses the devices JAX finds and its own compilation_cache_dir'
 MESH = "MaxText's mesh axes, logical sharding rules and collective scheduling: where values live, not what is computed; nnxtron lays out its mesh from its own ici_* keys and logical_axis_rules"
-KERNELS = "a kernel, tiling or fusion choice that computes the same function (nnxtron's routed experts are, on every backend, CPU included, a jax.lax.ragged_dot grouped matmul with sparse_matmul=true, einsums over every expert with sparse_matmul=false (moe_compute), its attention the `attention` key's implementation)"
+KERNELS = "a kernel, tiling or fusion choice that computes the same function (nnxtron's routed experts are a grouped matmul over the routed tokens with sparse_matmul=true — jax.lax.ragged_dot on TPU, padded row blocks at the routed FLOP count on CPU and GPU (grouped_matmul) — einsums over every expert with sparse_matmul=false (moe_compute), its attention the `attention` key's implementation)"
 REMAT = 'remat choice for an activation nnxtron does not name (read only by remat_policy=custom); remat never changes the function'
 INFERENCE = "read only by MaxText's serving, decoding benchmarks and RL rollout programs (MaxEngine, JetStream, vLLM); nnxtron's `generate` reads prompt, max_new_tokens and decode_sampling_*"
 DATA_IO = "data-loader performance and order of MaxText's Grain pipeline (workers, buffers, threads, shuffle buffer); nnxtron's loader has data_read_threads, data_prefetch_batches and data_shuffle_seed"
@@ -237,8 +237,8 @@ _ignored(
     ici_context_autoregressive_parallelism=1, ici_tensor_sequence_parallelism=1, ici_autoregressive_parallelism=1,
     check_vma=False, shard_optimizer_over_data=False, dense_fsdp_use_two_stage_all_gather=False, num_slices=-1,
     vocab_tiling_ag_once=False, muon_use_all_to_all=False, custom_mesh='', allow_split_physical_axes=False,
-    optimize_mesh_for_tpu_v6e=False, shardy=True, remove_size_one_mesh_axis_from_type=True, context_parallel_load_balance=True,
-    context_parallel_strategy='all_gather', context_parallel_reorder_strategy='auto',
+    optimize_mesh_for_tpu_v6e=False, shardy=True, remove_size_one_mesh_axis_from_type=True,
+    context_parallel_reorder_strategy='auto',
 )
 _ignored(
     KERNELS,
@@ -873,6 +873,8 @@ _add("grain_packing_type", Key(
     REFUSED, "first_fit", "nnxtron packs real data by concatenation (documents flow across rows; packing=false pads each)",
     "use grain_packing_type=concat_then_split", check=lambda v, c: v == "concat_then_split" or c.get("dataset_type") != "grain",
 ))  # fmt: skip
+# parallel/ring_attention.py; ring attention is nnxtron's own default
+_honoured(context_parallel_strategy="all_gather", context_parallel_load_balance=True)
 _honoured(dropout_rate=0.0, enable_dropout=True)  # MaxText's sites and switch (layers/dropout.py); masks from nnxtron's RNG
 
 

@@ -18,13 +18,17 @@ DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepsee
 ATTENTION_TYPES = ("global", "mla", "compressed")  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
 ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product", "cudnn")  # what attention=auto resolves to, per layer
 ATTENTION_CHOICES = ("auto", *ATTENTION_IMPLEMENTATIONS)
+# context parallelism (parallel/ring_attention.py): keys/values pass around the context axis, or are gathered
+CONTEXT_PARALLEL_STRATEGIES = ("ring", "all_gather")
 ROPE_TYPES = ("default", "llama3", "yarn", "linear")  # linear: positions / rope_scaling_factor
 ROUTER_SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 CAPACITY_SCOPES = ("call", "sequence")  # capacity_factor > 0: over all tokens of a MoE call, or per sequence (MaxText)
 # MoE load-balance loss (layers/router.py): nnxtron = over all tokens of a call, summed over layers; maxtext =
 # per sequence, averaged over the MoE layers (MaxText 0.2.5 load_balance_loss; docs/moe.md)
 LOAD_BALANCE_CONVENTIONS = ("nnxtron", "maxtext")
-MOE_COMPUTES = ("grouped", "dense")  # routed experts: ragged_dot on the routed tokens, or every expert on every token
+MOE_COMPUTES = ("grouped", "dense")  # routed experts: a grouped matmul on the routed tokens, or every expert on every token
+# moe_compute=grouped (parallel/grouped_matmul.py): auto = ragged_dot on TPU or quantized, blocked elsewhere
+GROUPED_MATMULS = ("auto", "ragged_dot", "blocked")
 MATMUL_PRECISIONS = ("default", "high", "highest")  # jax.lax.Precision of the model's matmuls (MaxText's names)
 SUPPORTED_MLP_ACTIVATIONS = (("silu", "linear"), ("gelu", "linear"), ("gelu",))  # two = gated (GLU), one = plain MLP
 

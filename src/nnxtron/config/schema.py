@@ -144,7 +144,8 @@ class Config(BaseModel):
     router_scales_expert_input: Model[bool]  # Llama 4: sigmoid(top-1 logit) scales the expert input, not its output
     capacity_factor: Model[float]  # -1 = dropless; > 0: each expert takes at most about factor * tokens * k / experts tokens
     capacity_scope: Model[Literal[options.CAPACITY_SCOPES]]  # capacity_factor > 0: the tokens counted (layers/moe.py)
-    moe_compute: Literal[options.MOE_COMPUTES]  # grouped (ragged_dot) | dense (all experts, einsums): the same function
+    moe_compute: Literal[options.MOE_COMPUTES]  # grouped (routed tokens only) | dense (all experts, einsums): the same function
+    grouped_matmul: Literal[options.GROUPED_MATMULS]  # moe_compute=grouped: ragged_dot | blocked (padded blocks) | auto
     load_balance_loss_weight: float = Field(ge=0)  # 0 = off
     load_balance_convention: Literal[options.LOAD_BALANCE_CONVENTIONS]  # maxtext: per sequence, mean over layers (docs/moe.md)
 
@@ -183,6 +184,8 @@ class Config(BaseModel):
     ici_fsdp_parallelism: int = Field(ge=-1, le=MAX_COUNT)
     ici_tensor_parallelism: int = Field(ge=-1, le=MAX_COUNT)
     ici_context_parallelism: int = Field(ge=-1, le=MAX_COUNT)
+    context_parallel_strategy: Literal[options.CONTEXT_PARALLEL_STRATEGIES]  # ring: keys/values pass around the context axis
+    context_parallel_load_balance: bool  # ring: zig-zag sequence chunks inside attention, even causal work per device
     ici_expert_parallelism: int = Field(ge=-1, le=MAX_COUNT)  # experts split over the `expert` mesh axis
     sharding_tolerance: float = Field(ge=0, le=1)  # max fraction of parameter elements left unsharded
     # --- pipeline parallelism (schedule and checks: config/pipeline.py) ---

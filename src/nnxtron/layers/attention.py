@@ -1,6 +1,7 @@
 """Grouped-query attention: causal, sliding-window, chunked and packed-segment masks; qk-norms;
 NoPE layers with temperature tuning (Llama 4); the selectable implementation (``attention=``,
-docs/attention.md); ``gqa_attention`` builds the attention of a layer of a given kind from the config."""
+docs/attention.md); context parallelism (``attend_sharded``: ring attention or gathered keys and
+values); ``gqa_attention`` builds the attention of a layer of a given kind from the config."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ from nnxtron.layers.kv_cache import CacheSpec, TokenCache, cache_mask, cache_siz
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm, l2_norm
 from nnxtron.layers.rope import RopeSpec, apply_rope
+from nnxtron.parallel.ring_attention import ContextParallel, ring_attention, sequence_axes, visible
 from nnxtron.parallel.sharding import constrain
 
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
 
 QK_NORMS = ("none", "rms", "gemma", "l2")
+QUERY = ("activation_batch", "activation_length", "activation_heads", None)
+KEY_VALUE = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)  # gathered over the context axis
+RING_KEY_VALUE = ("activation_batch", "activation_length", "activation_kv_heads", None)  # sharded like the queries
 
 
 def resolve_attention(
@@ -82,16 +87,9 @@ def attention_mask(segment_ids: jax.Array, sliding_window: int = 0, chunk_size: 
     with a window W > 0, ``s - t < W`` (the current token plus W - 1 previous ones); with
     chunks of C > 0 (Llama 4), ``s // C == t // C`` (aligned chunks of the sequence index).
     """
-    seq = segment_ids.shape[-1]
-    q_idx = jnp.arange(seq)[:, None]
-    k_idx = jnp.arange(seq)[None, :]
-    visible = k_idx <= q_idx
-    if sliding_window > 0:
-        visible = visible & (q_idx - k_idx < sliding_window)
-    if chunk_size > 0:
-        visible = visible & (q_idx // chunk_size == k_idx // chunk_size)
+    index = jnp.arange(segment_ids.shape[-1])
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return visible[None] & same_segment
+    return visible(index, index, sliding_window, chunk_size)[None] & same_segment
 
 
 def attend(
@@ -132,6 +130,40 @@ def attend(
             q, k, v, mask=same_segment, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
         )
     raise ConfigError(f"attention implementation {implementation!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}")
+
+
+def attend_sharded(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    context: ContextParallel,
+    scale: float,
+    sliding_window: int,
+    dtype: jnp.dtype,
+    chunk_size: int = 0,
+    implementation: str = "xla",
+) -> jax.Array:
+    """``attend`` (training and evaluation) with the activations constrained to the active
+    mesh. Queries and the output stay sharded over the sequence (context parallelism). With
+    ``context.strategy == "ring"`` and the sequence sharded (``sequence_axes``), keys and
+    values stay sharded too and ``ring_attention`` passes them around the context axis
+    (numerics of ``xla``); otherwise they are gathered over the sequence and ``attend`` runs."""
+    q = constrain(q, QUERY)
+    window = dict(sliding_window=sliding_window, chunk_size=chunk_size)
+    if context.strategy == "ring" and sequence_axes():
+        if implementation != "xla":
+            raise ConfigError(
+                f"attention={implementation} cannot run as ring attention (context_parallel_strategy=ring); "
+                "use attention=xla or auto, or context_parallel_strategy=all_gather"
+            )
+        k, v = constrain(k, RING_KEY_VALUE), constrain(v, RING_KEY_VALUE)
+        out = ring_attention(q, k, v, segment_ids, scale=scale, dtype=dtype, load_balance=context.load_balance, **window)
+    else:
+        k, v = constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
+        out = attend(q, k, v, segment_ids, scale=scale, dtype=dtype, implementation=implementation, **window)
+    return constrain(out, QUERY)
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, dtype: jnp.dtype) -> jax.Array:
@@ -190,7 +222,8 @@ class Attention(nnx.Module):
 
     ``implementation`` (``xla``, ``dot_product``, ``cudnn``; see ``attend``) runs training
     and evaluation; with a KV cache (prefill and decode) attention always runs the einsum
-    path (``masked_attention``).
+    path (``masked_attention``). ``context`` says how it runs with the sequence sharded
+    (``attend_sharded``: ring attention or gathered keys and values).
     """
 
     def __init__(
@@ -208,6 +241,7 @@ class Attention(nnx.Module):
         scale: float | None = None,
         temperature_tuning: tuple[float, float] | None = None,
         implementation: str = "xla",
+        context: ContextParallel | None = None,
         dtype: jnp.dtype,
         weight_dtype: jnp.dtype,
         rngs: nnx.Rngs,
@@ -235,6 +269,7 @@ class Attention(nnx.Module):
         self.chunk_size = chunk_size
         self.temperature_tuning = temperature_tuning
         self.implementation = implementation
+        self.context = context or ContextParallel()
         self.dtype = dtype
 
     def cache_spec(self, max_length: int) -> CacheSpec:
@@ -255,16 +290,14 @@ class Attention(nnx.Module):
             factor = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale)) * scale + 1.0
             q = (q * factor[:, :, None, None]).astype(q.dtype)
         v = checkpoint_name(self.value(x), "value_proj")
-        q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None))
-        # context parallelism: queries stay sharded over the sequence; keys/values are gathered
-        k = constrain(k, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
-        v = constrain(v, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
         window = dict(sliding_window=self.sliding_window, chunk_size=self.chunk_size)
         if hasattr(self, "cache"):
+            q, k, v = constrain(q, QUERY), constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
             out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype, **window)
+            out = constrain(out, QUERY)
         else:
-            out = attend(q, k, v, segment_ids, scale=self.scale, dtype=self.dtype, implementation=self.implementation, **window)
-        out = constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
+            kw = dict(scale=self.scale, dtype=self.dtype, implementation=self.implementation, context=self.context)
+            out = attend_sharded(q, k, v, segment_ids, **kw, **window)
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")
 
 
@@ -298,6 +331,7 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
         scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
         temperature_tuning=tuning,
         implementation=configured_attention(cfg, chunked=kind.attention == "chunked"),
+        context=ContextParallel.from_config(cfg),
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
         rngs=rngs,

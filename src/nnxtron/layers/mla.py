@@ -36,17 +36,15 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.config.schema import Config
-from nnxtron.layers.attention import attend, masked_attention
+from nnxtron.layers.attention import KEY_VALUE, QUERY, attend_sharded, masked_attention
 from nnxtron.layers.kv_cache import CacheSpec, cache_mask, cache_size
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.layers.rope import RopeSpec, apply_rope, softmax_scale_multiplier
+from nnxtron.parallel.ring_attention import ContextParallel
 from nnxtron.parallel.sharding import constrain
 
 LATENT_NORM_EPS = 1e-6  # HF DeepseekV3RMSNorm default; q_a_layernorm / kv_a_layernorm do not pass rms_norm_eps
-
-QUERY = ("activation_batch", "activation_length", "activation_heads", None)
-KEY_VALUE = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)
 
 
 class MLA(nnx.Module):
@@ -74,6 +72,7 @@ class MLA(nnx.Module):
         self.rope = RopeSpec.from_config(cfg, self.rope_dim)
         self.scale = qk_dim**-0.5 * softmax_scale_multiplier(self.rope)
         self.sliding_window = cfg.sliding_window_size
+        self.context = ContextParallel.from_config(cfg)
         self.dtype = dtype
 
     def cache_spec(self, max_length: int) -> CacheSpec:
@@ -104,13 +103,11 @@ class MLA(nnx.Module):
         k = checkpoint_name(k, "key_proj")
         v = checkpoint_name(v, "value_proj")
 
-        q = constrain(q, QUERY)
-        # context parallelism: queries stay sharded over the sequence; keys/values are gathered
-        k, v = constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
         if hasattr(self, "cache"):
+            q, k, v = constrain(q, QUERY), constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
             mask = cache_mask(positions, key_positions, self.sliding_window)
-            out = masked_attention(q, k, v, mask, scale=self.scale, dtype=self.dtype)
+            out = constrain(masked_attention(q, k, v, mask, scale=self.scale, dtype=self.dtype), QUERY)
         else:
-            out = attend(q, k, v, segment_ids, scale=self.scale, sliding_window=self.sliding_window, dtype=self.dtype)
-        out = constrain(out, QUERY)
+            kw = dict(scale=self.scale, sliding_window=self.sliding_window, dtype=self.dtype, context=self.context)
+            out = attend_sharded(q, k, v, segment_ids, **kw)
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")

@@ -6,12 +6,13 @@
 routed sum accumulates in float32 before the cast to ``cfg.dtype``. An optional shared
 expert (``shared_experts * base_moe_mlp_dim`` wide) sees every token.
 
-Dispatch (``nnxtron.parallel.expert``; ``moe_compute=grouped`` sorts the assignments by
-expert for ``jax.lax.ragged_dot``, ``dense`` computes every expert on every token with
-einsums and weights the unselected / dropped ones by zero — the same function either way):
+Dispatch (``nnxtron.parallel.expert``; ``moe_compute=grouped`` groups the assignments by
+expert for a grouped matmul — ``grouped_matmul``: ``ragged_dot`` on TPU and under
+quantization, ``blocked`` (padded row blocks, ``parallel/grouped_matmul.py``) on CPU and GPU,
+where ``ragged_dot`` has no grouped kernel — ``dense`` computes every expert on every token
+with einsums and weights the unselected / dropped ones by zero — the same function either way):
 
-* dropless (``capacity_factor == -1``): every assignment is computed, grouped by expert
-  with ``jax.lax.ragged_dot``;
+* dropless (``capacity_factor == -1``): every assignment is computed, grouped by expert;
 * capacity (``capacity_factor > 0``, ``expert_capacity``): expert ``e`` takes at most ``C``
   assignments, admitted in (token index, slot) order; the overflow contributes zero — the
   kept weights are not renormalised. ``capacity_scope=call``: ``C = ceil(factor * T * k / E)``
@@ -44,6 +45,7 @@ from nnxtron.layers.linear import Linear
 from nnxtron.layers.mlp import ACTIVATIONS, GatedMLP, Intermediate, glu
 from nnxtron.layers.router import RouterSpec, expert_counts, load_balance_loss, load_balance_weight, route
 from nnxtron.parallel.expert import capacity_keep, dispatch
+from nnxtron.parallel.grouped_matmul import resolve_grouped_matmul
 from nnxtron.parallel.sharding import constrain
 
 TOKENS = ("activation_batch", "activation_length", "activation_embed")
@@ -108,6 +110,7 @@ class MoE(nnx.Module):
         self.limit = cfg.mlp_activations_limit
         self.capacity_factor, self.capacity_scope = cfg.capacity_factor, cfg.capacity_scope
         self.compute = cfg.moe_compute
+        self.grouped_matmul = resolve_grouped_matmul(cfg.grouped_matmul, jax.default_backend(), cfg.use_qwix_quantization)
         self.lb_weight = load_balance_weight(cfg, hash_routed)  # / the MoE layers under load_balance_convention=maxtext
         self.router = Linear([dim], [experts], ("embed", None), dtype=jnp.float32, weight_dtype=weight_dtype, rngs=rngs)
         if hash_routed:  # the table replaces the selection; no correction bias (as HF)
@@ -165,7 +168,7 @@ class MoE(nnx.Module):
             combine, in_scale = weights, None
         routed = dispatch(
             x, indices, combine, keep, in_scale, self.wi_0[...], self.wi_1[...], self.wo[...],
-            glu=glu(self.activation, self.limit), compute=self.compute,
+            glu=glu(self.activation, self.limit), compute=self.compute, method=self.grouped_matmul,
         )  # fmt: skip
         y = constrain(routed.astype(self.dtype), TOKENS)
         if hasattr(self, "shared"):

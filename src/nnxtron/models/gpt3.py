@@ -28,12 +28,13 @@ from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 from nnxtron.layers import dropout
-from nnxtron.layers.attention import attend, attend_with_cache, configured_attention, key_value_cache
+from nnxtron.layers.attention import KEY_VALUE, QUERY, attend_sharded, attend_with_cache, configured_attention, key_value_cache
 from nnxtron.layers.kv_cache import CacheSpec
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.mlp import MLP
 from nnxtron.layers.norms import LayerNorm
 from nnxtron.models.family import Family, WeightMap
+from nnxtron.parallel.ring_attention import ContextParallel
 from nnxtron.parallel.sharding import RESIDUAL, constrain
 
 
@@ -57,6 +58,7 @@ class FusedQKVAttention(nnx.Module):
         self.out = Linear([heads, head_dim], [dim], ("q_heads", "head_dim", "embed"), **kw)
         self.scale = head_dim**-0.5
         self.implementation = configured_attention(cfg)  # without a cache; with one, the einsum path
+        self.context = ContextParallel.from_config(cfg)
         self.dtype = jnp.dtype(cfg.dtype)
 
     def cache_spec(self, max_length: int) -> CacheSpec:
@@ -66,16 +68,13 @@ class FusedQKVAttention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         qkv = checkpoint_name(self.qkv(x), "qkv_proj")
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None))
-        k = constrain(k, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
-        v = constrain(v, ("activation_batch", "activation_kv_length", "activation_kv_heads", None))
         if hasattr(self, "cache"):
+            q, k, v = constrain(q, QUERY), constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
             out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype)
+            out = constrain(out, QUERY)
         else:
-            out = attend(
-                q, k, v, segment_ids, scale=self.scale, sliding_window=0, dtype=self.dtype, implementation=self.implementation
-            )
-        out = constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
+            kw = dict(scale=self.scale, dtype=self.dtype, implementation=self.implementation, context=self.context)
+            out = attend_sharded(q, k, v, segment_ids, sliding_window=0, **kw)
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")
 
 

@@ -1,12 +1,18 @@
-"""Routed-expert dispatch: sort assignments by expert, three ``ragged_dot``s, combine.
+"""Routed-expert dispatch: group assignments by expert, three grouped matmuls, combine.
 
-``expert_ffn`` runs on one device's tokens for the experts it holds. ``dispatch`` is the
+``expert_ffn`` runs on one device's tokens for the experts it holds: it groups the (token,
+slot) assignments by expert (``parallel/grouped_matmul.group_rows``), gathers their tokens
+into that layout, runs the three expert matmuls as grouped matmuls and gathers the outputs
+back (both gathers have gather gradients: ``permute_rows``). ``method`` (``grouped_matmul``,
+resolved by ``resolve_grouped_matmul``) picks the grouped matmul: ``ragged_dot``
+(``jax.lax.ragged_dot``; XLA's grouped kernel on TPU, a dense product over every expert on
+CPU and GPU) or ``blocked`` (each expert's rows padded to whole blocks, one expert per block:
+the routed FLOPs + at most 25 % padding, on every backend). ``dispatch`` is the
 entry point used by ``MoE``. With ``compute="dense"`` (``moe_compute=dense``, MaxText's
 ``sparse_matmul=false``) it calls ``dense_ffn`` instead: every expert on every token with
 three einsums, combined with the routing weights scattered to ``[B, S, E]`` (zero for
-unselected or dropped assignments) — the same function, ``E / k`` times the FLOPs, but
-plain batched matmuls (fast where ``ragged_dot`` has no grouped kernel: on CPU JAX's
-fallback multiplies every row by every expert anyway). The dense path never enters
+unselected or dropped assignments) — the same function, ``E / k`` times the FLOPs, in
+plain batched matmuls. The dense path never enters
 ``shard_map``: under a mesh XLA partitions its einsums (expert weights sharded on
 ``exp``) like any other matmul. Otherwise, without an active mesh ``dispatch`` calls
 ``expert_ffn`` directly; with one it runs ``expert_ffn`` under ``jax.shard_map`` (manual
@@ -18,8 +24,8 @@ over every mesh axis):
   the ``embed`` dimension is gathered on entry (as FSDP does for any weight);
 * expert parallelism (``exp`` maps to axes of size > 1): each shard all-gathers the
   tokens and their routing over the expert axes, computes its local experts'
-  contributions (assignments to other experts are sorted past the ragged groups and
-  contribute zero), and ``psum_scatter``s the float32 partial outputs back to the token
+  contributions with the same grouped matmul (assignments to other experts are in no
+  group and contribute zero), and ``psum_scatter``s the float32 partial outputs back to the token
   shards. The result equals the unsharded layer (values and gradients).
 
 Routing (top-k, capacity) is decided before the dispatch, on the global token set, so
@@ -37,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from nnxtron.config.options import MOE_COMPUTES
+from nnxtron.parallel.grouped_matmul import group_rows, permute_rows
 from nnxtron.parallel.sharding import active_mesh, logical_to_spec
 
 TOKEN_NAMES = ("activation_batch", "activation_length")
@@ -65,30 +72,30 @@ def expert_ffn(
     wo: jax.Array,
     *,
     glu: Callable[[jax.Array, jax.Array], jax.Array],
+    method: str,
     expert_offset: jax.Array | int = 0,
 ) -> jax.Array:
     """``sum_j combine[t, j] * FFN_{indices[t, j]}(x[t] * in_scale[t, j])`` in float32.
 
     ``x [T, D]`` (compute dtype), ``indices/combine/keep/in_scale [T, k]``; the weights
     ``[E_local, ...]`` hold experts ``expert_offset .. expert_offset + E_local - 1``.
-    Assignments to other experts, or with ``keep`` false, contribute zero.
+    Assignments to other experts, or with ``keep`` false, contribute zero. ``method``: the
+    grouped matmul, ``ragged_dot`` or ``blocked`` (``parallel/grouped_matmul.py``).
     """
     tokens, k = indices.shape
     local_experts = wi_0.shape[0]
     local = indices - expert_offset
     valid = keep & (local >= 0) & (local < local_experts)
-    key = jnp.where(valid, local, local_experts).reshape(-1)  # invalid -> sorted past every group
-    order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[key].add(1)[:local_experts]
-    xs = x[order // k]
+    key = jnp.where(valid, local, local_experts).reshape(-1)  # invalid -> in no group (zero output)
+    grouped = group_rows(key, local_experts, method)
+    xs = permute_rows(jnp.repeat(x, k, axis=0), grouped.rows, grouped.restore)  # padding rows are zero rows
     if in_scale is not None:
-        xs = xs * in_scale.reshape(-1)[order][:, None].astype(xs.dtype)
+        xs = xs * permute_rows(in_scale.reshape(-1), grouped.rows, grouped.restore)[:, None].astype(xs.dtype)
     dtype = x.dtype
-    gate = checkpoint_name(jax.lax.ragged_dot(xs, wi_0.astype(dtype), group_sizes), "mlpwi_0")
-    up = checkpoint_name(jax.lax.ragged_dot(xs, wi_1.astype(dtype), group_sizes), "mlpwi_1")
-    out = checkpoint_name(jax.lax.ragged_dot(glu(gate, up), wo.astype(dtype), group_sizes), "mlpwo")
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-    out = out[inverse].reshape(tokens, k, -1).astype(jnp.float32)
+    gate = checkpoint_name(grouped.matmul(xs, wi_0.astype(dtype)), "mlpwi_0")
+    up = checkpoint_name(grouped.matmul(xs, wi_1.astype(dtype)), "mlpwi_1")
+    out = checkpoint_name(grouped.matmul(glu(gate, up), wo.astype(dtype)), "mlpwo")
+    out = permute_rows(out, grouped.restore, grouped.rows).reshape(tokens, k, -1).astype(jnp.float32)
     weights = jnp.where(valid, combine.astype(jnp.float32), 0.0)
     return jnp.einsum("tkd,tk->td", out, weights)
 
@@ -143,16 +150,18 @@ def dispatch(
     wo: jax.Array,
     *,
     glu: Callable[[jax.Array, jax.Array], jax.Array],
-    compute: str = "grouped",
+    compute: str,
+    method: str,
 ) -> jax.Array:
     """Routed output ``[B, S, D]`` float32 for ``x [B, S, D]`` and routing ``[B, S, k]``;
     ``glu(gate, up)`` is the gated activation (``nnxtron.layers.mlp.glu``); ``compute`` is
-    ``moe_compute`` (``grouped``: ragged_dot, sharded by hand; ``dense``: ``dense_ffn``)."""
-    kw = dict(glu=glu)
+    ``moe_compute`` (``grouped``: ``expert_ffn``, sharded by hand; ``dense``: ``dense_ffn``);
+    ``method`` the grouped matmul of ``expert_ffn`` (``ragged_dot`` or ``blocked``)."""
     if compute == "dense":
-        return dense_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, **kw)
+        return dense_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, glu=glu)
     if compute != "grouped":
         raise ValueError(f"moe_compute={compute!r}; choose one of {MOE_COMPUTES}")
+    kw = dict(glu=glu, method=method)
     active = active_mesh()
     if active is None:
         batch, seq, dim = x.shape

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
@@ -121,10 +122,32 @@ def base_optimizer(cfg: Config, schedule: optax.Schedule) -> optax.GradientTrans
     raise AssertionError(f"opt_type {cfg.opt_type!r} has no optimizer")  # options.OPTIMIZERS
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm``, bit for bit, without a clipped copy of the gradients.
+
+    optax computes ``select(norm < max_norm, g, (g / norm) * max_norm)`` per leaf: the
+    consumers (Adam's two moments) read both ``g`` and ``g / norm``, and XLA, which does not
+    duplicate a division into several consumers, keeps both trees alive — a second
+    parameter-sized tree at the update (measured: llama3.1-70b on 8 devices, 65.5 -> 45.5
+    GiB of temporaries; docs/plan.md). Here the select acts on the scalars: ``(g / d) * f``
+    with ``d, f = 1, 1`` below the threshold (exact: ``g / 1 * 1 == g``) and ``norm,
+    max_norm`` above it, so each clipped leaf depends on its gradient alone and replaces it
+    leaf by leaf."""
+
+    def update(updates, state, params=None):
+        del params
+        g_norm = optax.tree.norm(updates)
+        keep = g_norm < max_norm
+        divisor, factor = jnp.where(keep, 1.0, g_norm), jnp.where(keep, 1.0, max_norm)
+        return jax.tree.map(lambda g: (g / divisor.astype(g.dtype)) * factor.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def make_optimizer(cfg: Config, derived: Derived) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = learning_rate_schedule(cfg, derived)
     parts = []
     if cfg.gradient_clipping_threshold > 0:
-        parts.append(optax.clip_by_global_norm(cfg.gradient_clipping_threshold))
+        parts.append(clip_by_global_norm(cfg.gradient_clipping_threshold))
     parts.append(base_optimizer(cfg, schedule))
     return optax.chain(*parts), schedule

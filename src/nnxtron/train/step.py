@@ -143,7 +143,10 @@ def compute_gradients(
     scalar = jnp.zeros((), jnp.float32)
     init = (zeros, scalar, scalar, {name: scalar for name in aux_names}, rest)
     (acc, loss_sum, tokens, aux_sum, new_rest), _ = jax.lax.scan(body, init, micro)
-    grads = jax.tree.map(lambda a, p: (a / norm).astype(p.dtype), acc, params)
+    # the barrier makes XLA write the divided gradients once (into the accumulator) rather than
+    # fuse the division into each reader (the norms, the clip), which on CPU materialises the
+    # broadcast divisor as a parameter-sized tree (docs/plan.md, "Train-step memory")
+    grads = jax.lax.optimization_barrier(jax.tree.map(lambda a, p: (a / norm).astype(p.dtype), acc, params))
     aux = {name: value / norm for name, value in aux_sum.items()}
     return Gradients(loss_sum / norm, tokens, grads, new_rest, aux)
 
