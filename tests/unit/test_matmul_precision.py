@@ -30,7 +30,7 @@ from tests.integration.conftest import assert_user_error, run_cli
 
 BASE = Path(__file__).resolve().parents[1] / "assets" / "maxtext" / "base.yml"
 MATMULS = (lax.dot_general_p, ragged_dot_general_p)
-MOE = dict(base_num_decoder_layers=2, mtp_num_layers=1)  # routed experts (ragged_dot), the MTP depth, both heads
+MOE = dict(base_num_decoder_layers=2, mtp_num_layers=1)  # routed experts, the MTP depth, both heads
 EXPECTED = {"default": None, "high": (lax.Precision.HIGH,) * 2, "highest": (lax.Precision.HIGHEST,) * 2}
 
 
@@ -48,9 +48,9 @@ def _precisions(jaxpr) -> list:
     return found
 
 
-def _steps(precision: str) -> dict[str, list]:
+def _steps(precision: str, grouped_matmul: str) -> dict[str, list]:
     """The matmul precisions of the traced train step, eval step and cached decode step."""
-    cfg = tiny_config("deepseek3-test", matmul_precision=precision, **MOE)
+    cfg = tiny_config("deepseek3-test", matmul_precision=precision, grouped_matmul=grouped_matmul, **MOE)
     tx, schedule = make_optimizer(cfg, derive(cfg, 1))
     model_setup = setup(cfg, make_mesh(cfg, jax.devices()[:1]), tx)
     state, batch = model_setup.abstract_state, random_batch(cfg, batch=2, seq=8)
@@ -64,10 +64,14 @@ def _steps(precision: str) -> dict[str, list]:
     }
 
 
-@pytest.mark.parametrize("precision", ["default", "highest"])
-def test_every_matmul_of_the_steps_carries_the_precision(precision):
-    for step, found in _steps(precision).items():
-        assert {primitive for primitive, _ in found} == set(MATMULS), step  # dense and grouped (routed experts)
+@pytest.mark.parametrize(
+    "precision, grouped_matmul", [("default", "ragged_dot"), ("highest", "ragged_dot"), ("highest", "blocked")]
+)
+def test_every_matmul_of_the_steps_carries_the_precision(precision, grouped_matmul):
+    # the routed experts are a ragged_dot, or blocked dot_generals (parallel/grouped_matmul.py)
+    primitives = set(MATMULS) if grouped_matmul == "ragged_dot" else {lax.dot_general_p}
+    for step, found in _steps(precision, grouped_matmul).items():
+        assert {primitive for primitive, _ in found} == primitives, step
         assert {p for _, p in found} == {EXPECTED[precision]}, (step, {p for _, p in found})
 
 
