@@ -75,13 +75,18 @@ DENSE = (
     "base_mlp_dim=1024", "base_num_decoder_layers=4", "vocab_size=32000", "max_target_length=256",
     "dtype=bfloat16", "weight_dtype=float32", "dataset_type=synthetic",
 )  # fmt: skip
+
+
 # Mixtral-style MoE of the same size: 8 experts of MLP 512, top 2, so the active MLP FLOPs are the
 # dense model's (2 x 512 = 1024; MaxText wants base_mlp_dim = base_moe_mlp_dim). megablox=false: MaxText's Pallas kernel does not run on CPU.
-MOE = (
-    *(k for k in DENSE if not k.startswith(("decoder_block=", "base_mlp_dim="))),
-    "decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_mlp_dim=512", "base_moe_mlp_dim=512",
-    "megablox=false",
-)  # fmt: skip
+def mixtral_of(dense: tuple[str, ...], experts: int, mlp_dim: int) -> tuple[str, ...]:
+    """``dense`` as a Mixtral-style MoE: ``experts`` experts of MLP ``mlp_dim``, top 2, megablox off."""
+    kept = (k for k in dense if not k.startswith(("decoder_block=", "base_mlp_dim=")))
+    return (*kept, "decoder_block=mixtral", f"num_experts={experts}", "num_experts_per_tok=2",
+            f"base_mlp_dim={mlp_dim}", f"base_moe_mlp_dim={mlp_dim}", "megablox=false")  # fmt: skip
+
+
+MOE = mixtral_of(DENSE, experts=8, mlp_dim=512)
 # The DeepSeek-V3 pull request's reference command: deepseek3-tiny (61 layers, vocab 129,280) + MTP.
 DEEPSEEK = ("model_name=deepseek3-tiny", "mtp_num_layers=1", "per_device_batch_size=1", "max_target_length=128",
             "dataset_type=synthetic", "megablox=false")  # fmt: skip
@@ -96,11 +101,7 @@ TINY = (
     "base_mlp_dim=64", "base_num_decoder_layers=2", "vocab_size=256", "max_target_length=32",
     "dtype=bfloat16", "weight_dtype=float32", "dataset_type=synthetic",
 )  # fmt: skip
-TINY_MOE = (
-    *(k for k in TINY if not k.startswith(("decoder_block=", "base_mlp_dim="))),
-    "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_mlp_dim=32", "base_moe_mlp_dim=32",
-    "megablox=false",
-)  # fmt: skip
+TINY_MOE = mixtral_of(TINY, experts=4, mlp_dim=32)
 TINY_DEEPSEEK = (
     "model_name=deepseek3-tiny", "override_model_config=true", "base_emb_dim=32", "base_num_query_heads=2",
     "base_num_kv_heads=2", "base_num_decoder_layers=2", "first_num_dense_layers=1", "num_experts=4",
