@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxtron.config.options import MOE_COMPUTES
 from nnxtron.parallel.grouped_matmul import group_rows, permute_rows
-from nnxtron.parallel.sharding import active_mesh, logical_to_spec
+from nnxtron.parallel.sharding import active_mesh, logical_to_spec, spec_axes
 
 TOKEN_NAMES = ("activation_batch", "activation_length")
 
@@ -135,10 +135,6 @@ def dense_ffn(
     return jnp.einsum("bsed,bse->bsd", out.astype(jnp.float32), weights)
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def dispatch(
     x: jax.Array,
     indices: jax.Array,
@@ -170,15 +166,15 @@ def dispatch(
         return y.reshape(batch, seq, dim)
     mesh, rules = active
     token_spec = logical_to_spec((*TOKEN_NAMES, None), rules, mesh)
-    token_axes = {a for entry in token_spec for a in _axes(entry)}
-    ep_axes = _axes(logical_to_spec(("exp",), rules, mesh)[0])
-    mlp_axes = tuple(a for a in _axes(logical_to_spec(("mlp",), rules, mesh)[0]) if a not in token_axes and a not in ep_axes)
+    token_axes = {a for entry in token_spec for a in spec_axes(entry)}
+    ep_axes = spec_axes(logical_to_spec(("exp",), rules, mesh)[0])
+    mlp_axes = tuple(a for a in spec_axes(logical_to_spec(("mlp",), rules, mesh)[0]) if a not in token_axes and a not in ep_axes)
     num_experts = wi_0.shape[0]
     ep = math.prod(mesh.shape[a] for a in ep_axes)
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} does not divide over the expert mesh axes {ep_axes} ({ep} ways)")
-    gather_dims = [d for d, entry in enumerate(token_spec[:2]) if set(_axes(entry)) & set(ep_axes)]
-    if gather_dims and (len(gather_dims) > 1 or not set(ep_axes) <= set(_axes(token_spec[gather_dims[0]]))):
+    gather_dims = [d for d, entry in enumerate(token_spec[:2]) if set(spec_axes(entry)) & set(ep_axes)]
+    if gather_dims and (len(gather_dims) > 1 or not set(ep_axes) <= set(spec_axes(token_spec[gather_dims[0]]))):
         raise ValueError(f"expert axes {ep_axes} must all shard one token dimension (got token spec {token_spec})")
     gather = gather_dims[0] if gather_dims else None
     ep_name = ep_axes if len(ep_axes) > 1 else (ep_axes[0] if ep_axes else None)

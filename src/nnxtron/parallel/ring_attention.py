@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxtron.config.options import CONTEXT_PARALLEL_STRATEGIES
 from nnxtron.errors import ConfigError
-from nnxtron.parallel.sharding import active_mesh, logical_to_spec
+from nnxtron.parallel.sharding import active_mesh, logical_to_spec, spec_axes
 
 NEG = float(jnp.finfo(jnp.float32).min)  # the masked logit, as in masked_attention
 
@@ -88,8 +88,7 @@ def sequence_axes() -> tuple[str, ...]:
     if active is None:
         return ()
     mesh, rules = active
-    entry = logical_to_spec(("activation_batch", "activation_length"), rules, mesh)[1]
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return spec_axes(logical_to_spec(("activation_batch", "activation_length"), rules, mesh)[1])
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,11 @@ RESIDUAL = ("activation_batch", "activation_length", "activation_embed")  # logi
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("nnxtron_sharding", default=None)
 
 
+def spec_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (``None``, one axis name, or several)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> PartitionSpec:
     """Map logical axis names to a PartitionSpec; a mesh axis is used at most once."""
     table = dict(rules)
