@@ -388,6 +388,19 @@ MUTATIONS = [
              "idx = index * local + jnp.arange(local)", ("tests/parity/test_ring_attention.py::test_ring_attention_equals_masked_attention[causal-gqa-load-balanced]",)),
     Mutation("ring-never-selected", "layers/attention.py", "if context.strategy == \"ring\" and sequence_axes():",
              "if False:", ("tests/parity/test_ring_attention.py::test_strategy_selects_the_ring",)),
+    Mutation("weight-product-bfloat16-result", "layers/matmul.py", "preferred_element_type=jnp.float32).astype(dtype)",
+             "preferred_element_type=None).astype(dtype)", ("tests/unit/test_weight_product.py",)),
+    Mutation("weight-product-drops-weight-gradient", "layers/matmul.py", "    return dx, dw\n", "    return dx, jnp.zeros_like(dw)\n",
+             ("tests/unit/test_weight_product.py",)),
+    Mutation("weight-product-wrong-input-gradient", "layers/matmul.py", "g = g.astype(x.dtype)", "g = (2 * g).astype(x.dtype)",
+             ("tests/unit/test_weight_product.py",)),
+    Mutation("minimal-forgets-weight-products", "parallel/remat.py",
+             "cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(WEIGHT_PRODUCT))",
+             "cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names())", ("tests/unit/test_weight_product.py",)),
+    Mutation("state-finite-check-ignores-nan", "train/step.py", "sums = [jnp.sum(leaf, dtype=jnp.float32) for leaf in leaves]",
+             "sums = [jnp.sum(jnp.where(jnp.isfinite(leaf), leaf, 0), dtype=jnp.float32) for leaf in leaves]", ("tests/integration/test_reliability.py",)),
+    Mutation("loss-target-logit-off-by-one", "models/loss.py", "vocab == targets[..., None]", "vocab == targets[..., None] + 1",
+             ("tests/unit/test_loss.py",)),
 ]  # fmt: skip
 
 

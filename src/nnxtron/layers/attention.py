@@ -17,6 +17,7 @@ from nnxtron.config.checks import CUDNN_AUTO_MAX_HEAD_DIM, cudnn_unsupported
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.options import ATTENTION_IMPLEMENTATIONS
 from nnxtron.errors import ConfigError
+from nnxtron.layers import matmul
 from nnxtron.layers.kv_cache import CacheSpec, TokenCache, cache_mask, cache_size
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm, l2_norm
@@ -171,10 +172,10 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     batch, seq, heads, dk = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, dk)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k) * jnp.asarray(scale, q.dtype)
+    scores = matmul.einsum("bskgd,btkd->bkgst", q, k) * jnp.asarray(scale, q.dtype)
     scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(batch, seq, heads, v.shape[-1])
+    return matmul.einsum("bkgst,btkd->bskgd", probs, v).reshape(batch, seq, heads, v.shape[-1])
 
 
 def attend_with_cache(

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxtron.layers.matmul import contract_last
+
 
 class Embed(nnx.Module):
     def __init__(
@@ -33,6 +35,6 @@ class Embed(nnx.Module):
         whatever ``dtype`` is, the logits divided by that scale (``normalize_embedding_logits``)."""
         table = self.embedding[...]
         if not bf16_scale:
-            return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype), table.astype(self.dtype))
+            return contract_last(x.astype(self.dtype), table.astype(self.dtype).T, 1)
         rounded = (table.astype(jnp.float32) * bf16_scale).astype(jnp.bfloat16)
-        return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype), rounded.astype(self.dtype)) / bf16_scale
+        return contract_last(x.astype(self.dtype), rounded.astype(self.dtype).T, 1) / bf16_scale

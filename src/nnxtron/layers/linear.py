@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxtron.layers.matmul import contract_last
+
 
 class Linear(nnx.Module):
     """``y = x @ kernel (+ bias)`` contracting the last ``len(in_shape)`` axes of ``x``.
@@ -43,7 +45,5 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        n_in = len(self.in_shape)
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jax.lax.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ())))
+        y = contract_last(x.astype(self.dtype), self.kernel[...].astype(self.dtype), len(self.in_shape))
         return y + self.bias[...].astype(self.dtype) if self.use_bias else y

@@ -32,6 +32,7 @@ from nnxtron.config.stacks import built_stacks
 from nnxtron.layers import dropout
 from nnxtron.layers.embed import Embed
 from nnxtron.layers.linear import Linear
+from nnxtron.layers.matmul import plain_products
 from nnxtron.models.mtp import MultiTokenPrediction
 from nnxtron.models.registry import family_for
 from nnxtron.models.stack import make_stack_block
@@ -145,6 +146,20 @@ class Decoder(nnx.Module):
         losses are computed when targets are given. ``dropout_keys`` [B]: per-row PRNG keys
         (``parallel.row_keys``) to train with dropout; None (eval, generation) drops nothing.
         """
+        # qwix's quantized matmuls intercept dot_general itself: no float32-product path under them
+        with plain_products(self.config.use_qwix_quantization):
+            return self.forward(tokens, positions, segment_ids, targets, loss_mask, dropout_keys)
+
+    def forward(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None,
+        segment_ids: jax.Array | None,
+        targets: jax.Array | None,
+        loss_mask: jax.Array | None,
+        dropout_keys: dropout.Keys | None,
+    ) -> DecoderOutput:
+        """``__call__``'s body (see there)."""
         shape = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)

@@ -15,6 +15,7 @@ import jax
 
 from nnxtron.config.options import REMAT_POLICIES
 from nnxtron.errors import ConfigError
+from nnxtron.layers.matmul import WEIGHT_PRODUCT
 
 # Every named activation a block may tag (the same names in every family).
 ACTIVATIONS = (
@@ -68,8 +69,21 @@ class RematSpec:
         return tuple(name for name, c in self.custom if c == choice)
 
 
+def _dots_or_names(dots: Any, names: Any) -> Any:
+    """``dots`` for ``dot_general`` results, ``names`` for everything else (offloading policies
+    return more than a bool, which ``save_from_both_policies`` refuses)."""
+
+    def policy(prim: Any, *args: Any, **params: Any) -> Any:
+        return dots(prim, *args, **params) if prim is jax.lax.dot_general_p else names(prim, *args, **params)
+
+    return policy
+
+
 def jax_policy(spec: RematSpec) -> Any:
-    """The ``jax.checkpoint`` policy for ``spec``; None means "do not remat at all"."""
+    """The ``jax.checkpoint`` policy for ``spec``; None means "do not remat at all".
+
+    "Dots without batch dimensions" (``minimal`` and its variants) include the weight products
+    of ``layers/matmul.py``, which reach the policy by their name ``WEIGHT_PRODUCT``."""
     cp = jax.checkpoint_policies
     name = spec.policy
     if name == "none":
@@ -77,9 +91,11 @@ def jax_policy(spec: RematSpec) -> Any:
     if name == "full":
         return cp.nothing_saveable
     if name == "minimal":
-        return cp.dots_with_no_batch_dims_saveable
+        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(WEIGHT_PRODUCT))
     if name == "minimal_with_context":
-        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names("context"))
+        return cp.save_from_both_policies(
+            cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(WEIGHT_PRODUCT, "context")
+        )
     if name in _SAVED_NAMES:
         return cp.save_only_these_names(*_SAVED_NAMES[name])
     if name == "qkv_proj_offloaded":
@@ -87,7 +103,15 @@ def jax_policy(spec: RematSpec) -> Any:
             names_which_can_be_saved=[], names_which_can_be_offloaded=list(QKV), offload_src=OFFLOAD_SRC, offload_dst=OFFLOAD_DST
         )
     if name == "minimal_offloaded":
-        return cp.offload_dot_with_no_batch_dims(OFFLOAD_SRC, OFFLOAD_DST)
+        return _dots_or_names(
+            cp.offload_dot_with_no_batch_dims(OFFLOAD_SRC, OFFLOAD_DST),
+            cp.save_and_offload_only_these_names(
+                names_which_can_be_saved=[],
+                names_which_can_be_offloaded=[WEIGHT_PRODUCT],
+                offload_src=OFFLOAD_SRC,
+                offload_dst=OFFLOAD_DST,
+            ),
+        )
     if name == "custom":
         return cp.save_and_offload_only_these_names(
             names_which_can_be_saved=list(spec.names("device")),

@@ -226,9 +226,16 @@ def make_train_step(
 
 
 def _all_finite(tree: Any) -> jax.Array:
-    """Whether every floating-point leaf of ``tree`` is free of NaN/Inf (one fused reduction)."""
+    """Whether every floating-point leaf of ``tree`` is free of NaN/Inf.
+
+    Each leaf is summed in float32 (a NaN or an Inf anywhere makes the sum non-finite): one
+    vectorised read of the leaf, where ``all(isfinite(leaf))`` writes a boolean copy and reduces
+    it (4-5x the time on CPU). A leaf whose sum overflows float32 counts as non-finite, as the
+    gradient check's sum of squares already does.
+    """
     leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])) if leaves else jnp.bool_(True)
+    sums = [jnp.sum(leaf, dtype=jnp.float32) for leaf in leaves]
+    return jnp.all(jnp.isfinite(jnp.stack(sums))) if sums else jnp.bool_(True)
 
 
 def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
