@@ -401,6 +401,8 @@ MUTATIONS = [
              "sums = [jnp.sum(jnp.where(jnp.isfinite(leaf), leaf, 0), dtype=jnp.float32) for leaf in leaves]", ("tests/integration/test_reliability.py",)),
     Mutation("loss-target-logit-off-by-one", "models/loss.py", "vocab == targets[..., None]", "vocab == targets[..., None] + 1",
              ("tests/unit/test_loss.py",)),
+    Mutation("head-input-keeps-stack-sharding", "models/decoder.py", "        x = constrain(x, RESIDUAL)\n        x = dropout.dropout(self.final_norm(x)",
+             "        x = dropout.dropout(self.final_norm(x)", ("tests/unit/test_head_sharding.py",)),
 ]  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from nnxtron.models.build import abstract_model, build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.train.state import setup
 from nnxtron.train.step import compute_gradients
-from tests.conftest import random_batch, tiny_config
+from tests.conftest import lower_train_step, random_batch, tiny_config
 
 E4M3, E5M2, INT8 = "float8_e4m3fn", "float8_e5m2", "int8"
 LLAMA_MODULES = [f"layers/layers/attention/{p}" for p in ("key", "out", "query", "value")] + [
@@ -164,29 +164,12 @@ def test_shardings_identical_with_and_without_quantization():
     """deepseek3-tiny with MTP on 4 fake devices: the parameter and optimizer-state
     shardings, the unsharded-parameter check and every sharding annotation of the lowered
     train step are the same with quantization as without."""
-    from nnxtron.config.derived import derive
-    from nnxtron.train.optimizer import make_optimizer
-    from nnxtron.train.step import batch_sharding, make_train_step
-
-    devices = jax.devices()[:4]
     results = []
     for q in (False, True):
         values = dict(mtp_num_layers=1, max_target_length=16, per_device_batch_size=1)
         cfg = quantized("deepseek3-tiny", **values) if q else tiny_config("deepseek3-tiny", **values)
-        mesh = make_mesh(cfg, devices=devices)
-        derived = derive(cfg, len(devices))
-        tx, schedule = make_optimizer(cfg, derived)
-        model_setup = setup(cfg, mesh, tx)  # raises when parameters are left unsharded
-        step = make_train_step(cfg, model_setup, tx, schedule)
-        abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            model_setup.abstract_state,
-            model_setup.state_shardings,
-        )
-        shape = (derived.global_batch_size, cfg.max_target_length)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k != "loss_mask" else jnp.float32, sharding=s)
-                 for k, s in batch_sharding(cfg, model_setup).items()}  # fmt: skip
-        results.append((model_setup, _sharding_annotations(step.lower(abstract, batch).as_text())))
+        model_setup, lowered = lower_train_step(cfg, 4)
+        results.append((model_setup, _sharding_annotations(lowered.as_text())))
     (plain, plain_hlo), (q, q_hlo) = results
     assert quant.is_quantized(nnx.merge(q.graphdef, q.abstract_state["params"], q.abstract_state["rest"]))
     assert jax.tree.leaves(plain.state_shardings) == jax.tree.leaves(q.state_shardings)

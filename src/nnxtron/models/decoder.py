@@ -209,6 +209,9 @@ class Decoder(nnx.Module):
     def head(self, x: jax.Array, dropout_keys: dropout.Keys | None = None) -> jax.Array:
         """Final norm (then dropout, training) and output head: hidden states [B, S, D] ->
         float32 logits [B, S, V]."""
+        # the residual stream's batch sharding: a pipeline's output is replicated over `stage`, and
+        # XLA would then gather the whole batch's logits gradient for the head's weight gradient
+        x = constrain(x, RESIDUAL)
         x = dropout.dropout(self.final_norm(x), dropout_keys, self.config.dropout_rate, dropout.HEAD)
         return self.output_head(x)
 
