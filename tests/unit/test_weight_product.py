@@ -79,6 +79,16 @@ def test_float32_operands_and_plain_products_take_the_plain_dot():
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_an_enclosing_plain_context_stays_plain():
+    """The decoder opens ``plain_products(use_qwix_quantization)``; a caller's plain context wins."""
+    x, w = _operands(jnp.bfloat16)
+    with plain_products(True), plain_products(False):
+        jaxpr = jax.make_jaxpr(lambda x, w: contract_last(x, w, 1))(x, w).jaxpr
+    assert "custom_vjp" not in str(jaxpr)
+    with plain_products(False):
+        assert "custom_vjp" in str(jax.make_jaxpr(lambda x, w: contract_last(x, w, 1))(x, w).jaxpr)
+
+
 def test_other_backends_keep_the_plain_product(monkeypatch):
     """TPU and GPU accumulate bfloat16 products in float32 themselves: the plain op stays there."""
     monkeypatch.setattr(matmul, "FLOAT32_BACKENDS", ("tpu",))

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-WEIGHT_PRODUCT = "weight_product"
+from nnxtron.parallel.remat import WEIGHT_PRODUCT
+
 FLOAT32_BACKENDS = ("cpu",)  # where the float32-result path is measured to pay
 LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 _plain = contextvars.ContextVar("nnxtron_plain_products", default=False)
@@ -39,8 +40,9 @@ _plain = contextvars.ContextVar("nnxtron_plain_products", default=False)
 
 @contextlib.contextmanager
 def plain_products(plain: bool = True) -> Iterator[None]:
-    """Within this context (at trace time) ``einsum`` and ``contract_last`` are plain ``jnp.einsum``."""
-    token = _plain.set(plain)
+    """Within this context (at trace time) ``einsum`` and ``contract_last`` are the plain products
+    when ``plain`` (inside an enclosing plain context they stay plain)."""
+    token = _plain.set(plain or _plain.get())
     try:
         yield
     finally:

@@ -15,7 +15,6 @@ import jax
 
 from nnxtron.config.options import REMAT_POLICIES
 from nnxtron.errors import ConfigError
-from nnxtron.layers.matmul import WEIGHT_PRODUCT
 
 # Every named activation a block may tag (the same names in every family).
 ACTIVATIONS = (
@@ -29,6 +28,9 @@ ACTIVATIONS = (
     "mlpwi_1",
     "mlpwo",
 )
+# The name of every low-precision weight product (``layers/matmul.py``): a policy cannot see the
+# dot inside its custom_vjp, so "dots without batch dimensions" policies keep it by this name.
+WEIGHT_PRODUCT = "weight_product"
 QKV = ("query_proj", "key_proj", "value_proj")
 _SAVED_NAMES = {
     "save_dot_with_context_except_mlp": (*QKV, "context", "out_proj"),
