@@ -53,27 +53,18 @@ def random_batch(cfg, batch: int = 4, seq: int = 24, seed: int = 0, packed: bool
 
 def lower_train_step(cfg, devices: int):
     """The train step of ``cfg`` on the first ``devices`` fake devices, lowered on abstract
-    (sharded) state and batch: ``(model_setup, lowered)``."""
-    import jax.numpy as jnp
-
+    (sharded) state and batch (``nnxtron plan``'s lowering): ``(model_setup, lowered)``."""
     from nnxtron.config.derived import derive
     from nnxtron.parallel.mesh import make_mesh
+    from nnxtron.tools import plan
     from nnxtron.train.optimizer import make_optimizer
     from nnxtron.train.state import setup
-    from nnxtron.train.step import batch_sharding, make_train_step
 
     chosen = jax.devices()[:devices]
     derived = derive(cfg, len(chosen))
     tx, schedule = make_optimizer(cfg, derived)
     model_setup = setup(cfg, make_mesh(cfg, devices=chosen), tx)  # raises when parameters are left unsharded
-    step = make_train_step(cfg, model_setup, tx, schedule)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model_setup.abstract_state, model_setup.state_shardings
-    )
-    shape = (derived.global_batch_size, cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k != "loss_mask" else jnp.float32, sharding=s)
-             for k, s in batch_sharding(cfg, model_setup).items()}  # fmt: skip
-    return model_setup, step.lower(abstract, batch)
+    return model_setup, plan.lower_train_step(cfg, model_setup, tx, schedule, derived)
 
 
 @pytest.fixture

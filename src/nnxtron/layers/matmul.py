@@ -62,10 +62,16 @@ def _forward(spec: str, a: jax.Array, b: jax.Array):
     return _float32_einsum(spec, a, b), (a, b)
 
 
+def _indices(spec: str) -> tuple[str, str, str]:
+    """The two operands' and the result's indices of ``"ab,bc->ac"``."""
+    inputs, out = spec.replace(" ", "").split("->")
+    a_idx, b_idx = inputs.split(",")
+    return a_idx, b_idx, out
+
+
 def _backward(spec: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array):
     a, b = residuals
-    inputs, out = spec.split("->")
-    a_idx, b_idx = inputs.split(",")
+    a_idx, b_idx, out = _indices(spec)
     g = g.astype(a.dtype)  # the cotangent of a low-precision result: exact
     return _rounded(f"{out},{b_idx}->{a_idx}", g, b, a.dtype), _rounded(f"{a_idx},{out}->{b_idx}", a, g, b.dtype)
 
@@ -76,8 +82,7 @@ _float32_einsum.defvjp(_forward, _backward)
 def _checked(spec: str) -> tuple[str, str, str]:
     """``spec``'s operand and result indices; each operand index must appear in the other operand
     or the result (an index summed inside one operand has no product to transpose)."""
-    inputs, out = spec.replace(" ", "").split("->")
-    a_idx, b_idx = inputs.split(",")
+    a_idx, b_idx, out = _indices(spec)
     for own, other in ((a_idx, b_idx), (b_idx, a_idx)):
         if len(set(own)) != len(own) or not set(own) <= set(other) | set(out):
             raise ValueError(f"einsum {spec!r}: each index once per operand, and in the other operand or the result")

@@ -173,8 +173,17 @@ def _param_counts(cfg: Config, model: nnx.Module, rows: list[dict[str, Any]]) ->
     }
 
 
-def _abstract_with_shardings(abstract: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+def lower_train_step(cfg: Config, model_setup: Any, tx: Any, schedule: Any, derived: Any) -> jax.stages.Lowered:
+    """The real train step of ``cfg`` lowered on abstract state and batch (``ShapeDtypeStruct``
+    leaves with their shardings): nothing is allocated on the devices."""
+    step = make_train_step(cfg, model_setup, tx, schedule)
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model_setup.abstract_state, model_setup.state_shardings
+    )
+    batch_sh = batch_sharding(cfg, model_setup)
+    shape = (derived.global_batch_size, cfg.max_target_length)
+    batch = {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES[k], sharding=batch_sh[k]) for k in BATCH_KEYS}
+    return step.lower(state, batch)
 
 
 def _memory_stats(compiled: Any) -> dict[str, int] | None:
@@ -290,12 +299,8 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
     if not compile:
         return plan
 
-    step = make_train_step(cfg, model_setup, tx, schedule)
-    batch_sh = batch_sharding(cfg, model_setup)
-    batch_shape = (derived.global_batch_size, cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(batch_shape, _BATCH_DTYPES[k], sharding=batch_sh[k]) for k in BATCH_KEYS}
     start = time.perf_counter()
-    lowered = step.lower(_abstract_with_shardings(abstract, shardings), batch)
+    lowered = lower_train_step(cfg, model_setup, tx, schedule, derived)
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
