@@ -149,6 +149,37 @@ def test_scanned_and_unrolled_repeats_are_different_programs():
     assert scanned != unrolled and unrolled.count("scan[") < scanned.count("scan[")
 
 
+def _eqns(jaxpr, primitive_name: str) -> list:
+    """Every equation of one primitive, found by name, at any depth."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive_name:
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found.extend(_eqns(inner, primitive_name))
+    return found
+
+
+def test_unscanned_stages_apply_their_blocks_in_a_loop_with_per_layer_remat():
+    """scan_layers=false under a pipeline: the scan over a stage's blocks is gone and the
+    stage body holds each of its blocks (twice the matmuls for 2 layers per stage), one
+    checkpoint per block with per-stage remat, and the weights are still stacked."""
+    flags = dict(num_layers_per_pipeline_stage=2, set_remat_policy_on_pipeline_iterations=False)
+    scanned = _pipeline_jaxpr(**flags).jaxpr
+    unscanned = _pipeline_jaxpr(scan_layers=False, **flags).jaxpr
+    assert len(_eqns(unscanned, "scan")) < len(_eqns(scanned, "scan"))
+    assert len(_eqns(unscanned, "dot_general")) > len(_eqns(scanned, "dot_general"))
+    per_layer = _remat_eqns(_pipeline_jaxpr(scan_layers=False, set_remat_policy_on_layers_per_stage=True, **flags).jaxpr)
+    assert _remat_eqns(unscanned) == [] and len(per_layer) >= 2  # forward: one per block of a stage
+    cfg = tiny_config(base_num_decoder_layers=4, ici_pipeline_parallelism=2, scan_layers=False)
+    assert (
+        cfg.stacked_layers and nnx.state(build_model(cfg), nnx.Param)["layers"]["layers"]["mlp"]["wi_0"]["kernel"].shape[0] == 4
+    )
+
+
 def test_fsdp_ag_once_gathers_stage_weights_before_the_iterations():
     """With pipeline_fsdp_ag_once the staged weights are constrained without the fsdp axis."""
     once, per_iteration = str(_pipeline_jaxpr(pipeline_fsdp_ag_once=True)), str(_pipeline_jaxpr())
@@ -180,7 +211,6 @@ BAD = [
     (dict(num_pipeline_microbatches=4), "read only by a pipeline"),
     (dict(pipeline_fsdp_ag_once=True), "read only by a pipeline"),
     (dict(scan_pipeline_repeats=False), "read only by a pipeline"),
-    (dict(ici_pipeline_parallelism=2, scan_layers=False), "needs scan_layers=true"),
     (dict(ici_pipeline_parallelism=2, base_num_decoder_layers=3), "do not divide into 2 stages"),
     (dict(ici_pipeline_parallelism=2, base_num_decoder_layers=4, num_pipeline_repeats=1), "num_pipeline_repeats=1"),
     (
@@ -197,7 +227,6 @@ BAD = [
         "needs num_pipeline_microbatches >= 3",
     ),
     (dict(ici_pipeline_parallelism=2, base_num_decoder_layers=4, pipeline_parallel_layers=6), "pipeline_parallel_layers=6"),
-    (dict(ici_pipeline_parallelism=2, ici_context_parallelism=2, base_num_decoder_layers=4), "ici_context_parallelism"),
 ]
 
 
@@ -209,7 +238,13 @@ def test_impossible_pipelines_fail_at_load(overrides, message):
 
 def test_cycle_blocks_need_whole_blocks_per_stage():
     with pytest.raises(ConfigError, match="whole number of the 2-layer blocks"):
-        tiny_config("deepseek4-test", base_num_decoder_layers=6, compress_ratios=[0, 4, 8, 4, 8, 4], ici_pipeline_parallelism=2)
+        tiny_config(  # an explicit layout (the defaults choose whole blocks: tests/unit/test_pipeline_layout.py)
+            "deepseek4-test",
+            base_num_decoder_layers=6,
+            compress_ratios=[0, 4, 8, 4, 8, 4],
+            ici_pipeline_parallelism=2,
+            num_layers_per_pipeline_stage=3,
+        )
 
 
 def test_microbatches_must_divide_the_batch_over_the_data_axes():

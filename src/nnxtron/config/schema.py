@@ -355,6 +355,13 @@ class Config(BaseModel):
         return self.ici_pipeline_parallelism * self.dcn_pipeline_parallelism
 
     @property
+    def stacked_layers(self) -> bool:
+        """Whether layer parameters are stored stacked (``<stack>/layers/<param>[blocks, ...]``):
+        with ``scan_layers``, and always under a pipeline, whose ``stage`` axis shards the
+        stacked dimension (``scan_layers=false`` then only unrolls the layer loop)."""
+        return self.scan_layers or self.pipeline_stages > 1
+
+    @property
     def layer_pattern_period(self) -> int:
         """The smallest number of layers after which the layer kinds repeat (1: all alike)."""
         periods = [self.sliding_window_pattern or 1, self.nope_layer_interval or 1]

@@ -142,7 +142,7 @@ def _weight_maps(cfg: Config) -> Iterator[_Mapped]:
             )
             for wm in family.layer_weights(cfg, kind):
                 sub = (*stack.sub_path(position), *wm.path.split("/"))
-                if cfg.scan_layers:
+                if cfg.stacked_layers:
                     yield _Mapped((stack.name, "layers", *sub), prefixes, wm, True)
                 else:
                     for i, prefix in enumerate(prefixes):

@@ -234,7 +234,7 @@ def _unflatten(flat: dict[str, Any]) -> dict:
 
 def from_maxtext(flat: dict[str, np.ndarray], cfg: Config) -> tuple[dict, dict]:
     """nnxtron's ``(params, model state)`` pure dicts (``nnx.to_pure_dict`` layout, the layout
-    ``cfg.scan_layers`` asks for, ``weight_dtype``) from a MaxText tree of the model ``cfg``
+    ``cfg.stacked_layers`` asks for, ``weight_dtype``) from a MaxText tree of the model ``cfg``
     describes. Every MaxText array is used, every nnxtron variable filled; anything else is
     one ``CheckpointError`` naming the path."""
     tree.check_supported(cfg)

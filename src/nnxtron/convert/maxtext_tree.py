@@ -169,7 +169,7 @@ def entries(cfg: Config) -> Iterator[Entry]:
             for rule in layer_rules(cfg, kind):
                 for block in range(stack.num_layers):
                     prefix = maxtext_layer_prefix(cfg, stack.hf_layer(block, position))
-                    if cfg.scan_layers:
+                    if cfg.stacked_layers:
                         yield Entry(rule.name(prefix), f"{stack.name}/layers/{sub}{rule.nnxtron}", rule, block)
                     else:
                         yield Entry(rule.name(prefix), f"{stack.name}/layers/{block}/{sub}{rule.nnxtron}", rule)

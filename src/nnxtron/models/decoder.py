@@ -99,16 +99,25 @@ class Decoder(nnx.Module):
             key = k_layers if built.pattern_index == 0 else jax.random.fold_in(k_layers, built.pattern_index)
             block = make_stack_block(make_layer, layout)
             if pipeline is not None and layout.name == pipeline.stack:
-                stack = PipelinedStack(block, layout.num_layers, key=key, remat=remat, axis_name=layout.name, pipeline=pipeline)
+                stack = PipelinedStack(
+                    block,
+                    layout.num_layers,
+                    key=key,
+                    remat=remat,
+                    axis_name=layout.name,
+                    pipeline=pipeline,
+                    unroll=not cfg.scan_layers,
+                )
             else:
                 stack = LayerStack(
                     block,
                     layout.num_layers,
                     key=key,
-                    scan=cfg.scan_layers,
+                    scan=cfg.stacked_layers,
                     remat=remat,
                     axis_name=layout.name,
                     first_block=built.first_block,
+                    unroll=not cfg.scan_layers,
                 )
             setattr(self, layout.name, stack)
         self.stack_names = tuple(built.layout.name for built in stacks)

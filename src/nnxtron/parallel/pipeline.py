@@ -40,7 +40,7 @@ from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
 from nnxtron.parallel.remat import RematSpec, jax_policy
 from nnxtron.parallel.row_keys import Keys
 from nnxtron.parallel.scan import Aux, LayerStack, apply_stacked
-from nnxtron.parallel.sharding import Rules, activate, active_mesh, logical_to_spec, variable_names
+from nnxtron.parallel.sharding import Rules, activate, active_mesh, logical_to_spec, spmd_axes, variable_names
 
 STAGE = "stage"
 
@@ -69,10 +69,13 @@ class PipelinedStack(LayerStack):
         remat: RematSpec,
         axis_name: str,
         pipeline: PipelineSpec,
+        unroll: bool = False,
     ):
+        """``unroll``: each stage applies its blocks in a Python loop (``scan_layers=false``),
+        not a scan; the weights stay stacked either way (the stage axis shards them)."""
         if num_layers != pipeline.blocks:
             raise ValueError(f"the pipeline schedules {pipeline.blocks} blocks but the stack has {num_layers}")
-        super().__init__(make_block, num_layers, key=key, scan=True, remat=remat, axis_name=axis_name)
+        super().__init__(make_block, num_layers, key=key, scan=True, remat=remat, axis_name=axis_name, unroll=unroll)
         self.pipeline = pipeline
 
     def __call__(self, x: jax.Array, *args: Any, dropout_keys: Keys | None = None) -> tuple[jax.Array, Aux]:
@@ -85,7 +88,7 @@ class PipelinedStack(LayerStack):
             raise ValueError(f"the mesh has {stages} '{STAGE}' devices but the pipeline has {self.pipeline.stages} stages")
         graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
         y, aux, new_rest = run_pipeline(
-            graphdef, params, rest, x, args, self.pipeline, self.remat, self.axis_name, mesh, rules, dropout_keys
+            graphdef, params, rest, x, args, self.pipeline, self.remat, self.axis_name, mesh, rules, dropout_keys, self.unroll
         )
         nnx.update(self.layers, new_rest)
         return y, aux
@@ -161,12 +164,16 @@ def run_pipeline(
     mesh: Mesh,
     rules: Rules,
     dropout_keys: Keys | None = None,
+    unroll: bool = False,
 ) -> tuple[jax.Array, Aux, nnx.State]:
     """Apply the stacked blocks (``params`` + ``rest``, leading axis ``axis_name``) to
     ``x [B, ...]`` by the schedule ``spec``; ``args`` are per-row arrays ``[B, ...]``
     (positions, segment ids, token ids) that travel with their microbatch, and so do the
     per-row ``dropout_keys`` (``parallel.row_keys``): the block at ``[repeat, stage, j]`` folds
     in its stack index ``(repeat * stages + stage) * lps + j``, as the unpipelined stack does.
+
+    ``unroll``: each stage applies its ``layers_per_stage`` blocks in a Python loop (the
+    unscanned stage body of ``scan_layers=false``) instead of a scan.
 
     Returns the output ``[B, ...]``, the aux losses (mean over microbatches of their sum
     over blocks) and the new stacked non-trainable state."""
@@ -178,11 +185,11 @@ def run_pipeline(
 
     def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple, keys: Keys | None, first: jax.Array | None) -> tuple:
         ids = None if keys is None else first + jnp.arange(lps, dtype=jnp.int32)
-        return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name, keys, ids)
+        return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name, keys, ids, unroll=unroll)
 
     run_stages = jax.vmap(run_stage, spmd_axis_name=STAGE)
 
-    with activate(mesh, inner):
+    with activate(mesh, inner), spmd_axes(STAGE):
         keys_part = {} if dropout_keys is None else {"dropout_keys": dropout_keys}
         parts = split_microbatches({"x": x, **{f"arg{i}": a for i, a in enumerate(args)}, **keys_part}, micro)
         micro_args = tuple(parts[f"arg{i}"] for i in range(len(args)))

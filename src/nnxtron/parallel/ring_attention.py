@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxtron.config.options import CONTEXT_PARALLEL_STRATEGIES
 from nnxtron.errors import ConfigError
-from nnxtron.parallel.sharding import active_mesh, logical_to_spec, spec_axes
+from nnxtron.parallel.sharding import active_mesh, logical_to_spec, spec_axes, vmapped_axes
 
 NEG = float(jnp.finfo(jnp.float32).min)  # the masked logit, as in masked_attention
 
@@ -320,5 +320,6 @@ def ring_attention(
         return from_zigzag(out, axis, size, index) if load_balance else out
 
     spec = P(None, axis)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, axis_names=set(axes), check_vma=False)
+    manual = set(axes) | set(vmapped_axes())  # a pipeline's vmap adds its stage axis to the specs
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, axis_names=manual, check_vma=False)
     return fn(q, k, v, segment_ids)

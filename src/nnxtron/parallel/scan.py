@@ -2,10 +2,11 @@
 
 ``LayerStack`` holds ``num_layers`` blocks built by one factory. With ``scan=True`` their
 parameters are stacked along a leading axis (named ``layers`` in each variable's
-sharding annotation) and applied by one compiled body under ``jax.lax.scan``; with
-``scan=False`` they are a plain list applied in a Python loop. Both paths build layer
-``i`` from the same key and apply the same remat policy, so they compute the same
-function. Non-parameter state (e.g. MoE expert-load counters) is carried out of the
+sharding annotation) and applied by one compiled body under ``jax.lax.scan`` (or, with
+``unroll=True``, by a Python loop over the stacked blocks: the storage a pipeline needs
+with ``scan_layers=false``'s program); with ``scan=False`` they are a plain list applied
+in a Python loop. All paths build layer ``i`` from the same key and apply the same remat
+policy, so they compute the same function. Non-parameter state (e.g. MoE expert-load counters) is carried out of the
 scan and written back, never dropped.
 
 A block returns either its output ``y`` or ``(y, aux)`` with ``aux`` a dict of float
@@ -139,9 +140,11 @@ class LayerStack(nnx.Module):
         remat: RematSpec,
         axis_name: str = STACK_AXIS,
         first_block: int = 0,
+        unroll: bool = False,
     ):
         """Block ``i`` is built from ``fold_in(key, first_block + i)``: a stack that continues
-        another (the blocks after a partial pipeline) gets the weights it would have had there."""
+        another (the blocks after a partial pipeline) gets the weights it would have had there.
+        ``unroll`` (with ``scan``): apply the stacked blocks in a Python loop, not a scan."""
         jax_policy(remat)  # validate the name early
         if not is_stack_axis(axis_name):
             raise ValueError(f"stack axis name '{axis_name}' must be 'layers' or end with '_layers'")
@@ -149,6 +152,7 @@ class LayerStack(nnx.Module):
         self.num_layers = num_layers
         self.first_block = first_block
         self.scan = scan
+        self.unroll = unroll
         self.remat = remat
         keys = jnp.stack([jax.random.fold_in(key, first_block + i) for i in range(num_layers)])
         if scan:
@@ -180,7 +184,9 @@ class LayerStack(nnx.Module):
             return x, sum_aux(*auxes)
         graphdef, state = nnx.split(self.layers)
         ids = None if dropout_keys is None else self.block_ids()
-        x, aux, new_rest = apply_stacked(graphdef, state, x, args, self.remat, self.axis_name, dropout_keys, ids)
+        x, aux, new_rest = apply_stacked(
+            graphdef, state, x, args, self.remat, self.axis_name, dropout_keys, ids, unroll=self.unroll
+        )
         nnx.update(self.layers, new_rest)
         return x, aux
 
@@ -194,12 +200,16 @@ def apply_stacked(
     axis_name: str,
     dropout_keys: Keys | None = None,
     block_ids: jax.Array | None = None,
+    *,
+    unroll: bool = False,
 ) -> tuple[jax.Array, Aux, nnx.State]:
     """Scan the stacked blocks in ``state`` (leading axis ``axis_name``) over ``x``, each
-    wrapped in ``remat``. With ``dropout_keys`` (per-row keys) block ``i`` draws its masks
-    from them folded with ``block_ids[i]`` (its index in the unsplit stack). Returns the
-    output, the aux entries summed over the blocks and the new stacked non-parameter state."""
-    apply = _with_remat(_apply_layer, remat, in_scan=True)
+    wrapped in ``remat``; ``unroll``: the same body in a Python loop over the blocks (each
+    block a separate piece of the program, as ``scan_layers=false`` builds it). With
+    ``dropout_keys`` (per-row keys) block ``i`` draws its masks from them folded with
+    ``block_ids[i]`` (its index in the unsplit stack). Returns the output, the aux entries
+    summed over the blocks and the new stacked non-parameter state."""
+    apply = _with_remat(_apply_layer, remat, in_scan=not unroll)
 
     def body(carry, xs):
         layer_state, block_id = xs
@@ -209,5 +219,12 @@ def apply_stacked(
 
     if (dropout_keys is None) != (block_ids is None):
         raise ValueError("apply_stacked: dropout_keys and block_ids go together")
-    x, (stacked_aux, stacked_rest) = jax.lax.scan(body, x, (state, block_ids))
+    if unroll:
+        outputs = []
+        for i in range(jax.tree.leaves(state)[0].shape[0]):
+            x, out = body(x, jax.tree.map(lambda a, i=i: a[i], (state, block_ids)))
+            outputs.append(out)
+        stacked_aux, stacked_rest = jax.tree.map(lambda *parts: jnp.stack(parts), *outputs)
+    else:
+        x, (stacked_aux, stacked_rest) = jax.lax.scan(body, x, (state, block_ids))
     return x, {name: jnp.sum(value, axis=0) for name, value in stacked_aux.items()}, add_stack_axis(stacked_rest, axis_name)

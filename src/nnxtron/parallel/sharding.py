@@ -100,6 +100,26 @@ def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+_SPMD_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("nnxtron_spmd_axes", default=())
+
+
+@contextlib.contextmanager
+def spmd_axes(*axes: str) -> Iterator[None]:
+    """Declare mesh axes that a surrounding ``jax.vmap(..., spmd_axis_name=...)`` maps (the
+    pipeline's ``stage``): a ``shard_map`` that is manual over only some axes must be
+    manual over these too, because vmap adds them to its specs."""
+    token = _SPMD_AXES.set(_SPMD_AXES.get() + axes)
+    try:
+        yield
+    finally:
+        _SPMD_AXES.reset(token)
+
+
+def vmapped_axes() -> tuple[str, ...]:
+    """The mesh axes declared by the innermost ``spmd_axes`` contexts (empty outside them)."""
+    return _SPMD_AXES.get()
+
+
 def active_mesh() -> tuple[Mesh, Rules] | None:
     """The (mesh, rules) set by ``activate`` around the current trace, or None."""
     return _ACTIVE.get()
