@@ -293,3 +293,20 @@ def test_generate_bad_input_is_one_line(trained_run, capsys, source, extra, frag
     path = run if source == "run" else Path(__file__).parents[1] / "assets" / "golden" / "llama2"
     code, _, err = run_cli(capsys, "generate", str(path), "max_new_tokens=2", *extra)
     assert_user_error(code, err, fragment)
+
+
+def test_plan_of_a_patterned_model_chooses_the_pipeline_layout(capsys):
+    """Llama 4's 4-layer cycles with the layout keys at their defaults: one cycle per stage
+    (formerly 'num_layers_per_pipeline_stage=1 is not a whole number of the 4-layer blocks')."""
+    args = (
+        "model_name=llama4-tiny",
+        "ici_pipeline_parallelism=2",
+        "devices=2",
+        "per_device_batch_size=1",
+        "max_target_length=32",
+    )
+    code, out, err = run_cli(capsys, "plan", *args)
+    assert code == 0, err
+    assert "pipeline: 2 stages x 1 repeat (GPipe), 2 microbatches, 4 layers (1 block of 4) per stage" in out
+    assert "  stage 0: repeat 0 layers 0-3\n  stage 1: repeat 0 layers 4-7\n" in out
+    assert "  pipeline layout chosen automatically (layout keys at their defaults): one 4-layer block (a whole cycle)" in out

@@ -28,6 +28,7 @@ def test_cli_trains_a_pipelined_model_and_resumes(corpus, tmp_path):
     first = cli_train(corpus, base, "pp", steps=10, **common)
     assert "'stage': 2" in first.stderr and "'fsdp': 2" in first.stderr and "new run" in first.stderr, first.stderr
     assert "trained steps 0..10" in first.stdout, first.stdout
+    assert "pipeline: layers (layers 0-3) on 2 stages x 2 repeats (circular), 1 layer per stage" in first.stderr  # start-up log
     run = Path(base) / "pp"
     first_losses = [r["loss"] for r in metric_records(run) if "loss" in r]
     assert len(first_losses) == 10 and all(np.isfinite(first_losses))

@@ -89,6 +89,20 @@ CASES = {
         dict(PP2_FSDP2, scan_pipeline_iterations=False, scan_pipeline_repeats=False),
         4,
     ),
+    # patterned models with the layout keys at their defaults (config/pipeline_layout.py): one cycle per stage
+    "llama4_default_layout_one_cycle_per_stage": ("llama4-tiny", dict(remat_policy="none"), PP2_FSDP2, 4),
+    "deepseek4_default_layout_hca_csa_cycles": (  # 2 hash layers outside, then 2 (HCA, CSA) blocks
+        "deepseek4-test",
+        dict(base_num_decoder_layers=6, compress_ratios=[0, 4, 8, 4, 8, 4], remat_policy="none"),
+        PP2_FSDP2,
+        4,
+    ),
+    "gemma3_default_layout_remainder_outside": (  # 2 cycles of 6 pipelined, the 2-layer remainder after
+        "gemma3-tiny",
+        dict(base_num_decoder_layers=14, remat_policy="none"),
+        PP2_FSDP2,
+        4,
+    ),
 }
 
 
@@ -129,3 +143,16 @@ def test_partial_pipeline_runs_the_other_layers_after_it():
     result = loss_and_grads(model, _batch(cfg), mesh=make_mesh(cfg, jax.devices()[:4]))
     result = with_tail_stack_merged(result, first_block=2)
     assert_grad_parity(result, _sequential("llama3.1-tiny", tuple(overrides.items()), 1, 4), **BOUNDS)
+
+
+def test_default_layout_pipelines_whole_cycles_and_runs_the_rest_after():
+    """gemma3-tiny with 20 layers = 3 cycles + a 2-layer remainder on 2 stages, layout keys at
+    their defaults: 2 cycles pipelined, the third (``unpipelined_layers``, the unsplit stack's
+    weights) and the remainder after the pipeline."""
+    overrides = dict(base_num_decoder_layers=20, remat_policy="none")
+    cfg = tiny_config("gemma3-tiny", **overrides, **PP2_FSDP2)
+    model = build_model(cfg)
+    assert (model.layers.num_layers, model.unpipelined_layers.num_layers, model.remainder_layers.num_layers) == (2, 1, 1)
+    result = loss_and_grads(model, _batch(cfg), mesh=make_mesh(cfg, jax.devices()[:4]))
+    result = with_tail_stack_merged(result, first_block=2)
+    assert_grad_parity(result, _sequential("gemma3-tiny", tuple(overrides.items()), 1, 4), **BOUNDS)

@@ -26,8 +26,9 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nnxtron.config.layout import StackLayout, pattern_stacks
+from nnxtron.config.layout import StackLayout, cycle_length, pattern_stacks
 from nnxtron.config.options import PIPELINE_OPTIONS_OFF
+from nnxtron.config.pipeline_layout import choose_layout, too_few_cycles
 from nnxtron.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class PipelineSpec:
     remat_iterations: bool = True
     remat_layers: bool = False
     fsdp_ag_once: bool = False
+    auto_note: str = ""  # how the layout was chosen when its keys were left at defaults (config/pipeline_layout.py)
 
     @property
     def blocks(self) -> int:
@@ -92,6 +94,8 @@ def main_stack(cfg: Config) -> StackLayout:
     for name in PIPELINED_STACKS:
         if name in stacks:
             return stacks[name]
+    if cycle_length(cfg) > 1:  # the layers do not fill one whole cycle
+        raise too_few_cycles(cfg, cfg.pipeline_stages, 0, None)
     raise ConfigError(
         f"ici_pipeline_parallelism: decoder_block {cfg.decoder_block} with {cfg.base_num_decoder_layers} layers has "
         "no main layer stack to pipeline; use more layers or no pipeline"
@@ -106,7 +110,8 @@ def pipeline_spec(cfg: Config) -> PipelineSpec | None:
         return None
     main = main_stack(cfg)
     per_block = main.layers_per_block
-    layers = main.total_layers if cfg.pipeline_parallel_layers == -1 else cfg.pipeline_parallel_layers
+    layout = choose_layout(cfg, main, stages)  # the configured layout, or one chosen for cycle blocks
+    layers, layers_per_stage = layout.layers, layout.layers_per_stage
     if layers > main.total_layers or layers < 1:
         raise ConfigError(
             f"pipeline_parallel_layers={cfg.pipeline_parallel_layers} must be between 1 and the {main.total_layers} "
@@ -114,14 +119,14 @@ def pipeline_spec(cfg: Config) -> PipelineSpec | None:
         )
     for name, value in (
         ("pipeline_parallel_layers", layers),
-        ("num_layers_per_pipeline_stage", cfg.num_layers_per_pipeline_stage),
+        ("num_layers_per_pipeline_stage", layers_per_stage),
     ):
         if value % per_block:
             raise ConfigError(
                 f"{name}={value} is not a whole number of the {per_block}-layer blocks of the '{main.name}' stack; "
                 f"use a multiple of {per_block}"
             )
-    blocks, lps = layers // per_block, cfg.num_layers_per_pipeline_stage // per_block
+    blocks, lps = layers // per_block, layers_per_stage // per_block
     if blocks % (stages * lps):
         raise ConfigError(
             f"{layers} pipelined layers do not divide into {stages} stages x num_layers_per_pipeline_stage="
@@ -159,6 +164,7 @@ def pipeline_spec(cfg: Config) -> PipelineSpec | None:
         remat_iterations=cfg.set_remat_policy_on_pipeline_iterations,
         remat_layers=cfg.set_remat_policy_on_layers_per_stage,
         fsdp_ag_once=cfg.pipeline_fsdp_ag_once,
+        auto_note=layout.auto_note,
     )
 
 

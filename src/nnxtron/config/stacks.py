@@ -3,7 +3,8 @@
 ``config/layout.pattern_stacks`` groups the layers into stacks of identical blocks;
 ``config/pipeline.pipeline_spec`` schedules the main stack over the pipeline stages. When
 ``pipeline_parallel_layers`` pipelines only the first blocks of the main stack, the rest
-form ``unpipelined_layers``, applied after the pipeline. Computed once per config.
+form ``unpipelined_layers``, applied after the pipeline. Computed once per config;
+``pipeline_summary`` says the layout in the training start-up log.
 """
 
 from __future__ import annotations
@@ -62,3 +63,27 @@ def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
 def layer_counts(cfg: Config) -> dict[str, int]:
     """Block count of each stack, by stack name (what ``params`` layout conversions take)."""
     return {stack.name: stack.num_layers for stack in layer_stacks(cfg)}
+
+
+def pipeline_summary(cfg: Config) -> list[str]:
+    """The pipeline layout in a line (and how it was chosen, when automatic) for the training
+    start-up log; empty without a pipeline. ``nnxtron plan`` shows it stage by stage."""
+    spec = pipeline_spec(cfg)
+    if spec is None:
+        return []
+
+    def span(stack: StackLayout) -> str:
+        first, last = stack.first_layer, stack.first_layer + stack.total_layers - 1
+        return f"{stack.name} (layer {first})" if first == last else f"{stack.name} (layers {first}-{last})"
+
+    stacks = layer_stacks(cfg)
+    (main,) = (stack for stack in stacks if stack.name == spec.stack)
+    outside = [span(stack) for stack in stacks if stack.name != spec.stack]
+    per_stage = spec.layers_per_stage * spec.layers_per_block
+    line = (
+        f"pipeline: {span(main)} on {spec.stages} stages x {spec.repeats} repeat{'s' if spec.repeats > 1 else ''} "
+        f"({'circular' if spec.circular else 'GPipe'}), {per_stage} layer{'s' if per_stage > 1 else ''} per stage, "
+        f"{spec.microbatches} microbatches, bubble {100 * spec.bubble_fraction:.1f}%"
+        + (f"; outside it (data-parallel over the stage axis): {', '.join(outside)}" if outside else "")
+    )
+    return [line, spec.auto_note] if spec.auto_note else [line]

@@ -25,7 +25,8 @@ def pipeline_plan(cfg: Config) -> dict[str, Any] | None:
 
     ``layout[stage][repeat]`` lists the model layers that stage applies on that repeat, in
     order; ``outside`` lists the other stacks (dense prefix, remainder, the blocks after
-    ``pipeline_parallel_layers``), which run data-parallel over the stage axis.
+    ``pipeline_parallel_layers``), which run data-parallel over the stage axis;
+    ``auto_note`` says how the layout was chosen when its keys were left at the defaults.
     """
     spec = pipeline_spec(cfg)
     if spec is None:
@@ -64,6 +65,7 @@ def pipeline_plan(cfg: Config) -> dict[str, Any] | None:
         "layout": layout,
         "outside": outside,
         "outside_note": "data-parallel over the stage axis: outside the pipeline the stage axis splits the batch",
+        "auto_note": spec.auto_note,  # how the layout was chosen, when its keys were left at defaults ("" otherwise)
     }
 
 
@@ -121,4 +123,6 @@ def format_pipeline(p: dict[str, Any] | None) -> list[str]:
     if p["outside"]:
         rest = "; ".join(f"{o['stack']} {_layers(o['layers'])}" for o in p["outside"])
         out.append(f"  outside the pipeline, data-parallel over the stage axis: {rest}")
+    if p.get("auto_note"):
+        out.append(f"  {p['auto_note']}")
     return out

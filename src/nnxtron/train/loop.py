@@ -19,6 +19,7 @@ from nnxtron.config.fingerprint import check_same_model, fingerprint, of_stored,
 from nnxtron.config.flops import training_flops_per_token
 from nnxtron.config.loader import RUN_TOKENIZER_DIR, run_config_to_yaml
 from nnxtron.config.schema import Config
+from nnxtron.config.stacks import pipeline_summary
 from nnxtron.data.pipeline import BatchSource, DataIterator
 from nnxtron.data.sources import make_sources
 from nnxtron.data.tokenizer import make_tokenizer
@@ -229,6 +230,8 @@ class Trainer:
                         f"mesh {self.derived.mesh_shape} | global batch {self.derived.global_batch_size} x {cfg.max_target_length}")  # fmt: skip
                 for note in self.notes:
                     bar.log(note)
+                for line in pipeline_summary(cfg):  # the layout over the stages, and how it was chosen
+                    bar.log(line)
                 bar.log(self.train_source.describe())
                 bar.log(f"parameters unsharded over model axes: {100 * self.setup.unsharded_fraction:.3f}% "
                         f"(sharding_tolerance {100 * cfg.sharding_tolerance:g}%)")  # fmt: skip

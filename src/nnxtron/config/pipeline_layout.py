@@ -1,0 +1,95 @@
+"""How much of the main stack a pipeline runs, and in what steps: as configured, or chosen.
+
+The layout keys are ``num_layers_per_pipeline_stage``, ``pipeline_parallel_layers`` and
+``num_pipeline_repeats``. Set explicitly, they are the layout (``config/pipeline.py``
+checks them and says what is wrong). Left at their base.yml defaults (``PIPELINE_OPTIONS_OFF``)
+for a main stack of cycle blocks (Gemma 3, Llama 4, DeepSeek-V4: a block is one cycle
+of several layers, ``config/layout.py``), the defaults would name an impossible layout
+(one layer per stage splits a cycle), so one is chosen:
+
+* one block (a whole cycle) per stage visit;
+* the largest multiple of the stage count of whole blocks is pipelined (all of them when
+  the block count divides); the rest form ``unpipelined_layers``, applied after the
+  pipeline (``config/stacks.py``);
+* fewer blocks than stages is an error: a cycle cannot be split across stages, because
+  every stage runs one program under ``vmap`` (``parallel/pipeline.py``) and the layers
+  of a cycle differ.
+
+A main stack of one-layer blocks keeps the defaults' meaning (one layer per stage, all
+layers pipelined). The chosen layout is said in ``PipelineSpec.auto_note``, which the
+training start-up log and ``nnxtron plan`` print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nnxtron.config.layout import StackLayout, cycle_length
+from nnxtron.config.options import PIPELINE_OPTIONS_OFF
+from nnxtron.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nnxtron.config.schema import Config
+
+LAYOUT_KEYS = ("num_layers_per_pipeline_stage", "pipeline_parallel_layers", "num_pipeline_repeats")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The pipelined part of the main stack, in model layers (before the whole-block checks)."""
+
+    layers: int  # pipelined layers (the first ones of the main stack)
+    layers_per_stage: int  # model layers a stage applies per visit
+    auto_note: str = ""  # how it was chosen ("" = as configured)
+
+
+def layout_at_defaults(cfg: Config) -> bool:
+    """Whether every layout key holds its base.yml value (a value equal to it counts as left)."""
+    return all(getattr(cfg, key) == PIPELINE_OPTIONS_OFF[key] for key in LAYOUT_KEYS)
+
+
+def choose_layout(cfg: Config, main: StackLayout, stages: int) -> Layout:
+    """The layout of ``main`` over ``stages`` (see the module docstring)."""
+    per_block = main.layers_per_block
+    if per_block == 1 or not layout_at_defaults(cfg):
+        layers = main.total_layers if cfg.pipeline_parallel_layers == -1 else cfg.pipeline_parallel_layers
+        return Layout(layers, cfg.num_layers_per_pipeline_stage)
+    if main.num_layers < stages:
+        raise too_few_cycles(cfg, stages, main.num_layers, main)
+    blocks = main.num_layers // stages * stages
+    repeats = blocks // stages
+    rest = main.num_layers - blocks
+    pipelined = f"all {blocks} blocks pipelined"
+    if rest:
+        pipelined = f"{blocks} of {main.num_layers} blocks pipelined (a multiple of {stages} stages), {rest} in unpipelined_layers after it"
+    note = (
+        f"pipeline layout chosen automatically (layout keys at their defaults): one {per_block}-layer block (a whole cycle) "
+        f"per stage, {repeats} repeat{'s' if repeats > 1 else ''}, {pipelined}; set num_layers_per_pipeline_stage / "
+        "pipeline_parallel_layers to choose another"
+    )
+    return Layout(blocks * per_block, per_block, note)
+
+
+def too_few_cycles(cfg: Config, stages: int, blocks: int, main: StackLayout | None) -> ConfigError:
+    """The error for a patterned model with fewer whole cycles than pipeline stages (``main``:
+    its cycle stack, None when the layers do not fill one cycle)."""
+    cycle = main.layers_per_block if main is not None else cycle_length(cfg)
+    prefix = main.first_layer if main is not None else _prefix_layers(cfg)
+    differ = f" ({', '.join(dict.fromkeys(kind.label for kind in main.kinds))})" if main is not None else ""
+    needed = prefix + stages * cycle
+    fewer = f"at most {blocks} pipeline stages" if blocks > 1 else "no pipeline"
+    ratios = " (and compress_ratios to match)" if cfg.compress_ratios else ""
+    return ConfigError(
+        f"ici_pipeline_parallelism: {cfg.decoder_block} with {cfg.base_num_decoder_layers} layers has {blocks} whole "
+        f"{cycle}-layer cycle{'' if blocks == 1 else 's'} to pipeline but {stages} stages need one each; a cycle cannot "
+        f"be split across stages: every stage runs one program under vmap, and the layers of a cycle differ{differ}; "
+        f"use base_num_decoder_layers >= {needed}{ratios} or {fewer}"
+    )
+
+
+def _prefix_layers(cfg: Config) -> int:
+    """Layers before the pattern's cycles (as ``pattern_stacks`` counts them)."""
+    if cfg.num_experts > 1 and cfg.first_num_dense_layers:
+        return cfg.first_num_dense_layers
+    return cfg.first_num_hash_layers
