@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import jax
 import pytest
+from flax import nnx
 
 from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
+from nnxtron.parallel.sharding import activate
 from nnxtron.tools.parity import assert_grad_parity, loss_and_grads
 from tests.conftest import tiny_config
 from tests.parity.test_pipeline import BOUNDS, PP2_FSDP2, _batch, _sequential
+from tests.unit.test_pipeline import _eqns
 
 LLAMA4 = dict(base_num_decoder_layers=4)
 UNSCANNED = dict(scan_layers=False)
@@ -132,3 +135,21 @@ def test_pipeline_stage_body_equals_the_sequential_model(case):
     reference = _sequential(model, frozen, accumulation, devices)
     result = loss_and_grads(build_model(cfg), _batch(cfg), mesh=make_mesh(cfg, jax.devices()[:devices]))
     assert_grad_parity(result, reference, **BOUNDS)
+
+
+@pytest.mark.parametrize("case,axis", [("expert_2_mixtral", "expert"), ("context_2_ring", "context")], ids=["expert", "context"])
+def test_the_parallel_axis_is_used_inside_the_stages(case, axis):
+    """The rows above would pass if the pipeline quietly dropped the expert or context axis
+    inside the stages (the same function, computed unsharded); the traced forward shows the
+    expert dispatch / ring attention as a shard_map manual over that axis and over stage."""
+    model, overrides, pipeline, devices = CASES[case]
+    cfg = tiny_config(model, **overrides, **pipeline)
+    graphdef, state = nnx.split(build_model(cfg))
+    mesh = make_mesh(cfg, jax.devices()[:devices])
+
+    def forward(state):
+        with activate(mesh, cfg.logical_axis_rules):
+            return nnx.merge(graphdef, state)(_batch(cfg)["inputs"]).logits
+
+    maps = _eqns(jax.make_jaxpr(forward)(state).jaxpr, "shard_map")
+    assert maps and all({axis, "stage"} <= set(eqn.params["newly_manual_axes"]) for eqn in maps)

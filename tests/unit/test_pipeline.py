@@ -93,18 +93,27 @@ def test_circular_placement_puts_block_r_times_stages_plus_s_on_stage_s():
     assert _spec(2, 2, 4, delay=2).iterations == 8 + 2
 
 
-def _remat_eqns(jaxpr) -> list:
-    """Every checkpoint equation, found by primitive identity, at any depth."""
+def _all_eqns(jaxpr) -> list:
+    """Every equation at any depth (inside scans, checkpoints, pjits...)."""
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive is ad_checkpoint.remat_p:
-            found.append(eqn)
+        found.append(eqn)
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else [value]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    found.extend(_remat_eqns(inner))
+                    found.extend(_all_eqns(inner))
     return found
+
+
+def _remat_eqns(jaxpr) -> list:
+    """Every checkpoint equation, found by primitive identity, at any depth."""
+    return [eqn for eqn in _all_eqns(jaxpr) if eqn.primitive is ad_checkpoint.remat_p]
+
+
+def _eqns(jaxpr, primitive_name: str) -> list:
+    """Every equation of one primitive, found by name, at any depth."""
+    return [eqn for eqn in _all_eqns(jaxpr) if eqn.primitive.name == primitive_name]
 
 
 def _pipeline_jaxpr(**overrides):
@@ -149,18 +158,17 @@ def test_scanned_and_unrolled_repeats_are_different_programs():
     assert scanned != unrolled and unrolled.count("scan[") < scanned.count("scan[")
 
 
-def _eqns(jaxpr, primitive_name: str) -> list:
-    """Every equation of one primitive, found by name, at any depth."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == primitive_name:
-            found.append(eqn)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found.extend(_eqns(inner, primitive_name))
-    return found
+@pytest.mark.parametrize("flag", ["scan_pipeline_repeats", "scan_pipeline_iterations"])
+def test_each_loop_flag_alone_unrolls_its_loop(flag):
+    """Each flag is read on its own: turning only it off changes the program's loops (the
+    circular schedule here has 2 repeats of 2 iterations and a 1-iteration drain: unrolled
+    iterations remove their scans, unrolled repeats remove one scan and repeat the
+    iteration scan inside it)."""
+    scans = lambda jaxpr: [(e.params["length"], len(_eqns(e.params["jaxpr"].jaxpr, "scan"))) for e in _eqns(jaxpr, "scan")]  # noqa: E731
+    default, unrolled = scans(_pipeline_jaxpr().jaxpr), scans(_pipeline_jaxpr(**{flag: False}).jaxpr)
+    assert sorted(default) != sorted(unrolled)
+    if flag == "scan_pipeline_iterations":
+        assert len(unrolled) < len(default)
 
 
 def test_unscanned_stages_apply_their_blocks_in_a_loop_with_per_layer_remat():
@@ -202,6 +210,20 @@ def test_spec_from_config():
     cfg = tiny_config(base_num_decoder_layers=8, ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=2)
     spec = pipeline_spec(cfg)
     assert (spec.stack, spec.stages, spec.repeats, spec.layers_per_stage, spec.microbatches) == ("layers", 2, 2, 2, 2)
+    flags = dict(
+        num_pipeline_microbatches=6,
+        pipeline_delay_activation_forwarding=True,
+        scan_pipeline_iterations=False,
+        scan_pipeline_repeats=False,
+        set_remat_policy_on_pipeline_iterations=False,
+        set_remat_policy_on_layers_per_stage=True,
+        pipeline_fsdp_ag_once=True,
+    )
+    read = pipeline_spec(
+        tiny_config(base_num_decoder_layers=8, ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=2, **flags)
+    )
+    assert (read.microbatches, read.delay, read.scan_iterations, read.scan_repeats) == (6, 2, False, False)
+    assert (read.remat_iterations, read.remat_layers, read.fsdp_ag_once) == (False, True, True)
     ds3 = pipeline_spec(tiny_config("deepseek3-test", base_num_decoder_layers=5, ici_pipeline_parallelism=2))
     assert ds3.stack == "moe_layers" and ds3.blocks == 4
     assert pipeline_spec(tiny_config()) is None
