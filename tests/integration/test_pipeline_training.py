@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from nnxtron.config import load_config
-from nnxtron.params import flatten
+from nnxtron.params import flatten, layer_list_layout
 from nnxtron.train.loop import Trainer
 from nnxtron.train.weights import load_parameters
 from tests.integration.conftest import cli_train, metric_records, train_overrides
@@ -101,3 +101,18 @@ def test_pipelined_training_with_host_offload_equals_plain_fsdp_training(corpus,
         for key in COMPARED_METRICS:
             np.testing.assert_allclose(a[key], b[key], rtol=1e-5, err_msg=f"step {a['step']} {key}")
     _assert_close_states(pp.state, plain.state, rtol=1e-4, atol=1e-4)
+
+
+def test_unscanned_pipeline_with_context_parallelism_trains_like_plain_unscanned_fsdp(corpus, tmp_path):
+    """scan_layers=false under a pipeline (2 stages x context 2 x fsdp 2 on 8 devices): the
+    stages apply their blocks in a loop, ring attention runs inside them, and 3 training
+    steps give the losses and parameters of a plain unscanned run (fsdp 8). The pipelined
+    stack keeps its parameters stacked (the stage axis shards them); in the layer-list layout
+    they are the plain run's."""
+    base = str(tmp_path)
+    _, pp = _train(corpus, base, "pp", ici_pipeline_parallelism=2, ici_context_parallelism=2, scan_layers=False)
+    _, plain = _train(corpus, base, "plain", scan_layers=False)
+    assert all(np.isfinite(pp.losses)) and pp.losses[-1] < pp.losses[0], pp.losses
+    np.testing.assert_allclose(pp.losses, plain.losses, rtol=1e-5)
+    assert "layers/layers/mlp/wi_0/kernel" in flatten(pp.state["params"])  # stacked
+    _assert_close_states(layer_list_layout(pp.state["params"], 4), layer_list_layout(plain.state["params"], 4), 1e-4, 1e-4)
