@@ -17,7 +17,7 @@ from flax import nnx
 from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.parallel.sharding import activate
+from nnxtron.parallel.sharding import activate, spec_axes
 from nnxtron.tools.parity import assert_grad_parity, loss_and_grads
 from tests.conftest import tiny_config
 from tests.parity.test_pipeline import BOUNDS, PP2_FSDP2, _batch, _sequential
@@ -141,7 +141,8 @@ def test_pipeline_stage_body_equals_the_sequential_model(case):
 def test_the_parallel_axis_is_used_inside_the_stages(case, axis):
     """The rows above would pass if the pipeline quietly dropped the expert or context axis
     inside the stages (the same function, computed unsharded); the traced forward shows the
-    expert dispatch / ring attention as a shard_map manual over that axis and over stage."""
+    expert dispatch / ring attention as a shard_map manual over stage whose inputs are split
+    over that axis."""
     model, overrides, pipeline, devices = CASES[case]
     cfg = tiny_config(model, **overrides, **pipeline)
     graphdef, state = nnx.split(build_model(cfg))
@@ -153,3 +154,5 @@ def test_the_parallel_axis_is_used_inside_the_stages(case, axis):
 
     maps = _eqns(jax.make_jaxpr(forward)(state).jaxpr, "shard_map")
     assert maps and all({axis, "stage"} <= set(eqn.params["newly_manual_axes"]) for eqn in maps)
+    split = [{a for spec in eqn.params["in_specs"] for entry in spec for a in spec_axes(entry)} for eqn in maps]
+    assert all({axis, "stage"} <= axes for axes in split), split
