@@ -44,6 +44,13 @@ def _cmd_config(ns: argparse.Namespace) -> int:
     from nnxtron.config import config_to_yaml, derive
     from nnxtron.config.loader import load_config_report
 
+    if ns.inert:  # the keys that change nothing observable (config/inert.py), not a config
+        from nnxtron.config.inert import inert_lines
+
+        print("# config keys without effect (nnxtron/config/inert.py; every other key is read: docs/config.md)")
+        for line in inert_lines():
+            print(line)
+        return 0
     cfg, report = load_config_report(*_split_file_and_overrides(ns.args))
     print(config_to_yaml(cfg), end="")
     for line in report.comment_block():
@@ -399,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved config")
     p.add_argument("action", choices=["show"])
     p.add_argument("args", nargs="*", help=file_help)
+    p.add_argument("--inert", action="store_true", help="print the keys that change nothing, with their reasons (docs/config.md)")
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("bench", help="compile and time the train step (or decoding); prints one JSON line")

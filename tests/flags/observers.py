@@ -1,0 +1,372 @@
+"""Observers of the flag-sensitivity matrix (``tests/unit/test_flag_sensitivity.py``).
+
+An observer maps a config, given as override values (``model_name`` included), to what a
+user of that config would see: the traced program of the train step, the batches, the
+files a training run writes, the sampler's choices ... Two configs that differ in one key
+must give different observations unless that key is in ``nnxtron.config.inert.INERT``.
+Observations are plain values (text, tuples, bytes) compared with ``==``; each observer is
+the cheapest real reader of its keys (tracing rather than running wherever tracing sees
+the key). Baselines are cached per (observer, overrides).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import json
+import re
+import sys
+import tempfile
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nnxtron.config import load_config
+from nnxtron.errors import DataError, UserError
+from tests.conftest import lower_train_step
+
+Overrides = tuple[tuple[str, Any], ...]  # sorted (key, value) pairs: hashable, so baselines are cached
+TRACE_DEVICES = 4  # the train/eval steps are lowered over this many fake devices
+WORK = Path(tempfile.mkdtemp(prefix="nnxtron-flags-"))  # corpora, tokenizers and run directories of this process
+PARAGRAPH = "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. All that glitters is not gold.\n"
+
+
+def frozen(values: dict[str, Any]) -> Overrides:
+    return tuple(sorted(values.items()))
+
+
+def _config(values: Overrides):
+    return load_config(values=dict(values))
+
+
+def _digest(*arrays: Any) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.asarray(a)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- fixtures on disk
+
+
+@functools.cache
+def corpus() -> dict[str, str]:
+    """Globs of small fixed corpora: ``text`` (6 files), ``text_a`` (3 of them), ``jsonl``
+    (records with a ``text`` and a ``body`` field), ``jsonl_bad`` (one record without text)."""
+    root = WORK / "corpus"
+    (root / "text").mkdir(parents=True)
+    words = PARAGRAPH.split()
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, size=60 + 25 * i)) + "\n" for i in range(6)]  # each document its own text
+    for i, text in enumerate(texts):
+        (root / "text" / f"doc{i}.txt").write_text(text)
+    records = [{"text": text, "body": text.upper()[::-1]} for text in texts]
+    (root / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (root / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"text": null}\n')
+    return {
+        "text": str(root / "text" / "*.txt"),
+        "text_a": str(root / "text" / "doc[0-2].txt"),
+        "text_b": str(root / "text" / "doc[3-5].txt"),
+        "jsonl": str(root / "a.jsonl"),
+        "jsonl_bad": str(root / "bad.jsonl"),
+    }
+
+
+@functools.cache
+def tokenizers() -> dict[str, str]:
+    """Two different byte-level BPE ``tokenizer.json`` directories (``bpe_a``, ``bpe_b``)."""
+    from tests.tokenizer_files import write_bpe
+
+    text = [PARAGRAPH * 5]
+    return {
+        "bpe_a": str(write_bpe(WORK / "bpe_a", text, vocab_size=290)),
+        "bpe_b": str(write_bpe(WORK / "bpe_b", [PARAGRAPH.upper() * 5], vocab_size=300)),
+    }
+
+
+# --------------------------------------------------------------------------- traced programs
+
+
+def train_step(values: Overrides) -> str:
+    """The real train step lowered on abstract sharded state (StableHLO text: shapes,
+    shardings, memory kinds and every hyperparameter literal)."""
+    _, lowered = lower_train_step(_config(values), TRACE_DEVICES)
+    return lowered.as_text()
+
+
+def eval_step(values: Overrides) -> str:
+    """The eval step lowered on abstract sharded state."""
+    from nnxtron.tools.plan import _BATCH_DTYPES
+    from nnxtron.train.step import batch_sharding, make_eval_step
+
+    cfg = _config(values)
+    model_setup, _ = lower_train_step(cfg, TRACE_DEVICES)
+    step = make_eval_step(cfg, model_setup)
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model_setup.abstract_state, model_setup.state_shardings
+    )
+    sh = batch_sharding(cfg, model_setup)
+    rows = int(cfg.per_device_batch_size * TRACE_DEVICES)
+    batch = {k: jax.ShapeDtypeStruct((rows, cfg.max_target_length), dt, sharding=sh[k]) for k, dt in _BATCH_DTYPES.items()}
+    return step.lower(state, batch).as_text()
+
+
+def setup(values: Overrides) -> tuple:
+    """Whether ``train.state.setup`` accepts the config's parameter shardings (and the
+    fraction it leaves unsharded), or the error it refuses them with."""
+    try:
+        model_setup, _ = lower_train_step(_config(values), TRACE_DEVICES)
+    except UserError as err:
+        return ("refused", type(err).__name__)
+    return ("accepted", round(model_setup.unsharded_fraction, 6))
+
+
+def init(values: Overrides) -> str:
+    """The initial parameter values (a digest)."""
+    from nnxtron.models.build import build_model
+
+    params = nnx.state(build_model(_config(values)), nnx.Param)
+    return _digest(*jax.tree.leaves(params))
+
+
+# --------------------------------------------------------------------------- data
+
+
+def data(values: Overrides) -> tuple:
+    """The first train and eval batches, when the train data ends (up to 100 batches), the
+    start-up statistics and the reader / prefetch threads configured; or the DataError."""
+    from nnxtron.data.sources import make_sources
+
+    cfg = _config(values)
+    try:
+        train, evaluation = make_sources(cfg, 4)
+    except DataError as err:
+        return ("refused", str(err).split(";")[0])
+    it = train.iterator()
+    try:
+        threads = _threads(it)
+        batches = []
+        for i in range(100):
+            try:
+                batch = next(it)
+            except StopIteration:
+                batches.append(("ended", i))
+                break
+            if i < 3:
+                batches.append(_digest(*(batch[k] for k in sorted(batch))))
+    finally:
+        it.close()
+    evals = []
+    if evaluation is not None:
+        ev = evaluation.iterator()
+        try:
+            evals = [_digest(*(b[k] for k in sorted(b))) for b in (next(ev), next(ev))]
+        finally:
+            ev.close()
+    stats = {k: v for k, v in train.stats().items() if k != "first_problem"}
+    return tuple(batches), tuple(evals), tuple(sorted(stats.items())), threads
+
+
+def _threads(it: Any) -> tuple:
+    """(prefetched batches, document reader threads) of a corpus iterator (grain's settings)."""
+    ahead = getattr(it, "ahead", None)
+    packer = getattr(getattr(it, "batches", None), "packer", None)
+    docs = getattr(packer, "documents", None)
+    read = getattr(getattr(docs, "_read_options", None), "num_threads", None)
+    return (getattr(ahead, "_target_prefetch_buffer_size", None), read)
+
+
+# --------------------------------------------------------------------------- runs and their files
+
+
+def run_dir(values: Overrides) -> str:
+    """The run directory a run of the config writes to (digits masked: a fresh name is timestamped)."""
+    from nnxtron.train.run_dir import resolve_run_dir
+
+    return re.sub(r"\d", "0", str(resolve_run_dir(_config(values))))
+
+
+def compile_cache(values: Overrides) -> tuple:
+    """What ``enable_compilation_cache`` points JAX at (directory, minimum compile time); JAX's
+    settings are put back afterwards."""
+    from nnxtron.runtime.compile_cache import enable_compilation_cache
+
+    with _jax_cache_settings():
+        directory = enable_compilation_cache(_config(values))
+        return directory, jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+
+
+def peak(values: Overrides) -> tuple:
+    """The peak FLOP/s MFU is measured against, and its source."""
+    from nnxtron.runtime.peak import peak_flops_per_device
+
+    return peak_flops_per_device(_config(values))
+
+
+def metrics_writer(values: Overrides) -> tuple:
+    """The sinks a run's ``MetricsWriter`` opens: TensorBoard, and the arguments of
+    ``wandb.setup`` / ``wandb.init`` (a stand-in ``wandb`` module records them; the logged
+    config dict and the run id are left out)."""
+    from nnxtron.train.metrics import MetricsWriter
+
+    calls: list = []
+    fake = types.ModuleType("wandb")
+    fake.Error = RuntimeError
+    fake.Settings = lambda **kw: kw
+    fake.setup = lambda settings=None: calls.append(("setup", tuple(sorted(settings.items()))))
+
+    def fake_init(**kw):
+        kw = {k: v for k, v in kw.items() if k not in ("config", "id", "dir")}
+        calls.append(("init", tuple(sorted(kw.items()))))
+        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+
+    fake.init = fake_init
+    cfg = _config(values)
+    directory = Path(tempfile.mkdtemp(dir=WORK)) / "run"
+    directory.mkdir()
+    saved = sys.modules.get("wandb")
+    sys.modules["wandb"] = fake
+    try:
+        writer = MetricsWriter(directory, cfg)
+        writer.write({"step": 1, "loss": 1.0})
+        writer.close()
+    finally:
+        if saved is None:
+            sys.modules.pop("wandb", None)
+        else:
+            sys.modules["wandb"] = saved
+    return _files(directory), tuple(calls)
+
+
+def _files(directory: Path) -> tuple[str, ...]:
+    """The files under ``directory`` (relative; TensorBoard's host- and time-stamped names masked)."""
+    names = {re.sub(r"events\.out\.tfevents\..*", "events", str(p.relative_to(directory))) for p in directory.rglob("*")}
+    return tuple(sorted(n for n in names if (directory / n).is_file() or n.endswith("events")))
+
+
+def _cli(*args: str) -> str:
+    """``nnxtron ARGS`` in this process; its standard output (a non-zero exit is an error)."""
+    from nnxtron.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(args))
+    assert code == 0, out.getvalue()
+    return out.getvalue()
+
+
+def _cli_values(values: Overrides) -> list[str]:
+    """``key=value`` arguments (text as it is, lists and booleans as YAML reads them)."""
+    return [f"{k}={v if isinstance(v, str) else json.dumps(list(v) if isinstance(v, tuple) else v)}" for k, v in values]
+
+
+@contextlib.contextmanager
+def _jax_cache_settings():
+    """Put JAX's compilation-cache settings back as they were (a run points JAX at its cache)."""
+    from nnxtron.runtime.compile_cache import _point_jax_at
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        _point_jax_at(before[0])
+
+
+@functools.cache
+def _train(values: Overrides) -> tuple[Path, str]:
+    """``nnxtron train`` of the config into a fresh directory: (run directory, its output).
+    The runs share one compilation cache (their steps are mostly the same programs)."""
+    if dict(values).get("init_from"):  # init_from brings the model: model_name is refused with it
+        values = tuple((k, v) for k, v in values if k != "model_name")
+    base = Path(tempfile.mkdtemp(dir=WORK))
+    cache = ("compilation_cache_dir", str(WORK / "run-cache")), ("compilation_cache_min_compile_seconds", 0)
+    args = _cli_values(cache + values)
+    with _jax_cache_settings():
+        out = _cli("train", *args, f"base_output_directory={base}", "run_name=run", "--no-progress")
+    return base / "run", out
+
+
+def run(values: Overrides) -> tuple:
+    """What ``nnxtron train`` leaves and says: the files of the run directory, the metrics
+    records (steps, names, losses), the checkpoints kept, the steps it printed and its sample."""
+    directory, out = _train(values)
+    files = _files(directory)
+    checkpoints = sorted(p.name for p in (directory / "checkpoints").iterdir()) if (directory / "checkpoints").is_dir() else []
+    records = []
+    for line in (directory / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        losses = {k: round(v, 4) for k, v in record.items() if "loss" in k}
+        records.append((record["step"], tuple(sorted(record)), tuple(sorted(losses.items()))))
+    printed = [line.split(":")[0] for line in out.splitlines() if line.startswith("step ")]
+    sample = out.split("--- sample", 1)[1] if "--- sample" in out else None
+    return files, tuple(checkpoints), tuple(records), tuple(printed), sample
+
+
+def baseline_run(values: Overrides) -> str:
+    """The run directory of ``nnxtron train`` with ``values`` (cached: a checkpoint to load from)."""
+    return str(_train(values)[0])
+
+
+GENERATE_KEYS = ("prompt", "max_new_tokens")  # given to `generate`; the other values train its run
+
+
+def generate(values: Overrides) -> tuple:
+    """``nnxtron generate --json`` with the ``GENERATE_KEYS`` of ``values`` on the run directory
+    that ``nnxtron train`` with the other values wrote: the prompt and the tokens sampled."""
+    run_values = tuple((k, v) for k, v in values if k not in GENERATE_KEYS)
+    overrides = tuple((k, v) for k, v in values if k in GENERATE_KEYS)
+    out = _cli("generate", baseline_run(run_values), *_cli_values(overrides), "--json")
+    record = json.loads(out.strip().splitlines()[-1])
+    return record["prompt"], tuple(record["tokens"])
+
+
+def sample(values: Overrides) -> tuple:
+    """What the CLI's sampler (``cli._sample``: tokenizer, prompt, limits, KV-cached decoding)
+    gives a freshly initialised model of the config for 6 new tokens: the prompt and the
+    tokens, or the UserError that refuses them."""
+    from nnxtron.cli import _sample
+    from nnxtron.models.build import build_model
+
+    cfg = _config(values)
+    try:
+        text, stream = _sample(build_model(cfg), cfg, 6)
+        return tuple(stream), text.text()
+    except UserError as err:
+        return ("refused", type(err).__name__)
+
+
+def sampler(values: Overrides) -> tuple:
+    """The token ids the configured sampler (``infer.decode.sampler``) picks from fixed logits
+    (64 rows over 256 ids, three steps: each step draws a fresh key)."""
+    from nnxtron.infer.decode import sampler as make_sampler
+
+    choose = make_sampler(_config(values))
+    logits = np.random.default_rng(0).normal(size=(64, 256)).astype(np.float32) * 3
+    return tuple(tuple(int(t) for t in choose(logits)) for _ in range(3))
+
+
+OBSERVERS: dict[str, Callable[..., Any]] = {
+    "train_step": train_step,
+    "eval_step": eval_step,
+    "setup": setup,
+    "init": init,
+    "data": data,
+    "run_dir": run_dir,
+    "compile_cache": compile_cache,
+    "peak": peak,
+    "metrics_writer": metrics_writer,
+    "run": run,
+    "generate": generate,
+    "sampler": sampler,
+    "sample": sample,
+}

@@ -1,0 +1,352 @@
+"""The flag-sensitivity matrix: every config key, set to a valid non-default value, changes
+something observable — or it is in ``nnxtron.config.inert.INERT`` with its reason.
+
+``VALUES`` gives each key its value, the tiny family config where the key applies, the
+observer that must see it (``tests/flags/observers.py``: the lowered train step, the eval
+step, the initial weights, the batches, the files and output of ``nnxtron train`` ...) and
+``base``: keys set in both the reference and the variant so that the key is read (e.g.
+``opt_type=lion`` for ``lion_b1``). ``also`` (rare) is set in the variant only, for keys that
+are legal only together with another (``csa_compress_ratio`` renames entries of
+``compress_ratios``). Schema keys are iterated, so a new key fails here until it has an entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from nnxtron.config import load_config
+from nnxtron.config.inert import INERT
+from nnxtron.config.schema import Config
+from tests.flags import observers as obs
+
+TRACE = {"max_target_length": 16, "per_device_batch_size": 1}  # every traced family: tiny shapes
+FAMILIES: dict[str, dict[str, Any]] = {  # family -> what shrinks it further (the presets are already tiny)
+    "llama3.1-tiny": {"base_num_decoder_layers": 2},
+    "mixtral-tiny": {},
+    "deepseek3-test": {},
+    "deepseek4-test": {
+        "base_num_decoder_layers": 3,
+        "compress_ratios": (0, 4, 8),
+        "first_num_hash_layers": 1,
+        "sinkhorn_iterations": 3,
+    },
+    "gemma3-tiny": {},
+    "llama4-tiny": {},
+    "gpt3-52k": {},
+    "llama2-tiny": {"vocab_size": 320},  # data and run observers: a byte-level model
+}
+C = obs.corpus()
+T = obs.tokenizers()
+DATA = {"dataset_path": (C["text"],), "eval_split_fraction": 0.3, "max_target_length": 16}
+RUN = {
+    "dataset_path": (C["text"],), "eval_split_fraction": 0.3, "per_device_batch_size": 1, "max_target_length": 16,
+    "base_num_decoder_layers": 1, "steps": 4, "eval_interval": 2, "eval_steps": 1, "checkpoint_period": 2,
+    "log_period": 1, "sample_after_training": 0, "enable_tensorboard": False, "learning_rate": 0.01,
+    "warmup_steps_fraction": 0.0,
+}  # fmt: skip
+CACHE_DIR = str(obs.WORK / "jax-cache")
+PIPE = {"ici_pipeline_parallelism": 2, "base_num_decoder_layers": 4, "per_device_batch_size": 2}
+QUANT = {"use_qwix_quantization": True, "quantization": "int8"}
+CUSTOM = {"remat_policy": "custom"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    value: Any
+    observer: str = "train_step"
+    family: str = "llama3.1-tiny"
+    base: dict[str, Any] = field(default_factory=dict)
+    also: dict[str, Any] = field(default_factory=dict)
+
+
+F = Flag
+D, R = "llama2-tiny", "run"
+VALUES: dict[str, Flag] = {
+    # --- run
+    "run_name": F("flagrun", "run_dir", D),
+    "base_output_directory": F(str(obs.WORK / "elsewhere"), "run_dir", D),
+    "model_name": F("qwen3-tiny"),
+    "compilation_cache_dir": F(CACHE_DIR, "compile_cache", D),
+    "compilation_cache_min_compile_seconds": F(7.0, "compile_cache", D, {"compilation_cache_dir": CACHE_DIR}),
+    # --- model
+    "decoder_block": F("gemma3"),
+    "base_emb_dim": F(32),
+    "base_num_query_heads": F(8),
+    "base_num_kv_heads": F(4),
+    "head_dim": F(8),
+    "base_mlp_dim": F(64),
+    "base_num_decoder_layers": F(3),
+    "vocab_size": F(512),
+    "normalization_layer_epsilon": F(1e-3),
+    "mlp_activations": F(("gelu", "linear")),
+    "rope_type": F("default"),
+    "rope_max_timescale": F(10000.0),
+    "rope_interleave": F(True),
+    "rope_scaling_factor": F(4.0),
+    "rope_low_freq_factor": F(2.0),
+    "rope_high_freq_factor": F(8.0),
+    "rope_original_max_position_embeddings": F(32),
+    "max_position_embeddings": F(8, "sample", D, {"base_num_decoder_layers": 1}),  # decoding's limit (RoPE: HF ignores it)
+    "beta_fast": F(128.0, family="deepseek3-test"),  # the yarn ramp of 4 frequencies moves
+    "beta_slow": F(0.25, family="deepseek3-test"),
+    "mscale": F(0.5, family="deepseek3-test"),
+    "mscale_all_dim": F(0.5, family="deepseek3-test"),
+    "sliding_window_size": F(8),
+    "sliding_window_pattern": F(2, family="gemma3-tiny"),
+    "local_rope_max_timescale": F(20000.0, family="gemma3-tiny"),
+    "query_pre_attn_scalar": F(32.0, family="gemma3-tiny"),
+    "nope_layer_interval": F(2, family="llama4-tiny"),
+    "chunk_attn_window_size": F(4, family="llama4-tiny"),
+    "temperature_tuning": F(False, family="llama4-tiny"),
+    "temperature_tuning_floor_scale": F(4.0, family="llama4-tiny"),
+    "temperature_tuning_scale": F(0.2, family="llama4-tiny"),
+    "interleave_moe_layer_step": F(1, family="llama4-tiny"),
+    "inhomogeneous_layer_cycle_interval": F(8, family="llama4-tiny"),
+    "trainable_position_size": F(1024, family="gpt3-52k"),
+    "attention_type": F("global", family="deepseek3-test"),
+    "attention": F("dot_product"),
+    "use_qk_norm": F(True),
+    "q_lora_rank": F(0, family="deepseek3-test"),
+    "kv_lora_rank": F(32, family="deepseek3-test"),
+    "qk_nope_head_dim": F(8, family="deepseek3-test"),
+    "qk_rope_head_dim": F(16, family="deepseek3-test"),
+    "v_head_dim": F(8, family="deepseek3-test"),
+    "compress_ratios": F((0, 8, 4), family="deepseek4-test"),
+    "csa_compress_ratio": F(2, family="deepseek4-test", also={"compress_ratios": (0, 2, 8)}),
+    "hca_compress_ratio": F(16, family="deepseek4-test", also={"compress_ratios": (0, 4, 16)}),
+    "compressed_rope_max_timescale": F(80000.0, family="deepseek4-test"),
+    "o_groups": F(4, family="deepseek4-test"),
+    "o_lora_rank": F(4, family="deepseek4-test"),
+    "indexer_n_heads": F(2, family="deepseek4-test"),
+    "indexer_head_dim": F(16, family="deepseek4-test"),
+    "indexer_topk": F(1, family="deepseek4-test"),
+    "mhc_expansion_rate": F(2, family="deepseek4-test"),
+    "sinkhorn_iterations": F(5, family="deepseek4-test"),
+    "mhc_eps": F(1e-3, family="deepseek4-test"),
+    "first_num_hash_layers": F(2, family="deepseek4-test"),
+    "mlp_activations_limit": F(1.0, family="deepseek4-test"),
+    # --- mixture of experts
+    "num_experts": F(8, family="mixtral-tiny"),
+    "num_experts_per_tok": F(1, family="mixtral-tiny"),
+    "base_moe_mlp_dim": F(48, family="mixtral-tiny"),
+    "shared_experts": F(2, family="deepseek3-test"),
+    "first_num_dense_layers": F(2, family="deepseek3-test"),
+    "routed_score_func": F("sigmoid", family="mixtral-tiny"),
+    "norm_topk_prob": F(False, family="deepseek3-test"),
+    "routed_scaling_factor": F(1.0, family="deepseek3-test"),
+    "routed_bias": F(False, family="deepseek3-test"),
+    "routed_bias_update_rate": F(0.01, family="deepseek3-test"),
+    "n_routing_groups": F(2, family="deepseek3-test", base={"n_routing_groups": 4, "topk_routing_group": 2}),
+    "topk_routing_group": F(1, family="deepseek3-test", base={"n_routing_groups": 4, "topk_routing_group": 2}),
+    "router_scales_expert_input": F(False, family="llama4-tiny"),
+    "capacity_factor": F(1.0, family="mixtral-tiny"),
+    "capacity_scope": F("sequence", family="mixtral-tiny", base={"capacity_factor": 1.0}),
+    "moe_compute": F("dense", family="mixtral-tiny"),
+    "grouped_matmul": F("ragged_dot", family="mixtral-tiny"),
+    "load_balance_loss_weight": F(0.01, family="mixtral-tiny"),
+    "load_balance_convention": F("maxtext", family="mixtral-tiny", base={"load_balance_loss_weight": 0.01}),
+    # --- multi-token prediction and the head
+    "mtp_num_layers": F(1, family="deepseek3-test"),
+    "mtp_loss_scaling_factor": F(0.3, family="deepseek3-test", base={"mtp_num_layers": 1}),
+    "mtp_eval_target_module": F(1, "eval_step", "deepseek3-test", {"mtp_num_layers": 1}),
+    "logits_via_embedding": F(False),
+    "tied_head_bf16": F(True),
+    "final_logits_soft_cap": F(30.0),
+    "dtype": F("bfloat16"),
+    "weight_dtype": F("bfloat16"),
+    "matmul_precision": F("highest"),
+    # --- layer stacking and memory
+    "scan_layers": F(False),
+    "remat_policy": F("minimal"),
+    "decoder_layer_input": F("device", base=CUSTOM),
+    "query_proj": F("device", base=CUSTOM),
+    "key_proj": F("device", base=CUSTOM),
+    "value_proj": F("device", base=CUSTOM),
+    "qkv_proj": F("device", base=CUSTOM),  # shorthand for query/key/value_proj
+    "context": F("device", base=CUSTOM),
+    "out_proj": F("device", base=CUSTOM),
+    "mlpwi": F("device", base=CUSTOM),
+    "mlpwi_0": F("device", base=CUSTOM),
+    "mlpwi_1": F("device", base=CUSTOM),
+    "mlpwo": F("device", family="gemma3-tiny", base=CUSTOM),  # its post-MLP norm reads it (a pre-norm block's backward does not)
+    "parameter_memory_host_offload": F(True),
+    "optimizer_memory_host_offload": F(True),
+    "gradient_accumulation_steps": F(2, base={"per_device_batch_size": 2}),
+    # --- parallelism
+    "ici_data_parallelism": F(2),
+    "ici_fsdp_parallelism": F(2, base={"ici_data_parallelism": -1, "ici_fsdp_parallelism": 1}),
+    "ici_tensor_parallelism": F(2),
+    "ici_context_parallelism": F(2),
+    "context_parallel_strategy": F("all_gather", base={"ici_context_parallelism": 2}),
+    "context_parallel_load_balance": F(False, base={"ici_context_parallelism": 2}),
+    "ici_expert_parallelism": F(2, family="mixtral-tiny"),
+    "sharding_tolerance": F(0.0, "setup"),
+    "ici_pipeline_parallelism": F(2),
+    "dcn_pipeline_parallelism": F(2),
+    "num_pipeline_microbatches": F(4, base=PIPE),
+    "num_layers_per_pipeline_stage": F(2, base=PIPE),
+    "pipeline_parallel_layers": F(2, base=PIPE),
+    "scan_pipeline_iterations": F(False, base=PIPE),
+    "scan_pipeline_repeats": F(False, base=PIPE),
+    "set_remat_policy_on_pipeline_iterations": F(False, base=PIPE),
+    "set_remat_policy_on_layers_per_stage": F(True, base=PIPE),
+    "pipeline_delay_activation_forwarding": F(True, base={**PIPE, "num_pipeline_microbatches": 4}),
+    "pipeline_fsdp_ag_once": F(True, base=PIPE),
+    "logical_axis_rules": F("activation_batch without fsdp"),  # replaced by RULES below
+    # --- quantized training
+    "use_qwix_quantization": F(True, also={"quantization": "int8"}),
+    "quantization": F("fp8", base=QUANT),
+    "qwix_module_path": F("(.*layers)/.*mlp.*", base=QUANT),
+    "qwix_exclude_module_path": F(".*/(router|.*_hc|.*attention.*)", base=QUANT),
+    "weight_quantization_calibration_method": F("absmax,0.9", base=QUANT),
+    "act_quantization_calibration_method": F("absmax,0.9", base=QUANT),
+    "bwd_quantization_calibration_method": F("minmax", base=QUANT),
+    "quantization_tile_size": F(16, base=QUANT),
+    "quantization_bwd_tile_size": F(16, base=QUANT),
+    # --- data
+    "dataset_type": F("synthetic", "data", D, DATA),
+    "dataset_path": F((C["text_a"],), "data", D, DATA),
+    "dataset_weights": F((0.9, 0.1), "data", D, {**DATA, "dataset_path": (C["text_a"], C["text_b"])}),
+    "grain_train_files": F(
+        f"{C['text_a']}:0.5;{C['text_b']}:0.5", "data", D, {**DATA, "dataset_path": ("{python_stdlib}/*.py",)}
+    ),
+    "dataset_text_field": F("body", "data", D, {**DATA, "dataset_type": "jsonl", "dataset_path": (C["jsonl"],)}),
+    "tokenizer_type": F("hf", "data", D, DATA, also={"tokenizer_path": T["bpe_a"]}),
+    "tokenizer_path": F(T["bpe_b"], "data", D, {**DATA, "tokenizer_type": "hf", "tokenizer_path": T["bpe_a"]}),
+    "add_bos": F(False, "data", D, DATA),
+    "add_eos": F(False, "data", D, DATA),
+    "packing": F("pad", "data", D, DATA),
+    "truncate_documents": F(True, "data", D, DATA),
+    "skip_bad_records": F(True, "data", D, {**DATA, "dataset_type": "jsonl", "dataset_path": (C["jsonl_bad"],)}),
+    "eval_split_fraction": F(0.5, "data", D, DATA),
+    "data_shuffle_seed": F(7, "data", D, DATA),
+    "data_num_epochs": F(1, "data", D, DATA),
+    "data_read_threads": F(0, "data", D, DATA),
+    "data_prefetch_batches": F(0, "data", D, DATA),
+    "data_stats_documents": F(2, "data", D, DATA),
+    "per_device_batch_size": F(2),
+    "max_target_length": F(32),
+    # --- optimisation
+    "steps": F(100),
+    "learning_rate": F(1e-3),
+    "warmup_steps_fraction": F(0.2),
+    "learning_rate_schedule_steps": F(200),
+    "cosine_learning_rate_final_fraction": F(0.3),
+    "lr_schedule_type": F("wsd"),
+    "learning_rate_final_fraction": F(0.3, base={"lr_schedule_type": "linear"}),
+    "wsd_decay_steps_fraction": F(0.3, base={"lr_schedule_type": "wsd"}),
+    "wsd_decay_style": F("cosine", base={"lr_schedule_type": "wsd"}),
+    "lr_schedule_convention": F("maxtext"),
+    "opt_type": F("lion"),
+    "weight_decay_mask": F("all"),
+    "adam_b1": F(0.8),
+    "adam_b2": F(0.99),
+    "adam_eps": F(1e-6),
+    "adam_weight_decay": F(0.01),
+    "adafactor_decay_rate": F(0.5, base={"opt_type": "adafactor"}),
+    "adafactor_weight_decay": F(0.01, base={"opt_type": "adafactor"}),
+    "lion_b1": F(0.8, base={"opt_type": "lion"}),
+    "lion_b2": F(0.95, base={"opt_type": "lion"}),
+    "lion_weight_decay": F(0.01, base={"opt_type": "lion"}),
+    "sgd_momentum": F(0.9, base={"opt_type": "sgd"}),
+    "muon_beta": F(0.9, base={"opt_type": "muon"}),
+    "muon_weight_decay": F(0.01, base={"opt_type": "muon"}),
+    "muon_consistent_rms": F(0.2, base={"opt_type": "muon"}),
+    "gradient_clipping_threshold": F(0.5),
+    "non_finite_policy": F("skip"),
+    "init_weights_seed": F(3, "init"),
+    "dropout_rate": F(0.1),
+    "enable_dropout": F(False, base={"dropout_rate": 0.1}),
+    # --- eval, checkpoints, logging
+    "eval_interval": F(1, R, D, RUN),
+    "eval_steps": F(2, R, D, RUN),
+    "enable_checkpointing": F(False, R, D, RUN),
+    "checkpoint_period": F(1, R, D, RUN),
+    "max_num_checkpoints_to_keep": F(1, R, D, RUN),
+    "load_parameters_path": F("<baseline run>", R, D, RUN),
+    "init_from": F("<baseline run>", R, D, RUN),
+    "log_period": F(2, R, D, RUN),
+    "enable_tensorboard": F(False, "metrics_writer", D),
+    "enable_wandb": F(True, "metrics_writer", D, also={"wandb_mode": "offline"}),
+    "wandb_project": F("p", "metrics_writer", D, {"enable_wandb": True}),
+    "wandb_entity": F("e", "metrics_writer", D, {"enable_wandb": True}),
+    "wandb_run_name": F("n", "metrics_writer", D, {"enable_wandb": True}),
+    "wandb_mode": F("offline", "metrics_writer", D, {"enable_wandb": True}),
+    "peak_tflops": F(50.0, "peak", D),
+    "sample_after_training": F(4, R, D, RUN),
+    # --- sampling
+    "prompt": F("class ", "generate", D, {**RUN, "max_new_tokens": 6}),
+    "max_new_tokens": F(3, "generate", D, {**RUN, "max_new_tokens": 6}),
+    "decode_sampling_strategy": F("greedy", "sampler", D),
+    "decode_sampling_temperature": F(0.3, "sampler", D),
+    "decode_sampling_top_k": F(3, "sampler", D),
+    "decode_sampling_nucleus_p": F(0.3, "sampler", D, {"decode_sampling_strategy": "nucleus"}),
+    "decode_sampling_seed": F(5, "sampler", D),
+}
+
+
+def _rules_without_fsdp_batch() -> tuple:
+    rules = load_config().logical_axis_rules
+    return tuple((name, tuple(a for a in axes if a != "fsdp") if name == "activation_batch" else axes) for name, axes in rules)
+
+
+def _value(key: str, flag: Flag) -> Any:
+    """The variant value (a few depend on this process: rules, a baseline run to load)."""
+    if key == "logical_axis_rules":
+        return _rules_without_fsdp_batch()
+    if flag.value == "<baseline run>":
+        return obs.baseline_run(obs.frozen(_reference(flag)))
+    return flag.value
+
+
+def _reference(flag: Flag) -> dict[str, Any]:
+    traced = flag.observer in ("train_step", "eval_step", "setup")
+    return {"model_name": flag.family, **(TRACE if traced else {}), **FAMILIES[flag.family], **flag.base}
+
+
+def test_every_schema_key_has_one_entry():
+    keys = set(Config.model_fields)
+    assert not keys - set(VALUES) - set(INERT), (
+        f"keys with neither a matrix entry nor an INERT reason: {sorted(keys - set(VALUES) - set(INERT))}"
+    )
+    assert not set(VALUES) & set(INERT), f"keys both in the matrix and in INERT: {sorted(set(VALUES) & set(INERT))}"
+    assert not (set(VALUES) | set(INERT)) - keys, (
+        f"entries for keys the schema does not have: {sorted((set(VALUES) | set(INERT)) - keys)}"
+    )
+    assert all(reason.strip() for reason in INERT.values())
+
+
+@pytest.mark.parametrize("key", sorted(VALUES))
+def test_flag_changes_its_observation(key):
+    flag = VALUES[key]
+    observe = obs.OBSERVERS[flag.observer]
+    reference = _reference(flag)
+    value = _value(key, flag)
+    variant = {**reference, key: value, **flag.also}
+    ref_cfg, var_cfg = load_config(values=reference), load_config(values=variant)  # both must be valid
+    assert getattr(var_cfg, key) != getattr(ref_cfg, key), f"{key}={value!r} is the reference config's own value"
+    assert observe(obs.frozen(variant)) != _baseline(flag.observer, obs.frozen(reference)), (
+        f"{key}={value!r} changed nothing the '{flag.observer}' observer sees ({flag.family}, base {flag.base}): the key "
+        "is not read, or read as another; fix the reader, or list the key in nnxtron/config/inert.py with its reason"
+    )
+
+
+_BASELINES: dict = {}
+
+
+def _baseline(observer: str, reference: obs.Overrides) -> Any:
+    """The reference observation, once per (observer, reference config) in this process."""
+    if (observer, reference) not in _BASELINES:
+        _BASELINES[observer, reference] = obs.OBSERVERS[observer](reference)
+    return _BASELINES[observer, reference]
+
+
+def test_config_show_prints_the_inert_table(capsys):
+    from nnxtron.cli import main
+
+    assert main(["config", "show", "--inert"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{key}  {reason}" in out for key, reason in INERT.items()) if INERT else "(none" in out
