@@ -432,6 +432,14 @@ MUTATIONS = [
              ("tests/unit/test_loss.py",)),
     Mutation("head-input-keeps-stack-sharding", "models/decoder.py", "        x = constrain(x, RESIDUAL)\n        x = dropout.dropout(self.final_norm(x)",
              "        x = dropout.dropout(self.final_norm(x)", ("tests/unit/test_head_sharding.py",)),
+    # flag-sensitivity matrix: a reader replaced by its default, in three layers (tests/unit/test_flag_sensitivity.py)
+    Mutation("adam-b2-reads-adam-b1", "train/optimizer.py", "schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps",
+             "schedule, b1=cfg.adam_b1, b2=cfg.adam_b1, eps=cfg.adam_eps",
+             ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[adam_b2]",)),
+    Mutation("pipeline-repeats-always-scanned", "parallel/pipeline.py", "if spec.scan_repeats:", "if True:",
+             ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[scan_pipeline_repeats]",)),
+    Mutation("shuffle-seed-ignored", "data/sources.py", "seed = source_seed(cfg.data_shuffle_seed, i)", "seed = source_seed(0, i)",
+             ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[data_shuffle_seed]",)),
 ]  # fmt: skip
 
 
