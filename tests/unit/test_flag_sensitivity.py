@@ -287,6 +287,17 @@ VALUES: dict[str, Flag] = {
     "decode_sampling_seed": F(5, "sampler", D),
 }
 
+# keys read on more than one path: each further context (label -> entry) is checked as well
+MORE: dict[str, dict[str, Flag]] = {
+    "adam_b1": {"muon": F(0.8, base={"opt_type": "muon"})},  # muon's Adam for embeddings, norms and vectors
+    "adam_b2": {"muon": F(0.99, base={"opt_type": "muon"})},
+    "adam_eps": {"muon": F(1e-6, base={"opt_type": "muon"})},
+    "adam_weight_decay": {"muon": F(0.01, base={"opt_type": "muon"})},
+}
+CASES = [pytest.param(key, flag, id=key) for key, flag in sorted(VALUES.items())] + [
+    pytest.param(key, flag, id=f"{key}-{label}") for key, more in sorted(MORE.items()) for label, flag in more.items()
+]
+
 
 def _rules_without_fsdp_batch() -> tuple:
     rules = load_config().logical_axis_rules
@@ -317,11 +328,11 @@ def test_every_schema_key_has_one_entry():
         f"entries for keys the schema does not have: {sorted((set(VALUES) | set(INERT)) - keys)}"
     )
     assert all(reason.strip() for reason in INERT.values())
+    assert set(MORE) <= set(VALUES), "a further context of a key without its main entry"
 
 
-@pytest.mark.parametrize("key", sorted(VALUES))
-def test_flag_changes_its_observation(key):
-    flag = VALUES[key]
+@pytest.mark.parametrize("key, flag", CASES)
+def test_flag_changes_its_observation(key, flag):
     observe = obs.OBSERVERS[flag.observer]
     reference = _reference(flag)
     value = _value(key, flag)
