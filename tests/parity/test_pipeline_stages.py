@@ -24,6 +24,7 @@ from tests.parity.test_pipeline import BOUNDS, PP2_FSDP2, _batch, _sequential
 from tests.unit.test_pipeline import _eqns
 
 LLAMA4 = dict(base_num_decoder_layers=4)
+STRATEGY = {"scan_layers", "remat_policy", "context_parallel_strategy", "context_parallel_load_balance"}
 UNSCANNED = dict(scan_layers=False)
 
 # case: (model, model overrides (the reference's too), pipeline overrides, devices)
@@ -131,7 +132,8 @@ def test_pipeline_stage_body_equals_the_sequential_model(case):
     cfg = tiny_config(model, **overrides, **pipeline)
     pooled = cfg.load_balance_loss_weight > 0 and cfg.load_balance_convention == "nnxtron"
     accumulation = pipeline_spec(cfg).microbatches if pooled else 1
-    frozen = tuple((key, tuple(v) if isinstance(v, list) else v) for key, v in sorted(overrides.items()))
+    # strategy keys change how, not what, is computed: rows share the reference's compiled program
+    frozen = tuple((key, tuple(v) if isinstance(v, list) else v) for key, v in sorted(overrides.items()) if key not in STRATEGY)
     reference = _sequential(model, frozen, accumulation, devices)
     result = loss_and_grads(build_model(cfg), _batch(cfg), mesh=make_mesh(cfg, jax.devices()[:devices]))
     assert_grad_parity(result, reference, **BOUNDS)
