@@ -11,12 +11,14 @@ the key). Baselines are cached per (observer, overrides).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
 import io
 import json
 import re
+import shutil
 import sys
 import tempfile
 import types
@@ -35,6 +37,7 @@ from tests.conftest import lower_train_step
 Overrides = tuple[tuple[str, Any], ...]  # sorted (key, value) pairs: hashable, so baselines are cached
 TRACE_DEVICES = 4  # the train/eval steps are lowered over this many fake devices
 WORK = Path(tempfile.mkdtemp(prefix="nnxtron-flags-"))  # corpora, tokenizers and run directories of this process
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 PARAGRAPH = "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. All that glitters is not gold.\n"
 
 
