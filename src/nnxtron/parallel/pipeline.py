@@ -8,8 +8,10 @@ block runs where and when). Every iteration:
    (the input on the first repeat, the last stage's output after that); every other
    stage takes what the previous stage produced (``shift``);
 2. all stages run at once: ``jax.vmap`` over the stage dimension with
-   ``spmd_axis_name="stage"`` of the *same* scan primitive the plain decoder uses
-   (``parallel.scan.apply_stacked``), each stage on the weights of its current repeat;
+   ``spmd_axis_name="stage"`` of a scan over the stage's blocks — the plain decoder's
+   block application (``parallel.scan``) with each block's weights read by index
+   (``_indexed_stack``: scanning over them as ``xs`` costs a copy of the stage's weights
+   per iteration under ``vmap``), each stage on the weights of its current repeat;
 3. the outputs move one stage on (a roll along the stage axis, i.e. a collective
    permute), the last stage's output goes back into the buffer, and each stage's
    non-trainable state (router bias, expert-load counters, hash tables…) is written back
@@ -38,8 +40,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnxtron.config.pipeline import PipelineSpec
 from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
 from nnxtron.parallel.remat import RematSpec, jax_policy
-from nnxtron.parallel.row_keys import Keys
-from nnxtron.parallel.scan import Aux, LayerStack, apply_stacked
+from nnxtron.parallel.row_keys import Keys, fold
+from nnxtron.parallel.scan import Aux, LayerStack, _apply_layer, add_stack_axis, apply_stacked, remove_stack_axis
 from nnxtron.parallel.sharding import Rules, activate, active_mesh, logical_to_spec, spmd_axes, variable_names
 
 STAGE = "stage"
@@ -152,6 +154,47 @@ def _write_back(state: nnx.State, repeat_ids: jax.Array, new: nnx.State, valid: 
     return jax.tree.unflatten(treedef, [put(w, repeat_ids, n, valid) for w, n in zip(old_leaves, new_leaves, strict=True)])
 
 
+def _indexed_stack(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    rest: nnx.State,
+    x: jax.Array,
+    args: tuple,
+    remat: RematSpec,
+    axis_name: str,
+    dropout_keys: Keys | None,
+    block_ids: jax.Array | None,
+) -> tuple[jax.Array, Aux, nnx.State]:
+    """``apply_stacked`` (scanned, ``remat`` per block) with the parameters read by index inside
+    the scan body instead of scanned over as ``xs``.
+
+    Under the stage ``vmap`` a scan's ``xs`` are moved to ``[lps, stages, ...]``: XLA copies
+    the stage's whole weights into that layout (and the weight gradients back) in every
+    pipeline iteration. Indexed, the weights stay ``[stages, lps, ...]``, loop-invariant (so
+    a per-block checkpoint keeps the index, not a copy of the block's weights), and their
+    gradient is written into its slice of one accumulator. Non-trainable state is small and
+    still scanned (it is also an output)."""
+    lps = jax.tree.leaves(params)[0].shape[0]
+
+    def layer(p: nnx.State, j: jax.Array, r: nnx.State, h: jax.Array, keys: Keys | None) -> tuple:
+        w = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, j, 0, keepdims=False), p)
+        state = nnx.merge_state(remove_stack_axis(w, axis_name), remove_stack_axis(r, axis_name))
+        return _apply_layer(graphdef, state, h, args, keys)
+
+    policy = jax_policy(remat)
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+
+    def body(h: jax.Array, xs: tuple) -> tuple:
+        j, r, block_id = xs
+        keys = None if block_id is None else fold(dropout_keys, block_id)
+        y, aux, new_rest = layer(params, j, r, h, keys)
+        return y, (aux, new_rest)
+
+    y, (aux, new_rest) = jax.lax.scan(body, x, (jnp.arange(lps), rest, block_ids))
+    return y, {name: jnp.sum(value, axis=0) for name, value in aux.items()}, add_stack_axis(new_rest, axis_name)
+
+
 def run_pipeline(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -185,7 +228,9 @@ def run_pipeline(
 
     def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple, keys: Keys | None, first: jax.Array | None) -> tuple:
         ids = None if keys is None else first + jnp.arange(lps, dtype=jnp.int32)
-        return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name, keys, ids, unroll=unroll)
+        if unroll:
+            return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name, keys, ids, unroll=unroll)
+        return _indexed_stack(graphdef, p, r, h, a, layer_remat, axis_name, keys, ids)
 
     run_stages = jax.vmap(run_stage, spmd_axis_name=STAGE)
 
