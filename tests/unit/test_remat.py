@@ -79,6 +79,35 @@ def test_custom_policy_per_activation():
     assert host == 2  # value_proj and mlpwi_0 offloaded
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(remat_policy="save_qkv_proj"),
+        dict(remat_policy="custom", qkv_proj="device"),
+        dict(remat_policy="custom", query_proj="device", key_proj="device", value_proj="device"),
+    ],
+    ids=["save_qkv_proj", "custom-shorthand", "custom-all-three"],
+)
+def test_a_fused_qkv_projection_follows_the_qkv_choices(overrides):
+    """GPT-3's fused projection is one activation named qkv_proj: the policies and custom
+    choices that keep q, k and v keep it (they had no effect on it before)."""
+    found = saved_residuals(*_gpt3_loss(**overrides))
+    assert any("named 'qkv_proj'" in description for _, description in found)
+    assert not any("named 'qkv_proj'" in description for _, description in saved_residuals(*_gpt3_loss(remat_policy="full")))
+
+
+def _gpt3_loss(**overrides):
+    cfg = tiny_config("gpt3-52k", scan_layers=False, base_num_decoder_layers=1, **overrides)
+    graphdef, state = nnx.split(build_model(cfg))
+    tokens = jnp.ones((2, 8), jnp.int32)
+    return (lambda s: nnx.merge(graphdef, s)(tokens).logits.sum()), state
+
+
+def test_a_fused_qkv_projection_refuses_different_choices():
+    with pytest.raises(ConfigError, match="set qkv_proj=remat|device|offload instead"):
+        tiny_config("gpt3-52k", remat_policy="custom", query_proj="device")
+
+
 def test_custom_spec_resolution():
     cfg = load_config(overrides=["remat_policy=custom", "mlpwi=offload", "mlpwi_1=device"])
     spec = dict(RematSpec.from_config(cfg).custom)

@@ -56,6 +56,21 @@ def check_combinations(cfg: Config) -> None:
     check_wandb(cfg)
     check_init_from(cfg)
     check_optimization(cfg)
+    check_fused_qkv_remat(cfg)
+
+
+def check_fused_qkv_remat(cfg: Config) -> None:
+    """GPT-3 computes q, k and v in one fused projection (one named activation, ``qkv_proj``):
+    a custom remat choice that differs between them cannot be applied."""
+    if cfg.remat_policy != "custom" or cfg.decoder_block != "gpt3":
+        return
+    own = {name: getattr(cfg, name) for name in ("query_proj", "key_proj", "value_proj")}
+    resolved = {name: cfg.qkv_proj if choice == "remat" else choice for name, choice in own.items()}
+    if len(set(resolved.values())) > 1:
+        raise ConfigError(
+            f"decoder_block=gpt3 computes query, key and value in one fused projection, so remat_policy=custom "
+            f"cannot treat them differently (got {resolved}); set qkv_proj=remat|device|offload instead"
+        )
 
 
 def check_init_from(cfg: Config) -> None:

@@ -27,16 +27,18 @@ ACTIVATIONS = (
     "mlpwi_0",
     "mlpwi_1",
     "mlpwo",
+    "qkv_proj",  # a fused q/k/v projection (GPT-3): follows query/key/value_proj when they agree
 )
 # The name of every low-precision weight product (``layers/matmul.py``): a policy cannot see the
 # dot inside its custom_vjp, so "dots without batch dimensions" policies keep it by this name.
 WEIGHT_PRODUCT = "weight_product"
 QKV = ("query_proj", "key_proj", "value_proj")
+FUSED_QKV = "qkv_proj"  # the name of a fused q/k/v projection's output
 _SAVED_NAMES = {
-    "save_dot_with_context_except_mlp": (*QKV, "context", "out_proj"),
-    "save_dot_except_mlpwi": (*QKV, "out_proj", "mlpwo"),
-    "save_dot_except_mlp": (*QKV, "out_proj"),
-    "save_qkv_proj": QKV,
+    "save_dot_with_context_except_mlp": (*QKV, FUSED_QKV, "context", "out_proj"),
+    "save_dot_except_mlpwi": (*QKV, FUSED_QKV, "out_proj", "mlpwo"),
+    "save_dot_except_mlp": (*QKV, FUSED_QKV, "out_proj"),
+    "save_qkv_proj": (*QKV, FUSED_QKV),
     "save_out_proj": ("out_proj",),
 }
 OFFLOADING = ("qkv_proj_offloaded", "minimal_offloaded")
@@ -53,14 +55,18 @@ class RematSpec:
     @classmethod
     def from_config(cls, cfg: Any) -> RematSpec:
         """Read remat_policy and, for custom, one choice per activation: the activation's own
-        key, or its shorthand (qkv_proj, mlpwi) when the own key is left at "remat"."""
+        key, or its shorthand (qkv_proj, mlpwi) when the own key is left at "remat"; a fused
+        q/k/v projection takes the choice its three parts agree on (``config/checks.py``
+        refuses parts that disagree for a family that fuses them)."""
         if cfg.remat_policy != "custom":
             return cls(cfg.remat_policy)
-        shorthand = {name: "qkv_proj" for name in QKV} | {"mlpwi_0": "mlpwi", "mlpwi_1": "mlpwi"}
+        shorthand = {name: FUSED_QKV for name in QKV} | {"mlpwi_0": "mlpwi", "mlpwi_1": "mlpwi"}
         custom = {}
         for name in ACTIVATIONS:
             own = getattr(cfg, name)
             custom[name] = getattr(cfg, shorthand[name]) if own == "remat" and name in shorthand else own
+        parts = {custom[name] for name in QKV}
+        custom[FUSED_QKV] = parts.pop() if len(parts) == 1 else "remat"
         return cls("custom", tuple(sorted(custom.items())))
 
     @property
@@ -102,7 +108,10 @@ def jax_policy(spec: RematSpec) -> Any:
         return cp.save_only_these_names(*_SAVED_NAMES[name])
     if name == "qkv_proj_offloaded":
         return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=list(QKV), offload_src=OFFLOAD_SRC, offload_dst=OFFLOAD_DST
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[*QKV, FUSED_QKV],
+            offload_src=OFFLOAD_SRC,
+            offload_dst=OFFLOAD_DST,
         )
     if name == "minimal_offloaded":
         return _dots_or_names(
