@@ -205,6 +205,14 @@ def test_quantized_structure_is_built_once_per_config():
             dict(model_name="mixtral-tiny", use_qwix_quantization=True, quantization="fp8", quantization_tile_size=16),
             "MoE grouped",
         ),
+        (
+            dict(use_qwix_quantization=True, quantization="int8", weight_quantization_calibration_method="minmax"),
+            "minmax calibration adds a zero point",
+        ),
+        (
+            dict(use_qwix_quantization=True, quantization="int8", act_quantization_calibration_method="minmax,0.9"),
+            "minmax calibration adds a zero point",
+        ),
     ],
 )
 def test_bad_quantization_options_fail_at_load(overrides, fragment):

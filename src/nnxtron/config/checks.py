@@ -351,6 +351,13 @@ def check_quantization(cfg: Config) -> None:
     for key in ("weight", "act", "bwd"):
         key = f"{key}_quantization_calibration_method"
         _check_calibration(key, getattr(cfg, key))
+    for key in ("weight_quantization_calibration_method", "act_quantization_calibration_method"):
+        if getattr(cfg, key).split(",")[0].strip() == "minmax":  # qwix's backward asserts zero_point is None
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)!r}: minmax calibration adds a zero point, which qwix's training backward "
+                "pass does not support for the forward operands; use absmax[,c], rms,c or fixed,lo,hi "
+                "(bwd_quantization_calibration_method may be minmax)"
+            )
     if cfg.num_experts > 1:
         moe_only_default = ["quantization_tile_size", "quantization_bwd_tile_size"] + [
             f"{k}_quantization_calibration_method" for k in ("weight", "act", "bwd")
