@@ -4,6 +4,7 @@ and ``base.yml`` holds each "not used" value the checks compare against."""
 
 from __future__ import annotations
 
+import re
 import typing
 
 import jax
@@ -16,6 +17,7 @@ from nnxtron.config import deepseek4, derive, load_config, options
 from nnxtron.config.loader import PRESET_DIR
 from nnxtron.config.schema import Config
 from nnxtron.data.tokenizer import TOKENIZERS
+from nnxtron.errors import ConfigError
 from nnxtron.infer.sample import sample_logits
 from nnxtron.models.build import abstract_model
 from nnxtron.models.quant import MODES
@@ -90,8 +92,14 @@ def test_every_sampling_strategy_samples(strategy):
 
 @pytest.mark.parametrize(
     "table",
-    [options.PIPELINE_OPTIONS_OFF, options.QUANTIZATION_OPTIONS_OFF, deepseek4.OPTIONS_OFF, options.WANDB_OPTIONS_OFF],
-    ids=["pipeline", "quantization", "deepseek4", "wandb"],
+    [
+        options.PIPELINE_OPTIONS_OFF,
+        options.QUANTIZATION_OPTIONS_OFF,
+        deepseek4.OPTIONS_OFF,
+        options.WANDB_OPTIONS_OFF,
+        options.MOE_OPTIONS_OFF,
+    ],
+    ids=["pipeline", "quantization", "deepseek4", "wandb", "moe"],
 )
 def test_base_yml_holds_the_off_values(table):
     values = {key: tuple(BASE[key]) if isinstance(BASE[key], list) else BASE[key] for key in table}
@@ -120,3 +128,19 @@ def test_base_yml_holds_the_optimization_defaults():
     read = {k for table in (options.SCHEDULE_KEYS, options.OPTIMIZER_KEYS) for keys in table.values() for k in keys}
     assert read == set(options.OPTIMIZATION_DEFAULTS)
     assert {key: BASE[key] for key in options.OPTIMIZATION_DEFAULTS} == options.OPTIMIZATION_DEFAULTS
+
+
+@pytest.mark.parametrize(
+    "model, overrides, fragment",
+    [
+        ("llama3.1-tiny", dict(shared_experts=2), "shared_experts=2 is read only by MoE layers"),
+        ("llama3.1-tiny", dict(load_balance_loss_weight=0.01), "load_balance_loss_weight=0.01 is read only by MoE layers"),
+        ("qwen3-tiny", dict(first_num_dense_layers=1), "first_num_dense_layers=1 is read only by MoE layers"),
+        ("gpt3-52k", dict(mlp_activations=["gelu", "linear"]), "decoder_block gpt3 has a plain (ungated) MLP"),
+        ("llama4-tiny", dict(sliding_window_size=8), "sliding_window_size=8 is not read when chunk_attn_window_size"),
+    ],
+)
+def test_keys_a_model_would_not_read_are_refused(model, overrides, fragment):
+    """Found by the flag-sensitivity matrix: these were accepted and changed nothing."""
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_config(values={"model_name": model, **overrides})

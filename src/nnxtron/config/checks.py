@@ -35,6 +35,11 @@ def check_combinations(cfg: Config) -> None:
         )
     if cfg.head_dim == 0 or cfg.resolved_head_dim % 2:
         raise ConfigError(f"head_dim must be a positive even number for RoPE, got {cfg.resolved_head_dim}")
+    if cfg.decoder_block == "gpt3" and len(cfg.mlp_activations) != 1:
+        raise ConfigError(
+            f"decoder_block gpt3 has a plain (ungated) MLP, so mlp_activations={list(cfg.mlp_activations)} cannot apply; "
+            "use one activation, e.g. mlp_activations=[gelu]"
+        )
     if tuple(cfg.mlp_activations) not in options.SUPPORTED_MLP_ACTIVATIONS:
         raise ConfigError(
             f"mlp_activations {list(cfg.mlp_activations)} is not supported by decoder_block "
@@ -181,6 +186,13 @@ def check_moe(cfg: Config) -> None:
     if experts == 1:
         if cfg.ici_expert_parallelism not in (1, -1):
             raise ConfigError(f"ici_expert_parallelism={cfg.ici_expert_parallelism} needs num_experts > 1 (got 1)")
+        changed = [key for key, off in options.MOE_OPTIONS_OFF.items() if getattr(cfg, key) != off]
+        if changed:
+            key = changed[0]
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)!r} is read only by MoE layers, and this model is dense (num_experts=1); "
+                f"set num_experts > 1 or leave {key} at {options.MOE_OPTIONS_OFF[key]!r}"
+            )
         return
     if k > experts:
         raise ConfigError(f"num_experts_per_tok ({k}) is larger than num_experts ({experts}); choose at most {experts}")
@@ -293,6 +305,12 @@ def cudnn_unsupported(
 def check_layer_pattern(cfg: Config) -> None:
     """Window, chunk and pattern sizes; whether the layers form whole stacks is checked by
     ``layout.pattern_stacks`` (when a model is built, or here through a pipeline)."""
+    if cfg.chunk_attn_window_size and cfg.sliding_window_size and not cfg.sliding_window_pattern and not cfg.compress_ratios:
+        raise ConfigError(
+            f"sliding_window_size={cfg.sliding_window_size} is not read when chunk_attn_window_size="
+            f"{cfg.chunk_attn_window_size} > 0 (chunked attention replaces the sliding window on RoPE layers, "
+            "NoPE layers are global); set sliding_window_size=0"
+        )
     for name in ("sliding_window_size", "chunk_attn_window_size"):
         size = getattr(cfg, name)
         if size > cfg.max_position_embeddings:

@@ -136,6 +136,26 @@ OPTIMIZATION_DEFAULTS: dict[str, Any] = {  # their base.yml values
 NON_FINITE_POLICIES = ("stop", "skip")  # a NaN/Inf loss or gradient: stop the run, or skip that update
 SAMPLING_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
 
+# mixture of experts: the MoE keys' base.yml values, which MaxText's base.yml shares; any other
+# value needs num_experts > 1 (a dense model never reads them). The MoE keys whose MaxText
+# defaults differ from nnxtron's (norm_topk_prob, base_moe_mlp_dim, routed_score_func's ""),
+# are listed in config/inert.py for dense models instead, so MaxText configs keep loading.
+MOE_OPTIONS_OFF: dict[str, Any] = {
+    "num_experts_per_tok": 1,
+    "shared_experts": 0,
+    "first_num_dense_layers": 0,
+    "routed_scaling_factor": 1.0,
+    "routed_bias": False,
+    "routed_bias_update_rate": 0.0,
+    "n_routing_groups": -1,
+    "topk_routing_group": -1,
+    "router_scales_expert_input": False,
+    "capacity_factor": -1.0,
+    "capacity_scope": "call",
+    "grouped_matmul": "auto",
+    "load_balance_loss_weight": 0.0,
+}
+
 # Weights & Biases (train/wandb_logger.py passes it to wandb.init): "" = W&B's own choice (WANDB_MODE, else online)
 WANDB_MODES = ("", "online", "offline")
 # the wandb_* keys' base.yml values; any other value needs enable_wandb=true
