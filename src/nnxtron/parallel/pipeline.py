@@ -102,6 +102,12 @@ def _staged_spec(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(STAGE, *batch[: ndim - 1], *(None,) * max(ndim - 3, 0)))
 
 
+def _buffer_spec(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
+    """[stages, microbatches, microbatch rows, length, ...] buffer: stage axis, then the batch rules."""
+    batch = tuple(logical_to_spec(("activation_batch", "activation_length"), rules, mesh))
+    return NamedSharding(mesh, PartitionSpec(STAGE, None, *batch[: ndim - 2], *(None,) * max(ndim - 4, 0)))
+
+
 def _weight_spec(variable: nnx.Variable, mesh: Mesh, rules: Rules, drop_fsdp: bool) -> NamedSharding:
     """[repeats, stages, lps, ...] stage weights: the stage axis on dim 1, the rest by its names."""
     names = variable_names(variable)
@@ -243,6 +249,13 @@ def run_pipeline(
         staged_rest = _to_stages(rest, spec, mesh, inner, drop_fsdp=False)
         stage_ids = jnp.arange(stages)
         place = lambda h: jax.lax.with_sharding_constraint(h, _staged_spec(mesh, inner, h.ndim))  # noqa: E731
+        # the microbatch buffer [stages, M, mb, ...]: one copy per stage, on the stage's devices.
+        # Only stage 0's copy is read and written meaningfully (the others take the same
+        # updates and are discarded): a buffer shared by the stages would need the last
+        # stage's output sent to every stage (an all-reduce) and its index every iteration
+        keep = lambda b: jax.lax.with_sharding_constraint(b, _buffer_spec(mesh, inner, b.ndim))  # noqa: E731
+        read = jax.vmap(lambda b, m: jax.lax.dynamic_index_in_dim(b, m, 0, keepdims=False))
+        put = jax.vmap(lambda b, v, m: jax.lax.dynamic_update_index_in_dim(b, v, m, 0))
 
         def compute(
             weights: nnx.State, state: nnx.State, h: jax.Array, a: tuple, repeat_ids: jax.Array | None, keys: tuple
@@ -268,21 +281,27 @@ def run_pipeline(
             valid = (item >= 0) & (item < micro * repeats)
             item = jnp.clip(item, 0, micro * repeats - 1)
             micro_ids, repeat_ids = item % micro, item // micro
-            first = jax.lax.dynamic_index_in_dim(buffer, micro_ids[0], 0, keepdims=False)
+            # every stage reads its own copy of the buffer (only stage 0 keeps it, see below)
+            first = read(buffer, micro_ids)
             is_first = (stage_ids == 0).reshape(stages, *(1,) * (shift.ndim - 1))
-            h = place(jnp.where(is_first, first[None], shift))
+            h = place(jnp.where(is_first, first, shift))
             a = tuple(place(jnp.take(m, micro_ids, axis=0)) for m in micro_args)
             keys = () if micro_keys is None else (place(jnp.take(micro_keys, micro_ids, axis=0)), first_blocks(repeat_ids))
             y, aux, new_state = compute(staged_params, state, h, a, repeat_ids if repeats > 1 else None, keys)
             y = place(y)
             state = _write_back(state, repeat_ids, new_state, valid)
             aux_sum = {name: aux_sum[name] + jnp.sum(jnp.where(valid, value, 0.0)) for name, value in aux.items()}
-            is_last = (stage_ids == stages - 1).reshape(is_first.shape)
-            out = jnp.sum(jnp.where(is_last, y, jnp.zeros((), y.dtype)), axis=0)  # the last stage's, as a reduction
-            done = jax.lax.dynamic_index_in_dim(buffer, micro_ids[-1], 0, keepdims=False)
-            buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(valid[-1], out, done), micro_ids[-1], 0)
             sent = y if delay == 1 else previous  # delayed forwarding: last iteration's outputs move on
             shift = place(jnp.roll(sent, 1, axis=0))
+            # the last stage's output, moved one stage on (the shift itself without delay),
+            # reaches stage 0's buffer; the last stage's item is a function of t alone, so no
+            # stage reads another stage's ids
+            arrived = shift if delay == 1 else place(jnp.roll(y, 1, axis=0))
+            last = t - delay * (stages - 1)
+            last_micro = jnp.clip(last, 0, micro * repeats - 1) % micro
+            last_ids = jnp.full((stages,), last_micro)
+            done = read(buffer, last_ids)
+            buffer = keep(put(buffer, jnp.where((last >= 0) & (last < micro * repeats), arrived, done), last_ids))
             return buffer, shift, y if delay > 1 else previous, state, aux_sum
 
         def run_iterations(carry: tuple, first: jax.Array, count: int) -> tuple:
@@ -297,7 +316,8 @@ def run_pipeline(
         first_args = tuple(jnp.take(m, first_ids, axis=0) for m in micro_args)
         first_keys = () if micro_keys is None else (jnp.take(micro_keys, first_ids, axis=0), first_ids)
         aux_names = jax.eval_shape(compute, staged_params, staged_rest, zeros, first_args, first_ids, first_keys)[1]
-        carry = (parts["x"], zeros, zeros, staged_rest, {name: jnp.zeros((), jnp.float32) for name in aux_names})
+        buffer = keep(jnp.broadcast_to(parts["x"][None], (stages, *parts["x"].shape)))
+        carry = (buffer, zeros, zeros, staged_rest, {name: jnp.zeros((), jnp.float32) for name in aux_names})
         if spec.scan_repeats:
             carry = jax.lax.scan(lambda c, r: (run_iterations(c, r * micro, micro), None), carry, jnp.arange(repeats))[0]
         else:
@@ -305,6 +325,6 @@ def run_pipeline(
                 carry = run_iterations(carry, jnp.int32(r * micro), micro)
         carry = run_iterations(carry, jnp.int32(repeats * micro), spec.tail_iterations)
         buffer, _, _, state, aux_sum = carry
-        y = merge_microbatches(buffer)
+        y = merge_microbatches(buffer[0])
     aux = {name: value / micro for name, value in aux_sum.items()}
     return y, aux, _from_stages(state, spec.blocks)
