@@ -5,15 +5,17 @@ with the ``stage`` mesh axis on the stage dimension (``config.pipeline`` says wh
 block runs where and when). Every iteration:
 
 1. stage 0 takes the current activation of its microbatch from a buffer ``[M, mb, ...]``
-   (the input on the first repeat, the last stage's output after that); every other
-   stage takes what the previous stage produced (``shift``);
+   (the input on the first repeat, the last stage's output after that; each stage holds
+   a copy, ``[stages, M, mb, ...]``, and only stage 0's is used, so the buffer never
+   crosses stages); every other stage takes what the previous stage produced (``shift``);
 2. all stages run at once: ``jax.vmap`` over the stage dimension with
    ``spmd_axis_name="stage"`` of a scan over the stage's blocks — the plain decoder's
    block application (``parallel.scan``) with each block's weights read by index
    (``_indexed_stack``: scanning over them as ``xs`` costs a copy of the stage's weights
    per iteration under ``vmap``), each stage on the weights of its current repeat;
 3. the outputs move one stage on (a roll along the stage axis, i.e. a collective
-   permute), the last stage's output goes back into the buffer, and each stage's
+   permute), the last stage's output, which the roll brings to stage 0, goes back into
+   its buffer, and each stage's
    non-trainable state (router bias, expert-load counters, hash tables…) is written back
    for the repeat it used — only when that stage held a real microbatch, so bubbles
    never mutate state.
