@@ -54,6 +54,12 @@ def random_batch(cfg, batch: int = 4, seq: int = 24, seed: int = 0, packed: bool
 def lower_train_step(cfg, devices: int):
     """The train step of ``cfg`` on the first ``devices`` fake devices, lowered on abstract
     (sharded) state and batch (``nnxtron plan``'s lowering): ``(model_setup, lowered)``."""
+    model_setup, traced = trace_train_step(cfg, devices)
+    return model_setup, traced.lower()
+
+
+def trace_train_step(cfg, devices: int):
+    """As ``lower_train_step``, traced only: ``(model_setup, traced)`` (``traced.jaxpr``)."""
     from nnxtron.config.derived import derive
     from nnxtron.parallel.mesh import make_mesh
     from nnxtron.tools import plan
@@ -64,7 +70,7 @@ def lower_train_step(cfg, devices: int):
     derived = derive(cfg, len(chosen))
     tx, schedule = make_optimizer(cfg, derived)
     model_setup = setup(cfg, make_mesh(cfg, devices=chosen), tx)  # raises when parameters are left unsharded
-    return model_setup, plan.lower_train_step(cfg, model_setup, tx, schedule, derived)
+    return model_setup, plan.trace_train_step(cfg, model_setup, tx, schedule, derived)
 
 
 @pytest.fixture

@@ -32,7 +32,8 @@ from flax import nnx
 
 from nnxtron.config import load_config
 from nnxtron.errors import DataError, UserError
-from tests.conftest import lower_train_step
+from nnxtron.params import flatten
+from tests.conftest import trace_train_step
 
 Overrides = tuple[tuple[str, Any], ...]  # sorted (key, value) pairs: hashable, so baselines are cached
 TRACE_DEVICES = 4  # the train/eval steps are lowered over this many fake devices
@@ -99,11 +100,35 @@ def tokenizers() -> dict[str, str]:
 # --------------------------------------------------------------------------- traced programs
 
 
+def program_text(model_setup: Any, traced: Any) -> str:
+    """The traced program as text: its jaxpr (every primitive, shape, sharding constraint,
+    memory kind and hyperparameter literal; names are given per print, so the text does not
+    depend on what the process traced before — lowered StableHLO does, through JAX's
+    process-wide numbering of helper functions) and the shardings of the state it reads."""
+    shardings = "\n".join(f"{path}: {sharding}" for path, sharding in sorted(flatten(model_setup.state_shardings).items()))
+    return f"{traced.jaxpr}\n{shardings}\n{_constants(traced.jaxpr)}"
+
+
+def _constants(closed: Any) -> str:
+    """Digests of the constant arrays a jaxpr closes over, at any depth (RoPE tables and
+    other numpy-computed values, which the jaxpr prints by name only)."""
+    found = []
+
+    def walk(jaxpr: Any) -> None:
+        found.extend(_digest(np.asarray(c)) for c in getattr(jaxpr, "consts", ()) if hasattr(c, "shape"))
+        for eqn in getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ()):
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else [value]:
+                    if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                        walk(sub)
+
+    walk(closed)
+    return " ".join(found)
+
+
 def train_step(values: Overrides) -> str:
-    """The real train step lowered on abstract sharded state (StableHLO text: shapes,
-    shardings, memory kinds and every hyperparameter literal)."""
-    _, lowered = lower_train_step(_config(values), TRACE_DEVICES)
-    return lowered.as_text()
+    """The real train step traced on abstract sharded state."""
+    return program_text(*trace_train_step(_config(values), TRACE_DEVICES))
 
 
 def eval_step(values: Overrides) -> str:
@@ -112,7 +137,7 @@ def eval_step(values: Overrides) -> str:
     from nnxtron.train.step import batch_sharding, make_eval_step
 
     cfg = _config(values)
-    model_setup, _ = lower_train_step(cfg, TRACE_DEVICES)
+    model_setup, _ = trace_train_step(cfg, TRACE_DEVICES)
     step = make_eval_step(cfg, model_setup)
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model_setup.abstract_state, model_setup.state_shardings
@@ -120,14 +145,14 @@ def eval_step(values: Overrides) -> str:
     sh = batch_sharding(cfg, model_setup)
     rows = int(cfg.per_device_batch_size * TRACE_DEVICES)
     batch = {k: jax.ShapeDtypeStruct((rows, cfg.max_target_length), dt, sharding=sh[k]) for k, dt in _BATCH_DTYPES.items()}
-    return step.lower(state, batch).as_text()
+    return program_text(model_setup, step.trace(state, batch))
 
 
 def setup(values: Overrides) -> tuple:
     """Whether ``train.state.setup`` accepts the config's parameter shardings (and the
     fraction it leaves unsharded), or the error it refuses them with."""
     try:
-        model_setup, _ = lower_train_step(_config(values), TRACE_DEVICES)
+        model_setup, _ = trace_train_step(_config(values), TRACE_DEVICES)
     except UserError as err:
         return ("refused", type(err).__name__)
     return ("accepted", round(model_setup.unsharded_fraction, 6))

@@ -12,14 +12,18 @@ are legal only together with another (``csa_compress_ratio`` renames entries of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import nnxtron
 from nnxtron.config import load_config
-from nnxtron.config.inert import INERT
+from nnxtron.config.inert import INERT, INERT_UNLESS
 from nnxtron.config.schema import Config
+from nnxtron.errors import ConfigError
 from tests.flags import observers as obs
 
 TRACE = {"max_target_length": 16, "per_device_batch_size": 1}  # every traced family: tiny shapes
@@ -294,9 +298,6 @@ MORE: dict[str, dict[str, Flag]] = {
     "adam_eps": {"muon": F(1e-6, base={"opt_type": "muon"})},
     "adam_weight_decay": {"muon": F(0.01, base={"opt_type": "muon"})},
 }
-CASES = [pytest.param(key, flag, id=key) for key, flag in sorted(VALUES.items())] + [
-    pytest.param(key, flag, id=f"{key}-{label}") for key, more in sorted(MORE.items()) for label, flag in more.items()
-]
 
 
 def _rules_without_fsdp_batch() -> tuple:
@@ -318,6 +319,61 @@ def _reference(flag: Flag) -> dict[str, Any]:
     return {"model_name": flag.family, **(TRACE if traced else {}), **FAMILIES[flag.family], **flag.base}
 
 
+# A model key is read by each family's own module: a reader that one family drops or reads
+# as another key hides behind the entry's family. So every key a family module reads
+# (found in the source: ``cfg.<key>`` / ``config.<key>``) is also checked on that family,
+# with the entry's value — or, where that family's config refuses the value, the refusal is
+# what is checked (a refused flag is not an ignored one).
+FAMILY_MODULES = {
+    "models/gpt3.py": "gpt3-52k",
+    "models/deepseek.py": "deepseek3-test",
+    "layers/mla.py": "deepseek3-test",
+    "models/deepseek4/": "deepseek4-test",
+    "models/gemma3.py": "gemma3-tiny",
+    "models/llama4.py": "llama4-tiny",
+    "models/mixtral.py": "mixtral-tiny",
+    "models/qwen3.py": "qwen3-tiny",
+    "models/qwen3.py ": "qwen3-moe-tiny",  # the same module serves the MoE variant (a trailing space keeps the key unique)
+}
+FAMILIES.setdefault("qwen3-tiny", {})
+FAMILIES.setdefault("qwen3-moe-tiny", {})
+
+
+def family_readers() -> dict[str, set[str]]:
+    """key -> the families whose own modules read it."""
+    root = Path(nnxtron.__file__).parent
+    found: dict[str, set[str]] = {}
+    for module, family in FAMILY_MODULES.items():
+        module = module.strip()
+        for path in sorted(root.glob(f"{module}*.py") if module.endswith("/") else [root / module]):
+            for key in re.findall(r"\b(?:cfg|config)\.([a-z_0-9]+)", path.read_text()):
+                found.setdefault(key, set()).add(family)
+    return found
+
+
+def _family_contexts() -> dict[str, dict[str, Flag]]:
+    """The further (key, family) checks: train-step keys without companions, on the families
+    that read them where the entry's value is not that family's own."""
+    readers = family_readers()
+    own = {family: load_config(values=_reference(Flag(None, family=family))) for family in set(FAMILY_MODULES.values())}
+    contexts: dict[str, dict[str, Flag]] = {}
+    for key, flag in sorted(VALUES.items()):
+        if flag.observer != "train_step" or flag.base or flag.also:
+            continue
+        for family in sorted(readers.get(key, set()) - {flag.family}):
+            if getattr(own[family], key) != flag.value:
+                contexts.setdefault(key, {})[family] = replace(flag, family=family)
+    return contexts
+
+
+FAMILY_CONTEXTS = _family_contexts()
+CASES = (
+    [pytest.param(key, flag, id=key) for key, flag in sorted(VALUES.items())]
+    + [pytest.param(key, flag, id=f"{key}-{label}") for key, more in sorted(MORE.items()) for label, flag in more.items()]
+    + [pytest.param(key, flag, id=f"{key}-{family}") for key, more in FAMILY_CONTEXTS.items() for family, flag in more.items()]
+)
+
+
 def test_every_schema_key_has_one_entry():
     keys = set(Config.model_fields)
     assert not keys - set(VALUES) - set(INERT), (
@@ -337,12 +393,59 @@ def test_flag_changes_its_observation(key, flag):
     reference = _reference(flag)
     value = _value(key, flag)
     variant = {**reference, key: value, **flag.also}
-    ref_cfg, var_cfg = load_config(values=reference), load_config(values=variant)  # both must be valid
+    ref_cfg = load_config(values=reference)
+    further = flag.family in FAMILY_CONTEXTS.get(key, {}) and FAMILY_CONTEXTS[key][flag.family] is flag
+    if further:
+        try:  # a further family: its config may refuse the value (then the flag is refused, not ignored)
+            var_cfg = load_config(values=variant)
+        except ConfigError:
+            return
+    else:
+        var_cfg = load_config(values=variant)  # both must be valid
     assert getattr(var_cfg, key) != getattr(ref_cfg, key), f"{key}={value!r} is the reference config's own value"
-    assert observe(obs.frozen(variant)) != _baseline(flag.observer, obs.frozen(reference)), (
+    when = INERT_UNLESS.get(key)
+    if when is not None and not when.reads(var_cfg):
+        assert further, f"{key}'s own entry must be a config that reads it ({when.condition})"
+        _assert_inert(key, value, flag, reference, variant)
+        return
+    try:
+        observed = observe(obs.frozen(variant))
+    except ConfigError:
+        if further:  # refused when the model is built (e.g. a family without MoE layers): not ignored
+            return
+        raise
+    assert observed != _baseline(flag.observer, obs.frozen(reference)), (
         f"{key}={value!r} changed nothing the '{flag.observer}' observer sees ({flag.family}, base {flag.base}): the key "
         "is not read, or read as another; fix the reader, or list the key in nnxtron/config/inert.py with its reason"
     )
+
+
+def _assert_inert(key: str, value: Any, flag: Flag, reference: dict, variant: dict) -> None:
+    """INERT_UNLESS says the key is not read here: the observation must indeed not change."""
+    assert obs.OBSERVERS[flag.observer](obs.frozen(variant)) == _baseline(flag.observer, obs.frozen(reference)), (
+        f"{key}={value!r} changed the '{flag.observer}' observation on {flag.family}, where nnxtron/config/inert.py "
+        f"says it is read only when {INERT_UNLESS[key].condition}: update that table"
+    )
+
+
+@pytest.mark.parametrize("key", sorted(INERT_UNLESS))
+def test_read_only_when_keys_are_inert_elsewhere(key):
+    """Each INERT_UNLESS key, on the first traced family that does not read it, changes nothing
+    (so the table stays true); its matrix entry shows it is read where the condition holds."""
+    flag = VALUES[key]
+    when = INERT_UNLESS[key]
+    assert when.reads(load_config(values={**_reference(flag), key: _value(key, flag)}))
+    for family in FAMILIES:
+        other = replace(flag, family=family, base={})
+        reference = _reference(other)
+        try:
+            variant_cfg = load_config(values={**reference, key: _value(key, flag)})
+        except ConfigError:
+            continue  # refused here: not an ignored value
+        if not when.reads(variant_cfg) and getattr(variant_cfg, key) != getattr(load_config(values=reference), key):
+            _assert_inert(key, flag.value, other, reference, {**reference, key: _value(key, flag)})
+            return
+    pytest.fail(f"no traced family leaves {key} unread; drop it from INERT_UNLESS")
 
 
 _BASELINES: dict = {}

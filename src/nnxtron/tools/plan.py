@@ -176,6 +176,11 @@ def _param_counts(cfg: Config, model: nnx.Module, rows: list[dict[str, Any]]) ->
 def lower_train_step(cfg: Config, model_setup: Any, tx: Any, schedule: Any, derived: Any) -> jax.stages.Lowered:
     """The real train step of ``cfg`` lowered on abstract state and batch (``ShapeDtypeStruct``
     leaves with their shardings): nothing is allocated on the devices."""
+    return trace_train_step(cfg, model_setup, tx, schedule, derived).lower()
+
+
+def trace_train_step(cfg: Config, model_setup: Any, tx: Any, schedule: Any, derived: Any) -> jax.stages.Traced:
+    """The real train step of ``cfg`` traced on abstract state and batch (its jaxpr)."""
     step = make_train_step(cfg, model_setup, tx, schedule)
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model_setup.abstract_state, model_setup.state_shardings
@@ -183,7 +188,7 @@ def lower_train_step(cfg: Config, model_setup: Any, tx: Any, schedule: Any, deri
     batch_sh = batch_sharding(cfg, model_setup)
     shape = (derived.global_batch_size, cfg.max_target_length)
     batch = {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES[k], sharding=batch_sh[k]) for k in BATCH_KEYS}
-    return step.lower(state, batch)
+    return step.trace(state, batch)
 
 
 def _memory_stats(compiled: Any) -> dict[str, int] | None:
