@@ -16,13 +16,14 @@ from jax._src import ad_checkpoint
 
 from nnxtron.config import load_config
 from nnxtron.config.pipeline import PipelineSpec, pipeline_spec
+from nnxtron.config.stacks import pipeline_summary
 from nnxtron.errors import ConfigError
 from nnxtron.models.build import abstract_model, build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.pipeline import PipelinedStack
 from nnxtron.parallel.remat import RematSpec
 from nnxtron.parallel.sharding import activate, check_unsharded, logical_to_spec, state_shardings
-from tests.conftest import random_batch, tiny_config
+from tests.conftest import random_batch, tiny_config, trace_train_step
 
 RULES = (("activation_batch", ("data",)), ("activation_length", ()), ("layers", ("stage",)), ("embed", ()))
 
@@ -194,6 +195,42 @@ def test_fsdp_ag_once_gathers_stage_weights_before_the_iterations():
     assert "'fsdp'" in per_iteration and once != per_iteration
 
 
+def _host_to_device_shapes(eqns) -> list[tuple[int, ...]]:
+    """Shapes that ``device_put`` equations among ``eqns`` move from host into device memory."""
+    moved = []
+    for eqn in eqns:
+        if eqn.primitive.name == "device_put":
+            for arg, out in zip(eqn.invars, eqn.outvars, strict=True):
+                if "<host>" in str(arg.aval) and "<host>" not in str(out.aval):
+                    moved.append(tuple(arg.aval.shape))
+    return moved
+
+
+def test_per_stage_offload_brings_one_repeat_of_stage_weights_at_a_time():
+    """parameter_memory_host_offload under a circular pipeline (2 stages x 2 repeats): the
+    stack's weights stay in host memory into the train step's forward pass; each round of the
+    repeat scan moves [stages, layers per stage, ...] slices (its repeat and the previous one)
+    to the device, and the backward scan fetches them again instead of keeping device copies
+    of every repeat as residuals. Other parameters come to the device at the start of the step."""
+    flags = dict(base_num_decoder_layers=4, ici_pipeline_parallelism=2, ici_fsdp_parallelism=2)
+    cfg = tiny_config(parameter_memory_host_offload=True, **flags)
+    _, traced = trace_train_step(cfg, 4)
+    top = traced.jaxpr.jaxpr.eqns
+    stack = nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)["layers"])
+    staged = {(2, 2, 1, *v.shape[1:]) for _, v in stack}  # [repeats, stages, lps, ...]
+    one_repeat = {shape[1:] for shape in staged}
+    rounds = [e for e in top if e.primitive.name == "scan" and e.params["length"] == 2]
+    fetched = [set(_host_to_device_shapes(_all_eqns(e.params["jaxpr"].jaxpr))) for e in rounds]
+    assert len(rounds) == 2 and all(shapes == one_repeat for shapes in fetched), fetched  # forward and backward
+    forward = top.index(rounds[0])
+    whole_stack = {(4, *v.shape[1:]) for _, v in stack}
+    assert not whole_stack & set(_host_to_device_shapes(top[:forward]))  # not moved before its repeats
+    assert _host_to_device_shapes(top[:forward])  # the other parameters are
+    residuals = {tuple(v.aval.shape) for v in rounds[0].outvars if "<host>" not in str(v.aval)}
+    assert not staged & residuals and not {(2, *s) for s in one_repeat} & residuals, residuals
+    assert not _host_to_device_shapes(_all_eqns(trace_train_step(tiny_config(**flags), 4)[1].jaxpr.jaxpr))  # no offload
+
+
 def test_unsharded_parameter_check_runs_under_a_pipeline():
     """The stage axis shards the pipelined stack; a rule that leaves it unsharded is caught."""
     cfg = tiny_config(base_num_decoder_layers=4, ici_pipeline_parallelism=4, ici_fsdp_parallelism=1)
@@ -223,7 +260,9 @@ def test_spec_from_config():
         tiny_config(base_num_decoder_layers=8, ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=2, **flags)
     )
     assert (read.microbatches, read.delay, read.scan_iterations, read.scan_repeats) == (6, 2, False, False)
-    assert (read.remat_iterations, read.remat_layers, read.fsdp_ag_once) == (False, True, True)
+    assert (read.remat_iterations, read.remat_layers, read.fsdp_ag_once, read.host_weights) == (False, True, True, False)
+    offload = tiny_config(base_num_decoder_layers=8, ici_pipeline_parallelism=2, parameter_memory_host_offload=True)
+    assert pipeline_spec(offload).host_weights and "one repeat at a time" in pipeline_summary(offload)[-1]
     ds3 = pipeline_spec(tiny_config("deepseek3-test", base_num_decoder_layers=5, ici_pipeline_parallelism=2))
     assert ds3.stack == "moe_layers" and ds3.blocks == 4
     assert pipeline_spec(tiny_config()) is None

@@ -54,6 +54,7 @@ class PipelineSpec:
     remat_iterations: bool = True
     remat_layers: bool = False
     fsdp_ag_once: bool = False
+    host_weights: bool = False  # parameter_memory_host_offload: the stack's weights come from host memory a repeat at a time
     auto_note: str = ""  # how the layout was chosen when its keys were left at defaults (config/pipeline_layout.py)
 
     @property
@@ -164,6 +165,7 @@ def pipeline_spec(cfg: Config) -> PipelineSpec | None:
         remat_iterations=cfg.set_remat_policy_on_pipeline_iterations,
         remat_layers=cfg.set_remat_policy_on_layers_per_stage,
         fsdp_ag_once=cfg.pipeline_fsdp_ag_once,
+        host_weights=cfg.parameter_memory_host_offload,
         auto_note=layout.auto_note,
     )
 

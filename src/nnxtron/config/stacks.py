@@ -86,4 +86,11 @@ def pipeline_summary(cfg: Config) -> list[str]:
         f"{spec.microbatches} microbatches, bubble {100 * spec.bubble_fraction:.1f}%"
         + (f"; outside it (data-parallel over the stage axis): {', '.join(outside)}" if outside else "")
     )
-    return [line, spec.auto_note] if spec.auto_note else [line]
+    lines = [line, spec.auto_note] if spec.auto_note else [line]
+    if spec.host_weights:
+        lines.append(
+            "parameter_memory_host_offload: the pipelined layers' weights stay in host memory and come to the device "
+            + ("one repeat at a time (with the previous one while the stages move on)" if spec.circular else
+               "when the pipeline starts (every stage uses its weights in every iteration)")
+        )  # fmt: skip
+    return lines

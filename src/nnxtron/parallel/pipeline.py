@@ -37,16 +37,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxtron.config.pipeline import PipelineSpec
 from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
-from nnxtron.parallel.remat import RematSpec, jax_policy
+from nnxtron.parallel.remat import OFFLOAD_DST, RematSpec, jax_policy
 from nnxtron.parallel.row_keys import Keys, fold
 from nnxtron.parallel.scan import Aux, LayerStack, _apply_layer, add_stack_axis, apply_stacked, remove_stack_axis
 from nnxtron.parallel.sharding import Rules, activate, active_mesh, logical_to_spec, spmd_axes, variable_names
 
 STAGE = "stage"
+STAGE_WEIGHTS = "pipeline_stage_weights"
+ITERATION_INPUTS = "pipeline_iteration_inputs"  # a repeat's weights fetched from host memory (per-stage offload)
 
 
 def without_axis(rules: Rules, axis: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -110,27 +113,50 @@ def _buffer_spec(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(STAGE, None, *batch[: ndim - 2], *(None,) * max(ndim - 4, 0)))
 
 
-def _weight_spec(variable: nnx.Variable, mesh: Mesh, rules: Rules, drop_fsdp: bool) -> NamedSharding:
-    """[repeats, stages, lps, ...] stage weights: the stage axis on dim 1, the rest by its names."""
+def _weight_spec(
+    variable: nnx.Variable, mesh: Mesh, rules: Rules, drop_fsdp: bool, *, repeat_axis: bool = True, memory_kind: str | None = None
+) -> NamedSharding:
+    """[repeats, stages, lps, ...] stage weights (``[stages, lps, ...]`` without ``repeat_axis``) of the
+    stack variable ``variable`` (``[P, ...]``): the stage axis on the stage dimension, the rest by its names."""
     names = variable_names(variable)
     rank = len(variable.shape) - 1
     rest = list(logical_to_spec(names[1:], rules, mesh)) if names is not None else [None] * rank
     if drop_fsdp:  # pipeline_fsdp_ag_once: gathered over fsdp once, before the iterations
         keep = [tuple(a for a in ((e,) if isinstance(e, str) else e) if a != "fsdp") if e else () for e in rest]
         rest = [None if not e else e[0] if len(e) == 1 else e for e in keep]
-    return NamedSharding(mesh, PartitionSpec(None, STAGE, None, *rest))
+    lead = (None, STAGE) if repeat_axis else (STAGE,)
+    return NamedSharding(mesh, PartitionSpec(*lead, None, *rest), memory_kind=memory_kind)
 
 
-def _to_stages(state: nnx.State, spec: PipelineSpec, mesh: Mesh, rules: Rules, drop_fsdp: bool) -> nnx.State:
+def _is_variable(node: Any) -> bool:
+    return isinstance(node, nnx.Variable)
+
+
+def _to_stages(
+    state: nnx.State, spec: PipelineSpec, mesh: Mesh, rules: Rules, drop_fsdp: bool, memory_kind: str | None = None
+) -> nnx.State:
     """[P, ...] stacked variables -> [repeats, stages, lps, ...] placed on the stage axis
-    (block ``(r * stages + s) * lps + j`` at ``[r, s, j]``)."""
+    (block ``(r * stages + s) * lps + j`` at ``[r, s, j]``); ``memory_kind`` host keeps them in host memory."""
 
     def one(variable: nnx.Variable) -> nnx.Variable:
         value = variable.get_value()
         staged = value.reshape(spec.repeats, spec.stages, spec.layers_per_stage, *value.shape[1:])
-        return variable.replace(jax.lax.with_sharding_constraint(staged, _weight_spec(variable, mesh, rules, drop_fsdp)))
+        sharding = _weight_spec(variable, mesh, rules, drop_fsdp, memory_kind=memory_kind)
+        place = jax.lax.with_sharding_constraint if memory_kind is None else jax.device_put
+        return variable.replace(place(staged, sharding))
 
-    return jax.tree.map(one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree.map(one, state, is_leaf=_is_variable)
+
+
+def _device_mover(params: nnx.State, mesh: Mesh, rules: Rules, drop_fsdp: bool, repeat_axis: bool) -> Callable:
+    """A function moving staged weights (``[repeats, stages, lps, ...]``, or one repeat's
+    ``[stages, lps, ...]`` without ``repeat_axis``) of the stack ``params`` into device memory."""
+    specs = jax.tree.map(lambda v: _weight_spec(v, mesh, rules, drop_fsdp, repeat_axis=repeat_axis), params, is_leaf=_is_variable)
+
+    def move(staged: nnx.State) -> nnx.State:
+        return jax.tree.map(lambda v, sh: v.replace(jax.device_put(v.get_value(), sh)), staged, specs, is_leaf=_is_variable)
+
+    return move
 
 
 def _from_stages(state: nnx.State, blocks: int) -> nnx.State:
@@ -146,6 +172,17 @@ def _for_stages(state: nnx.State, repeat_ids: jax.Array | None) -> nnx.State:
     if repeat_ids is None:
         return jax.tree.map(lambda w: w[0], state)
     return jax.tree.map(lambda w: jax.vmap(lambda ws, r: ws[r], in_axes=(1, 0))(w, repeat_ids), state)
+
+
+def _pick(weights: nnx.State | tuple[nnx.State, nnx.State], choice: jax.Array | None) -> nnx.State:
+    """Each stage's ``[lps, ...]`` weights for this iteration: ``_for_stages`` by repeat id, or, for
+    per-stage offload, from a pair (previous repeat, current repeat) on device by ``choice``
+    (per stage: True = current)."""
+    if not isinstance(weights, tuple):
+        return _for_stages(weights, choice)
+    previous, current = weights
+    one = jax.vmap(lambda p, c, use: jnp.where(use, c, p))
+    return jax.tree.map(lambda p, c: one(p, c, choice), previous, current)
 
 
 def _write_back(state: nnx.State, repeat_ids: jax.Array, new: nnx.State, valid: jax.Array) -> nnx.State:
@@ -247,7 +284,13 @@ def run_pipeline(
         parts = split_microbatches({"x": x, **{f"arg{i}": a for i, a in enumerate(args)}, **keys_part}, micro)
         micro_args = tuple(parts[f"arg{i}"] for i in range(len(args)))
         micro_keys = parts.get("dropout_keys")
-        staged_params = _to_stages(params, spec, mesh, inner, drop_fsdp=spec.fsdp_ag_once)
+        host = spec.host_weights  # per-stage offload: the weights stay in host memory until their repeat
+        staged_params = _to_stages(
+            params, spec, mesh, inner, drop_fsdp=spec.fsdp_ag_once and not host, memory_kind=OFFLOAD_DST if host else None
+        )
+        if host and repeats == 1:  # GPipe: every stage uses its weights in every iteration
+            staged_params = _device_mover(params, mesh, inner, spec.fsdp_ag_once, repeat_axis=True)(staged_params)
+            host = False
         staged_rest = _to_stages(rest, spec, mesh, inner, drop_fsdp=False)
         stage_ids = jnp.arange(stages)
         place = lambda h: jax.lax.with_sharding_constraint(h, _staged_spec(mesh, inner, h.ndim))  # noqa: E731
@@ -260,11 +303,19 @@ def run_pipeline(
         put = jax.vmap(lambda b, v, m: jax.lax.dynamic_update_index_in_dim(b, v, m, 0))
 
         def compute(
-            weights: nnx.State, state: nnx.State, h: jax.Array, a: tuple, repeat_ids: jax.Array | None, keys: tuple
+            weights: nnx.State | tuple,
+            state: nnx.State,
+            h: jax.Array,
+            a: tuple,
+            choice: jax.Array | None,
+            repeat_ids: jax.Array | None,
+            keys: tuple,
         ) -> tuple:
-            """The stages' work in one iteration, on the weights and state of their repeats;
-            ``keys``: () or (each stage's dropout keys, each stage's first block index)."""
-            return run_stages(_for_stages(weights, repeat_ids), _for_stages(state, repeat_ids), h, a, *(keys or (None, None)))
+            """The stages' work in one iteration, on the weights (``_pick(weights, choice)``) and
+            state of their repeats; ``keys``: () or (each stage's dropout keys, each stage's first
+            block index)."""
+            stage_weights = _pick(weights, choice)
+            return run_stages(stage_weights, _for_stages(state, repeat_ids), h, a, *(keys or (None, None)))
 
         # per-iteration remat wraps the stages' work only: the checkpoint keeps its inputs
         # (activations, repeat ids, the small non-trainable state), never the microbatch
@@ -277,7 +328,9 @@ def run_pipeline(
             """Each stage's first block index in the stack: block ``(r * stages + s) * lps + j``."""
             return ((repeat_ids * stages + stage_ids) * lps).astype(jnp.int32)
 
-        def iteration(carry: tuple, t: jax.Array) -> tuple:
+        def iteration(carry: tuple, t: jax.Array, weights: nnx.State | tuple, current: jax.Array | None) -> tuple:
+            """One step of the schedule at iteration ``t``; ``weights``: the staged weights, or
+            under per-stage offload the pair on device (repeat ``current`` - 1, repeat ``current``)."""
             buffer, shift, previous, state, aux_sum = carry
             item = t - delay * stage_ids  # what each stage works on (see config.pipeline)
             valid = (item >= 0) & (item < micro * repeats)
@@ -289,7 +342,13 @@ def run_pipeline(
             h = place(jnp.where(is_first, first, shift))
             a = tuple(place(jnp.take(m, micro_ids, axis=0)) for m in micro_args)
             keys = () if micro_keys is None else (place(jnp.take(micro_keys, micro_ids, axis=0)), first_blocks(repeat_ids))
-            y, aux, new_state = compute(staged_params, state, h, a, repeat_ids if repeats > 1 else None, keys)
+            by_repeat = repeat_ids if repeats > 1 else None
+            choice = by_repeat if current is None else repeat_ids == current
+            if current is not None:  # per-stage offload: what a round's backward pass keeps (see below)
+                h, a, state_in = jax.tree.map(lambda v: checkpoint_name(v, ITERATION_INPUTS), (h, a, state))
+            else:
+                state_in = state
+            y, aux, new_state = compute(weights, state_in, h, a, choice, by_repeat, keys)
             y = place(y)
             state = _write_back(state, repeat_ids, new_state, valid)
             aux_sum = {name: aux_sum[name] + jnp.sum(jnp.where(valid, value, 0.0)) for name, value in aux.items()}
@@ -306,26 +365,66 @@ def run_pipeline(
             buffer = keep(put(buffer, jnp.where((last >= 0) & (last < micro * repeats), arrived, done), last_ids))
             return buffer, shift, y if delay > 1 else previous, state, aux_sum
 
-        def run_iterations(carry: tuple, first: jax.Array, count: int) -> tuple:
+        def run_iterations(
+            carry: tuple, first: jax.Array, count: int, weights: nnx.State | tuple, current: jax.Array | None = None
+        ) -> tuple:
             if spec.scan_iterations:
-                return jax.lax.scan(lambda c, t: (iteration(c, t), None), carry, first + jnp.arange(count))[0]
+                step = lambda c, t: (iteration(c, t, weights, current), None)  # noqa: E731
+                return jax.lax.scan(step, carry, first + jnp.arange(count))[0]
             for u in range(count):
-                carry = iteration(carry, first + u)
+                carry = iteration(carry, first + u, weights, current)
             return carry
 
         zeros = place(jnp.zeros((stages, *parts["x"].shape[1:]), x.dtype))
         first_ids = jnp.zeros(stages, jnp.int32)
         first_args = tuple(jnp.take(m, first_ids, axis=0) for m in micro_args)
         first_keys = () if micro_keys is None else (jnp.take(micro_keys, first_ids, axis=0), first_ids)
-        aux_names = jax.eval_shape(compute, staged_params, staged_rest, zeros, first_args, first_ids, first_keys)[1]
+        if host:
+            to_device = _device_mover(params, mesh, inner, spec.fsdp_ag_once, repeat_axis=False)
+            fetch = lambda w: checkpoint_name(to_device(w), STAGE_WEIGHTS)  # noqa: E731
+            first = jax.tree.map(lambda w: w[0], staged_params)
+            on_first = lambda w, *a: compute((fetch(w), fetch(w)), *a)  # noqa: E731
+            aux_names = jax.eval_shape(on_first, first, staged_rest, zeros, first_args, first_ids == 0, first_ids, first_keys)[1]
+        else:
+            by_repeat = first_ids if repeats > 1 else None
+            aux_names = jax.eval_shape(compute, staged_params, staged_rest, zeros, first_args, by_repeat, by_repeat, first_keys)[
+                1
+            ]
         buffer = keep(jnp.broadcast_to(parts["x"][None], (stages, *parts["x"].shape)))
         carry = (buffer, zeros, zeros, staged_rest, {name: jnp.zeros((), jnp.float32) for name in aux_names})
-        if spec.scan_repeats:
-            carry = jax.lax.scan(lambda c, r: (run_iterations(c, r * micro, micro), None), carry, jnp.arange(repeats))[0]
+        if host:
+            # per-stage offload: round r brings repeat r's weights to device, and repeat r - 1's,
+            # which a stage s is still on for its first delay * s iterations of the round
+            # (config.pipeline needs M > delay * (stages - 1)); the backward pass fetches them
+            # again rather than keeping every repeat's device copy as a residual
+            def one_round(c: tuple, xs: tuple) -> tuple:
+                r, weights, previous = xs
+                return run_iterations(c, r * micro, micro, (fetch(previous), fetch(weights)), r)
+
+            def drain(c: tuple, weights: nnx.State) -> tuple:
+                last = fetch(weights)
+                return run_iterations(c, jnp.int32(repeats * micro), spec.tail_iterations, (last, last), jnp.int32(repeats - 1))
+
+            refetch = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUTS)
+            one_round = jax.checkpoint(one_round, policy=refetch, prevent_cse=False)
+            drain = jax.checkpoint(drain, policy=refetch, prevent_cse=False)
+            previous = jax.tree.map(lambda w: jnp.roll(w, 1, axis=0), staged_params)  # [r] = repeat r - 1 (host)
+            if spec.scan_repeats:
+                step = lambda c, xs: (one_round(c, xs), None)  # noqa: E731
+                carry = jax.lax.scan(step, carry, (jnp.arange(repeats), staged_params, previous))[0]
+            else:
+                for r in range(repeats):
+                    at = lambda tree, r=r: jax.tree.map(lambda w: w[r], tree)  # noqa: E731
+                    carry = one_round(carry, (jnp.int32(r), at(staged_params), at(previous)))
+            carry = drain(carry, jax.tree.map(lambda w: w[repeats - 1], staged_params))
         else:
-            for r in range(repeats):
-                carry = run_iterations(carry, jnp.int32(r * micro), micro)
-        carry = run_iterations(carry, jnp.int32(repeats * micro), spec.tail_iterations)
+            if spec.scan_repeats:
+                step = lambda c, r: (run_iterations(c, r * micro, micro, staged_params), None)  # noqa: E731
+                carry = jax.lax.scan(step, carry, jnp.arange(repeats))[0]
+            else:
+                for r in range(repeats):
+                    carry = run_iterations(carry, jnp.int32(r * micro), micro, staged_params)
+            carry = run_iterations(carry, jnp.int32(repeats * micro), spec.tail_iterations, staged_params)
         buffer, _, _, state, aux_sum = carry
         y = merge_microbatches(buffer[0])
     aux = {name: value / micro for name, value in aux_sum.items()}

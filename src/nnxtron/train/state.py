@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 from nnxtron.models.build import abstract_model
@@ -53,6 +54,22 @@ class ModelSetup:
             return state
         return {key: jax.device_put(value, self.compute_shardings[key]) for key, value in state.items()}
 
+    def params_on_device(self, tree: Any) -> Any:
+        """Inside the step: a parameter-shaped tree (parameters, gradients) in device memory.
+
+        Only the pipelined stack under per-stage offload stays in host memory through the
+        forward and backward pass (``parallel.pipeline`` moves a repeat's weights at a time);
+        the optimizer update runs on device memory like every other offload."""
+        if self.compute_shardings is None:
+            return tree
+        return jax.device_put(tree, self.device_param_shardings())
+
+    def device_param_shardings(self) -> Any:
+        """Where the parameters (and their gradients) are in device memory."""
+        if self.compute_shardings is None:
+            return self.state_shardings["params"]
+        return _with_memory_kind(self.compute_shardings["params"], "device")
+
     def to_storage(self, state: TrainState) -> TrainState:
         """Inside the step: send the offloaded parts of the new state back to host memory."""
         if self.compute_shardings is None:
@@ -77,6 +94,10 @@ def _host_offload(cfg: Config, shardings: TrainState) -> tuple[TrainState, Train
         raise ConfigError(f"{flag}=true needs '{HOST_MEMORY}' memory, which the {device.platform} backend lacks; set it to false")
     compute = {k: _with_memory_kind(v, "device") for k, v in shardings.items()}
     storage = {k: _with_memory_kind(v, HOST_MEMORY) if k in parts else compute[k] for k, v in shardings.items()}
+    pipeline = pipeline_spec(cfg)
+    if pipeline is not None and pipeline.host_weights:  # per-stage offload: the pipeline moves them
+        stack = pipeline.stack
+        compute["params"] = {**compute["params"], stack: storage["params"][stack]}
     return storage, compute
 
 

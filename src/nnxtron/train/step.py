@@ -135,6 +135,8 @@ def compute_gradients(
         acc, loss_sum, tokens, aux_sum, rest = carry
         mb = {key: constrain(v, ("activation_batch", "activation_length")[: v.ndim]) for key, v in mb.items()}
         (_, (mb_loss, mb_tokens, rest, mb_aux)), grads = grad_fn(params, rest, mb)
+        if grad_shardings is not None:  # host-resident gradients (per-stage offload) join the accumulator's memory
+            grads = jax.device_put(grads, grad_shardings)
         acc = _constrain_tree(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), grad_shardings)
         aux_sum = {name: aux_sum[name] + mb_aux[name] for name in aux_sum}
         return (acc, loss_sum + mb_loss, tokens + mb_tokens, aux_sum, rest), None
@@ -178,9 +180,8 @@ def make_train_step(
     graphdef = model_setup.graphdef
     rules = cfg.logical_axis_rules
     accumulation = cfg.gradient_accumulation_steps
-    # the accumulator lives where the step computes (device memory, also under host offload)
-    compute_shardings = model_setup.compute_shardings or model_setup.state_shardings
-    param_shardings = compute_shardings["params"] if accumulation > 1 else None
+    # the accumulator lives in device memory (also under host offload)
+    param_shardings = model_setup.device_param_shardings() if accumulation > 1 else None
 
     drop = dropout_active(cfg.dropout_rate, cfg.enable_dropout)
 
@@ -190,6 +191,9 @@ def make_train_step(
             batch = {**batch, "dropout_keys": row_keys(cfg.init_weights_seed, state["step"], batch["inputs"].shape[0])}
         with activate(model_setup.mesh, rules):
             g = compute_gradients(graphdef, state["params"], state["rest"], batch, accumulation, grad_shardings=param_shardings)
+            # per-stage offload leaves the pipelined stack (and its gradient) in host memory until here
+            g = g._replace(grads=model_setup.params_on_device(g.grads))
+            state = {**state, "params": model_setup.params_on_device(state["params"])}
             updates, opt_state = tx.update(g.grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
             rest = update_router_bias(g.rest, cfg.routed_bias_update_rate) if cfg.routed_bias_update_rate > 0 else g.rest
