@@ -58,6 +58,17 @@ def lower_train_step(cfg, devices: int):
     return model_setup, traced.lower()
 
 
+def sub_jaxprs(eqn) -> list:
+    """The jaxprs (closed or open) an equation holds in its parameters (scan and cond
+    bodies, checkpoints, pjits, custom derivatives...)."""
+    found = []
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else [value]:
+            if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                found.append(sub)
+    return found
+
+
 def trace_train_step(cfg, devices: int):
     """As ``lower_train_step``, traced only: ``(model_setup, traced)`` (``traced.jaxpr``)."""
     from nnxtron.config.derived import derive

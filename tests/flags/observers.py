@@ -33,7 +33,7 @@ from flax import nnx
 from nnxtron.config import load_config
 from nnxtron.errors import DataError, UserError
 from nnxtron.params import flatten
-from tests.conftest import trace_train_step
+from tests.conftest import sub_jaxprs, trace_train_step
 
 Overrides = tuple[tuple[str, Any], ...]  # sorted (key, value) pairs: hashable, so baselines are cached
 TRACE_DEVICES = 4  # the train/eval steps are lowered over this many fake devices
@@ -117,10 +117,8 @@ def _constants(closed: Any) -> str:
     def walk(jaxpr: Any) -> None:
         found.extend(_digest(np.asarray(c)) for c in getattr(jaxpr, "consts", ()) if hasattr(c, "shape"))
         for eqn in getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ()):
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (list, tuple)) else [value]:
-                    if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                        walk(sub)
+            for sub in sub_jaxprs(eqn):
+                walk(sub)
 
     walk(closed)
     return " ".join(found)

@@ -23,7 +23,7 @@ from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.pipeline import PipelinedStack
 from nnxtron.parallel.remat import RematSpec
 from nnxtron.parallel.sharding import activate, check_unsharded, logical_to_spec, state_shardings
-from tests.conftest import random_batch, tiny_config, trace_train_step
+from tests.conftest import random_batch, sub_jaxprs, tiny_config, trace_train_step
 
 RULES = (("activation_batch", ("data",)), ("activation_length", ()), ("layers", ("stage",)), ("embed", ()))
 
@@ -99,11 +99,8 @@ def _all_eqns(jaxpr) -> list:
     found = []
     for eqn in jaxpr.eqns:
         found.append(eqn)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found.extend(_all_eqns(inner))
+        for sub in sub_jaxprs(eqn):
+            found.extend(_all_eqns(getattr(sub, "jaxpr", sub)))
     return found
 
 
