@@ -62,7 +62,12 @@ class ModelSetup:
         the optimizer update runs on device memory like every other offload."""
         if self.compute_shardings is None:
             return tree
-        return jax.device_put(tree, self.device_param_shardings())
+
+        def one(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+            on_host = jax.typeof(value).memory_space == jax.memory.Space.Host
+            return jax.device_put(value, sharding) if on_host else value
+
+        return jax.tree.map(one, tree, self.device_param_shardings())
 
     def device_param_shardings(self) -> Any:
         """Where the parameters (and their gradients) are in device memory."""

@@ -135,8 +135,8 @@ def compute_gradients(
         acc, loss_sum, tokens, aux_sum, rest = carry
         mb = {key: constrain(v, ("activation_batch", "activation_length")[: v.ndim]) for key, v in mb.items()}
         (_, (mb_loss, mb_tokens, rest, mb_aux)), grads = grad_fn(params, rest, mb)
-        if grad_shardings is not None:  # host-resident gradients (per-stage offload) join the accumulator's memory
-            grads = jax.device_put(grads, grad_shardings)
+        if any(jax.typeof(g).memory_space == jax.memory.Space.Host for g in jax.tree.leaves(grads)):
+            grads = jax.device_put(grads, grad_shardings)  # per-stage offload: host gradients join the accumulator
         acc = _constrain_tree(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), grad_shardings)
         aux_sum = {name: aux_sum[name] + mb_aux[name] for name in aux_sum}
         return (acc, loss_sum + mb_loss, tokens + mb_tokens, aux_sum, rest), None
