@@ -193,7 +193,7 @@ def attend_with_cache(
 ) -> jax.Array:
     """Decoding: attend over the cached tokens and the new ones (then cache the new ones).
     ``segment_ids`` 0 marks padding (never cached, never attended to)."""
-    kv, key_positions = cache.extend({"key": k, "value": v}, positions, segment_ids != 0)
+    kv, key_positions = cache.attended({"key": k, "value": v}, positions, segment_ids != 0)
     mask = cache_mask(positions, key_positions, sliding_window, chunk_size)
     return masked_attention(q, kv["key"], kv["value"], mask, scale=scale, dtype=dtype)
 

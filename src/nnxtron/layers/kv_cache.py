@@ -68,20 +68,37 @@ class TokenCache(nnx.Module):
         padding is neither attended to nor written). Returns ``(entries [B, size + S, ...],
         key positions [B, size + S])`` — cache first, then the new tokens — and stores the
         new tokens."""
-        batch = positions.shape[0]
         new_positions = jnp.where(valid, positions, EMPTY)
         old = {name: self.entries[name][...] for name in new}
         every = {name: jnp.concatenate([old[name], new[name].astype(old[name].dtype)], axis=1) for name in new}
         key_positions = jnp.concatenate([self.positions[...], new_positions], axis=1)
-        # write the last `size` valid positions of each row; the rest go out of bounds (dropped)
+        self._write(new, positions, valid)
+        return every, key_positions
+
+    def attended(
+        self, new: Mapping[str, jax.Array], positions: jax.Array, valid: jax.Array
+    ) -> tuple[dict[str, jax.Array], jax.Array]:
+        """What attention over this cache reads, as ``extend`` does, but for a one-token step
+        (decode) without copying the cache: the token is written into its slot first and the
+        cache itself is returned (``[B, size, ...]``). The entry it replaces, position
+        ``p - size``, is outside query ``p``'s mask (the window or the chunk is at most
+        ``size``; a global cache holds every position), so the result is the same."""
+        if positions.shape[1] != 1:
+            return self.extend(new, positions, valid)
+        self._write(new, positions, valid)
+        return {name: self.entries[name][...] for name in new}, self.positions[...]
+
+    def _write(self, new: Mapping[str, jax.Array], positions: jax.Array, valid: jax.Array) -> None:
+        """Store the last ``size`` valid positions of each row in their slots (the rest are dropped)."""
+        new_positions = jnp.where(valid, positions, EMPTY)
         latest = jnp.max(new_positions, axis=1, keepdims=True)
         keep = valid & (positions > latest - self.size)
         slots = jnp.where(keep, positions % self.size, self.size)
-        rows = jnp.arange(batch)[:, None]
+        rows = jnp.arange(positions.shape[0])[:, None]
         for name, value in new.items():
-            self.entries[name][...] = old[name].at[rows, slots].set(value.astype(old[name].dtype), mode="drop")
+            entry = self.entries[name][...]
+            self.entries[name][...] = entry.at[rows, slots].set(value.astype(entry.dtype), mode="drop")
         self.positions[...] = self.positions[...].at[rows, slots].set(positions, mode="drop")
-        return every, key_positions
 
 
 def cache_mask(q_positions: jax.Array, k_positions: jax.Array, sliding_window: int = 0, chunk_size: int = 0) -> jax.Array:

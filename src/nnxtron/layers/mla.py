@@ -95,7 +95,7 @@ class MLA(nnx.Module):
         c, k_pe = latent[..., : self.kv_lora], latent[..., self.kv_lora :]
         k_pe = apply_rope(k_pe[:, :, None, :], positions, self.rope)  # one shared head
         if hasattr(self, "cache"):  # decoding: cache the latent and the RoPE key, expand every token
-            cached, key_positions = self.cache.extend({"latent": c, "rope_key": k_pe}, positions, segment_ids != 0)
+            cached, key_positions = self.cache.attended({"latent": c, "rope_key": k_pe}, positions, segment_ids != 0)
             c, k_pe = cached["latent"], cached["rope_key"]
         kv = self.wkv_b(self.kv_norm(c))  # [B, T, H, nope + v]
         k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
