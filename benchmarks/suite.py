@@ -184,15 +184,18 @@ def memory_bandwidth(quick: bool) -> float:
 
 
 def case_decode(quick: bool) -> list[dict[str, Any]]:
-    """Decoding: tokens/s, and bytes a decode step must read (weights + KV cache) per
-    second against this run's memory bandwidth (model bandwidth utilisation)."""
+    """Decoding: tokens/s at batch 1, 2, 4, ... 32, and bytes a decode step must read
+    (weights + KV cache) per second against this run's memory bandwidth (model bandwidth
+    utilisation); then the batch scaling: tokens/s at batch 16 over batch 1, next to what a
+    step bound by the bytes it reads would give, ``16 (W + C) / (W + 16 C)`` for weights
+    ``W`` and one row's cache ``C``."""
     from nnxtron.config.loader import load_config
     from nnxtron.tools.bench import run_decode_bench
 
     base = ["model_name=llama2-tiny", "vocab_size=256", "max_target_length=32", "max_new_tokens=8"] if quick else []
     bandwidth = memory_bandwidth(quick)
-    rows = []
-    for batch in (1, 16):
+    rows, rates, bytes_read = [], {}, {}
+    for batch in (1, 16) if quick else (1, 2, 4, 8, 16, 32):
         overrides = [*base, *_devices_batch(batch)]
         cfg = load_config(None, overrides)
         result = run_decode_bench(None, overrides, steps=2 if quick else 3)
@@ -201,6 +204,7 @@ def case_decode(quick: bool) -> list[dict[str, Any]]:
         cache = 2 * batch * length * cfg.base_num_decoder_layers * cfg.base_num_kv_heads * cfg.resolved_head_dim * itemsize
         weights = result["params"] * (2 if cfg.weight_dtype == "bfloat16" else 4)
         rate = (weights + cache) / result["decode_step_seconds"]
+        rates[batch], bytes_read[batch] = result["decode_tokens_per_s"], (weights, cache / batch)
         rows.append({
             "case": f"decode: {cfg.model_name} model, batch {batch}, prompt {cfg.max_target_length}",
             "measured": f"{result['decode_tokens_per_s']:,.0f} tok/s (prefill {result['prefill_tokens_per_s']:,.0f} tok/s), "
@@ -208,6 +212,14 @@ def case_decode(quick: bool) -> list[dict[str, Any]]:
             "baseline": f"memory bandwidth {bandwidth / 1e9:.2f} GB/s", "ratio": rate / bandwidth, "ratio_name": "MBU",
             "target": "report", "detail": result,
         })  # fmt: skip
+    weights, per_row = bytes_read[16]
+    bound = 16 * (weights + per_row) / (weights + 16 * per_row)
+    rows.append({
+        "case": "decode: tokens/s at batch 16 / batch 1",
+        "measured": f"{rates[16]:,.0f} / {rates[1]:,.0f} tok/s",
+        "baseline": f"bytes-bound model {bound:.1f}x", "ratio": rates[16] / rates[1], "ratio_name": "speed-up",
+        "target": ">= 8 (issue 27)", "detail": {"tokens_per_s": rates, "bytes_bound_speedup": bound},
+    })  # fmt: skip
     return rows
 
 

@@ -29,6 +29,15 @@ def test_compile_case_reports_trace_and_compile_apart_and_their_ratio():
     assert row["target"] == "<= 1.3" and "6 layers vs 2" in row["case"]
 
 
+def test_decode_case_reports_each_batch_and_the_scaling_against_the_bytes_bound():
+    *batches, scaling = _suite().case_decode(quick=True)
+    assert [row["detail"]["decode_batch"] for row in batches] == [1, 16]
+    rates = scaling["detail"]["tokens_per_s"]
+    assert rates == {b: row["detail"]["decode_tokens_per_s"] for b, row in zip((1, 16), batches, strict=True)}
+    assert scaling["ratio"] == pytest.approx(rates[16] / rates[1]) and scaling["target"] == ">= 8 (issue 27)"
+    assert 1 < scaling["detail"]["bytes_bound_speedup"] < 16  # the cache a row reads costs something
+
+
 def test_suite_command_writes_the_table_and_the_raw_numbers(tmp_path, capsys):
     out = tmp_path / "suite.md"
     rows = _suite().main(["--quick", "--only", "gpu_mfu", "--out", str(out)])

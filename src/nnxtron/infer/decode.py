@@ -21,10 +21,13 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.config.schema import Config
+from nnxtron.config.stacks import layer_counts
 from nnxtron.errors import UserError
 from nnxtron.infer.cache import attach_caches
 from nnxtron.infer.sample import sample_logits
 from nnxtron.layers.kv_cache import CacheEntry
+from nnxtron.models.build import abstract_model
+from nnxtron.params import flatten, flatten_with_treedef, unstack_layers
 
 MIN_BUCKET = 16
 
@@ -60,11 +63,34 @@ def with_caches(model: nnx.Module, batch: int, max_length: int) -> CachedModel:
             f"prompt + max_new_tokens = {max_length} tokens exceed max_position_embeddings={cfg.max_position_embeddings}; "
             "shorten the prompt or lower max_new_tokens"
         )
-    model = nnx.clone(model)
+    model = unrolled(model)
     attach_caches(model, batch, max_length)
     graphdef, params, caches, state = nnx.split(model, nnx.Param, CacheEntry, ...)
     pure = nnx.to_pure_dict
     return CachedModel(graphdef, pure(params), pure(state), pure(caches), max_length, _jitted_step(graphdef))
+
+
+def unrolled(model: nnx.Module) -> nnx.Module:
+    """A copy of ``model`` with its layers as separate modules (``scan_layers=false``, no
+    pipeline): the same parameters and state, read from the stacked ones.
+
+    Decoding runs this copy. Through a layer scan each step copies every layer's cache out of
+    the stacked array and back (the scan's slices of its inputs and outputs, several times
+    the cache per step); with a cache per layer the jitted, donated step writes the new
+    token's keys in place and reads the cache once."""
+    cfg = model.config
+    if not cfg.stacked_layers:
+        return nnx.clone(model)
+    flat_cfg = cfg.model_copy(update={"scan_layers": False, "ici_pipeline_parallelism": 1, "dcn_pipeline_parallelism": 1})
+    graphdef, abstract = nnx.split(abstract_model(flat_cfg))
+    source = unstack_layers(flatten(nnx.state(model)), layer_counts(cfg))
+    target, treedef = flatten_with_treedef(nnx.to_pure_dict(abstract))
+    if source.keys() != target.keys():
+        missing, extra = sorted(target.keys() - source.keys()), sorted(source.keys() - target.keys())
+        raise ValueError(f"unrolled decoding model: missing {missing[:3]}, unexpected {extra[:3]}")
+    values = jax.tree_util.tree_unflatten(treedef, [source[key] for key in target])
+    nnx.replace_by_pure_dict(abstract, values)
+    return nnx.merge(graphdef, abstract)
 
 
 @functools.lru_cache(maxsize=16)

@@ -167,15 +167,19 @@ def attend_sharded(
     return constrain(out, QUERY)
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, dtype: jnp.dtype) -> jax.Array:
-    """``attend`` with an explicit boolean mask ``[B, S, T]`` (``k``/``v`` hold T tokens)."""
+def masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, dtype: jnp.dtype, head_major: bool = False
+) -> jax.Array:
+    """``attend`` with an explicit boolean mask ``[B, S, T]`` (``k``/``v`` hold T tokens,
+    ``[B, T, K, D]``, or ``[B, K, T, D]`` with ``head_major``: a decoding cache's layout)."""
     batch, seq, heads, dk = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1 if head_major else 2]
+    keys = "bktd" if head_major else "btkd"
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, dk)
-    scores = matmul.einsum("bskgd,btkd->bkgst", q, k) * jnp.asarray(scale, q.dtype)
+    scores = matmul.einsum(f"bskgd,{keys}->bkgst", q, k) * jnp.asarray(scale, q.dtype)
     scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return matmul.einsum("bkgst,btkd->bskgd", probs, v).reshape(batch, seq, heads, v.shape[-1])
+    return matmul.einsum(f"bkgst,{keys}->bskgd", probs, v).reshape(batch, seq, heads, v.shape[-1])
 
 
 def attend_with_cache(
@@ -195,15 +199,17 @@ def attend_with_cache(
     ``segment_ids`` 0 marks padding (never cached, never attended to)."""
     kv, key_positions = cache.attended({"key": k, "value": v}, positions, segment_ids != 0)
     mask = cache_mask(positions, key_positions, sliding_window, chunk_size)
-    return masked_attention(q, kv["key"], kv["value"], mask, scale=scale, dtype=dtype)
+    head_major = q.shape[1] == 1  # a decode step reads the cache in its (head-major) storage layout
+    return masked_attention(q, kv["key"], kv["value"], mask, scale=scale, dtype=dtype, head_major=head_major)
 
 
 def key_value_cache(
     max_length: int, kv_heads: int, head_dim: int, dtype: jnp.dtype, sliding_window: int = 0, chunk_size: int = 0
 ) -> CacheSpec:
-    """The cache of grouped-query attention: keys and values per token."""
+    """The cache of grouped-query attention: keys and values per token, stored head-major
+    (``[B, kv_heads, slots, head_dim]``) so that a decode step's attention reads them in place."""
     entry = ((kv_heads, head_dim), ("kv_heads", "head_dim"))
-    return CacheSpec(cache_size(max_length, sliding_window, chunk_size), {"key": entry, "value": entry}, dtype)
+    return CacheSpec(cache_size(max_length, sliding_window, chunk_size), {"key": entry, "value": entry}, dtype, slot_dim=1)
 
 
 class Attention(nnx.Module):

@@ -40,11 +40,16 @@ class CacheEntry(nnx.Variable):
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """What an attention layer caches per token: slots and ``{name: (shape, logical axes)}``."""
+    """What an attention layer caches per token: slots and ``{name: (shape, logical axes)}``.
+
+    ``slot_dim``: where the slot axis sits among each entry's dims in storage — 0 stores
+    ``[batch, size, *dims]``; 1 with ``(heads, head_dim)`` entries stores ``[batch, heads, size,
+    head_dim]``, the layout a one-token attention step reads without a transposed copy."""
 
     size: int
     entries: Mapping[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
     dtype: jnp.dtype
+    slot_dim: int = 0
 
 
 class TokenCache(nnx.Module):
@@ -52,14 +57,24 @@ class TokenCache(nnx.Module):
 
     def __init__(self, batch: int, spec: CacheSpec, lead: tuple[int, ...] = (), lead_axes: tuple[str, ...] = ()):
         self.size = spec.size
+        self.slot_dim = spec.slot_dim
         shape = (*lead, batch, spec.size)
         self.positions = CacheEntry(jnp.full(shape, EMPTY, jnp.int32), out_sharding=(*lead_axes, *CACHE_AXES))
+        k = spec.slot_dim
         self.entries = nnx.Dict(
             {
-                name: CacheEntry(jnp.zeros((*shape, *dims), spec.dtype), out_sharding=(*lead_axes, *CACHE_AXES, *axes))
+                name: CacheEntry(
+                    jnp.zeros((*lead, batch, *dims[:k], spec.size, *dims[k:]), spec.dtype),
+                    out_sharding=(*lead_axes, CACHE_AXES[0], *axes[:k], CACHE_AXES[1], *axes[k:]),
+                )
                 for name, (dims, axes) in spec.entries.items()
             }
         )
+
+    def _token_major(self, name: str) -> jax.Array:
+        """Entry ``name`` as ``[B, size, *dims]`` (a transposed copy when stored slot-inside)."""
+        entry = self.entries[name][...]
+        return entry if self.slot_dim == 0 else jnp.moveaxis(entry, 1 + self.slot_dim, 1)
 
     def extend(
         self, new: Mapping[str, jax.Array], positions: jax.Array, valid: jax.Array
@@ -69,7 +84,7 @@ class TokenCache(nnx.Module):
         key positions [B, size + S])`` — cache first, then the new tokens — and stores the
         new tokens."""
         new_positions = jnp.where(valid, positions, EMPTY)
-        old = {name: self.entries[name][...] for name in new}
+        old = {name: self._token_major(name) for name in new}
         every = {name: jnp.concatenate([old[name], new[name].astype(old[name].dtype)], axis=1) for name in new}
         key_positions = jnp.concatenate([self.positions[...], new_positions], axis=1)
         self._write(new, positions, valid)
@@ -80,9 +95,10 @@ class TokenCache(nnx.Module):
     ) -> tuple[dict[str, jax.Array], jax.Array]:
         """What attention over this cache reads, as ``extend`` does, but for a one-token step
         (decode) without copying the cache: the token is written into its slot first and the
-        cache itself is returned (``[B, size, ...]``). The entry it replaces, position
-        ``p - size``, is outside query ``p``'s mask (the window or the chunk is at most
-        ``size``; a global cache holds every position), so the result is the same."""
+        cache itself is returned, in its storage layout (``[B, size, ...]``, or with the slot
+        axis inside, see ``CacheSpec.slot_dim``). The entry it replaces, position ``p - size``,
+        is outside query ``p``'s mask (the window or the chunk is at most ``size``; a global
+        cache holds every position), so the result is the same."""
         if positions.shape[1] != 1:
             return self.extend(new, positions, valid)
         self._write(new, positions, valid)
@@ -95,9 +111,11 @@ class TokenCache(nnx.Module):
         keep = valid & (positions > latest - self.size)
         slots = jnp.where(keep, positions % self.size, self.size)
         rows = jnp.arange(positions.shape[0])[:, None]
+        # rows and slots around the leading dims: the updates are indexed [B, S, *dims] either way
+        where = (rows, *(slice(None),) * self.slot_dim, slots)
         for name, value in new.items():
             entry = self.entries[name][...]
-            self.entries[name][...] = entry.at[rows, slots].set(value.astype(entry.dtype), mode="drop")
+            self.entries[name][...] = entry.at[where].set(value.astype(entry.dtype), mode="drop")
         self.positions[...] = self.positions[...].at[rows, slots].set(positions, mode="drop")
 
 
