@@ -13,12 +13,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file
 
 from nnxtron.convert.hf import from_hf
-from nnxtron.infer.decode import decode, generate, prompt_batch, with_caches
+from nnxtron.infer.decode import decode, generate, prompt_batch, unrolled, with_caches
 from nnxtron.infer.sample import generate_tokens
 from nnxtron.models.build import build_model
+from nnxtron.params import flatten
 from tests.conftest import tiny_config
 from tests.parity.test_hf_golden import CASES, GOLDEN
 
@@ -146,3 +148,26 @@ def test_greedy_generation_equals_hf_generate(case):
     cfg = model.config.model_copy(update={"decode_sampling_strategy": "greedy"})
     steps = list(generate(model, [list(row) for row in golden["prompt_ids"]], cfg, max_new_tokens=golden["generated"].shape[1]))
     np.testing.assert_array_equal(np.array(steps).T, golden["generated"])
+
+
+def test_decoding_runs_an_unrolled_copy_with_the_same_weights():
+    """with_caches decodes an unrolled copy (one cache per layer, updated in place): for a
+    partially pipelined model (2 of 4 layers pipelined, the rest in ``unpipelined_layers``)
+    the copy has one 4-layer list whose layers are the stacked weights, in layer order, and the
+    cached prefill equals the full forward."""
+    cfg = tiny_config(base_num_decoder_layers=4, ici_pipeline_parallelism=2, pipeline_parallel_layers=2)
+    model = build_model(cfg)
+    copy = unrolled(model)
+    assert model.stack_names == ("layers", "unpipelined_layers") and copy.stack_names == ("layers",)
+    stacked, listed = flatten(nnx.state(model, nnx.Param)), flatten(nnx.state(copy, nnx.Param))
+    kernel = "attention/query/kernel"
+    for layer in range(4):
+        source = (
+            stacked[f"layers/layers/{kernel}"][layer] if layer < 2 else stacked[f"unpipelined_layers/layers/{kernel}"][layer - 2]
+        )
+        np.testing.assert_array_equal(listed[f"layers/layers/{layer}/{kernel}"], source)
+    tokens = _tokens(cfg, 2)[:, :16]
+    cached = with_caches(model, 2, 16)
+    batch = prompt_batch(list(tokens), 16)
+    logits, _ = _step(cached, cached.caches, batch["tokens"], batch["positions"], batch["segment_ids"])
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(model(jnp.asarray(tokens)).logits), atol=TOLERANCE, rtol=0)
