@@ -274,8 +274,17 @@ MUTATIONS = [
     Mutation("cache-mask-ignores-window", "layers/kv_cache.py", "    if sliding_window > 0:\n        visible = visible & (pq - pk",
              "    if False:\n        visible = visible & (pq - pk",
              ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[gemma3-tiny]",)),
+    # padding written into a global cache is overwritten before it is read (decode writes first);
+    # in a sliding window's ring buffer it evicts real tokens
     Mutation("cache-keeps-padding", "layers/kv_cache.py", "keep = valid & (positions > latest - self.size)", "keep = positions > latest - self.size",
+             ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[mistral-tiny]",)),
+    Mutation("decode-attends-before-writing", "layers/kv_cache.py",
+             "        self._write(new, positions, valid)\n        return {name: self.entries[name][...] for name in new}, self.positions[...]",
+             "        read = {name: self.entries[name][...] for name in new}, self.positions[...]\n"
+             "        self._write(new, positions, valid)\n        return read",
              ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[llama3.1-tiny]",)),
+    Mutation("unrolled-decoding-loses-the-unpipelined-offset", "infer/decode.py", "first + index, rest", "index, rest",
+             ("tests/parity/test_kv_cache.py::test_decoding_runs_an_unrolled_copy_with_the_same_weights",)),
     Mutation("decode-position-off-by-one", "infer/decode.py", "positions = (lengths + i)[:, None]", "positions = (lengths + i + 1)[:, None]",
              ("tests/parity/test_kv_cache.py::test_decoding_loop_logits_equal_the_full_forward",)),
     Mutation("compressor-misses-window-completed-by-first-new-token", "models/deepseek4/compressed.py",
