@@ -188,6 +188,21 @@ def stack_layers(flat: dict[str, Any], num_layers: LayerCounts, stack) -> dict[s
     return convert_layers(flat, num_layers, scanned=True, stack=stack)
 
 
+def rename_stacks(flat: dict[str, Any], moves: Mapping[str, tuple[str, int]]) -> dict[str, Any]:
+    """Layer-list paths of each stack ``s`` in ``moves`` renamed to ``moves[s] = (stack,
+    first index)``: ``.../s/layers/i/...`` -> ``.../stack/layers/(first + i)/...``; other paths kept."""
+    renamed = {}
+    for path, value in flat.items():
+        split = split_layer_path(path)
+        if split is not None and split[1] is not None and stack_name(split[0]) in moves:
+            group, index, rest = split
+            stack = stack_name(group)
+            name, first = moves[stack]
+            path = layer_path(f"{group[: group.rindex(f'{stack}/layers/')]}{name}/layers/", first + index, rest)
+        renamed[path] = value
+    return renamed
+
+
 def layer_list_layout(state: Any, num_layers: LayerCounts) -> dict[str, Any]:
     """Flat layer-list view of any model state or gradient tree (scanned or not)."""
     return unstack_layers(flatten(state), num_layers)

@@ -283,8 +283,9 @@ MUTATIONS = [
              "        read = {name: self.entries[name][...] for name in new}, self.positions[...]\n"
              "        self._write(new, positions, valid)\n        return read",
              ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[llama3.1-tiny]",)),
-    Mutation("unrolled-decoding-loses-the-unpipelined-offset", "infer/decode.py", "first + index, rest", "index, rest",
-             ("tests/parity/test_kv_cache.py::test_decoding_runs_an_unrolled_copy_with_the_same_weights",)),
+    Mutation("unrolled-decoding-loses-the-unpipelined-offset", "params.py", "first + index, rest", "index, rest",
+             ("tests/parity/test_kv_cache.py::test_decoding_runs_an_unrolled_copy_with_the_same_weights",
+              "tests/parity/test_pipeline.py::test_partial_pipeline_runs_the_other_layers_after_it")),
     Mutation("decode-position-off-by-one", "infer/decode.py", "positions = (lengths + i)[:, None]", "positions = (lengths + i + 1)[:, None]",
              ("tests/parity/test_kv_cache.py::test_decoding_loop_logits_equal_the_full_forward",)),
     Mutation("compressor-misses-window-completed-by-first-new-token", "models/deepseek4/compressed.py",

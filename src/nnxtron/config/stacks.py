@@ -55,6 +55,13 @@ def built_stacks(cfg: Config) -> tuple[BuiltStack, ...]:
     return tuple(built)
 
 
+def unsplit_stacks(cfg: Config) -> dict[str, tuple[str, int]]:
+    """Each built stack's unsplit stack and first block in it (``params.rename_stacks`` moves):
+    a partial pipeline's ``unpipelined_layers`` are the main stack from ``first_block`` on."""
+    names = [layout.name for layout in pattern_stacks(cfg)]
+    return {built.layout.name: (names[built.pattern_index], built.first_block) for built in built_stacks(cfg)}
+
+
 def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:
     """The layouts of the decoder's stacks, in layer order."""
     return tuple(stack.layout for stack in built_stacks(cfg))

@@ -21,13 +21,13 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.config.schema import Config
-from nnxtron.config.stacks import built_stacks, layer_counts
+from nnxtron.config.stacks import layer_counts, unsplit_stacks
 from nnxtron.errors import UserError
 from nnxtron.infer.cache import attach_caches
 from nnxtron.infer.sample import sample_logits
 from nnxtron.layers.kv_cache import CacheEntry
 from nnxtron.models.build import abstract_model
-from nnxtron.params import flatten, flatten_with_treedef, layer_path, split_layer_path, stack_name, unstack_layers
+from nnxtron.params import flatten, flatten_with_treedef, rename_stacks, unstack_layers
 
 MIN_BUCKET = 16
 
@@ -83,7 +83,8 @@ def unrolled(model: nnx.Module) -> nnx.Module:
         return nnx.clone(model)
     flat_cfg = cfg.model_copy(update={"scan_layers": False, "ici_pipeline_parallelism": 1, "dcn_pipeline_parallelism": 1})
     graphdef, abstract = nnx.split(abstract_model(flat_cfg))
-    source = _unpipelined_names(unstack_layers(flatten(nnx.state(model)), layer_counts(cfg)), cfg, flat_cfg)
+    # layer-list paths of the unsplit stacks (a partial pipeline's unpipelined_layers rejoin the main stack)
+    source = rename_stacks(unstack_layers(flatten(nnx.state(model)), layer_counts(cfg)), unsplit_stacks(cfg))
     target, treedef = flatten_with_treedef(nnx.to_pure_dict(abstract))
     if source.keys() != target.keys():
         missing, extra = sorted(target.keys() - source.keys()), sorted(source.keys() - target.keys())
@@ -91,25 +92,6 @@ def unrolled(model: nnx.Module) -> nnx.Module:
     values = jax.tree_util.tree_unflatten(treedef, [source[key] for key in target])
     nnx.replace_by_pure_dict(abstract, values)
     return nnx.merge(graphdef, abstract)
-
-
-def _unpipelined_names(flat: dict, cfg: Config, flat_cfg: Config) -> dict:
-    """Layer-list paths of ``cfg``'s stacks renamed to ``flat_cfg``'s: a partial pipeline's
-    ``unpipelined_layers`` are the rest of the main stack (``config.stacks.built_stacks``)."""
-    target = {built.pattern_index: built.layout.name for built in built_stacks(flat_cfg)}
-    moves = {b.layout.name: (target[b.pattern_index], b.first_block) for b in built_stacks(cfg)}
-    renamed = {}
-    for path, value in flat.items():
-        split = split_layer_path(path)
-        if split is None or split[1] is None or stack_name(split[0]) not in moves:
-            renamed[path] = value
-            continue
-        group, index, rest = split
-        stack = stack_name(group)
-        name, first = moves[stack]
-        prefix = group[: group.rindex(f"{stack}/layers/")]
-        renamed[layer_path(f"{prefix}{name}/layers/", first + index, rest)] = value
-    return renamed
 
 
 @functools.lru_cache(maxsize=16)

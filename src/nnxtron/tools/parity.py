@@ -17,11 +17,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from nnxtron.config.pipeline import UNPIPELINED
 from nnxtron.config.stacks import layer_counts
 from nnxtron.parallel.microbatch import merge_microbatches
 from nnxtron.parallel.row_keys import row_keys
 from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
-from nnxtron.params import layer_list_layout
+from nnxtron.params import layer_list_layout, rename_stacks
 from nnxtron.train.step import compute_gradients
 
 
@@ -134,18 +135,10 @@ def with_tail_stack_merged(result: GradResult, first_block: int) -> GradResult:
     """``result`` with a partial pipeline's tail stack (``unpipelined_layers/layers/i``) named as
     the blocks ``first_block + i`` of the unsplit stack (``layers/layers/...``), to compare with
     the sequential model."""
-    prefix = "unpipelined_layers/layers/"
-
-    def rename(tree: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = {}
-        for key, value in tree.items():
-            if key.startswith(prefix):
-                index, rest = key[len(prefix) :].split("/", 1)
-                key = f"layers/layers/{int(index) + first_block}/{rest}"
-            out[key] = value
-        return out
-
-    return GradResult(result.loss, result.input_grad, rename(result.param_grads), result.aux, rename(result.rest))
+    moves = {UNPIPELINED: ("layers", first_block)}
+    return GradResult(
+        result.loss, result.input_grad, rename_stacks(result.param_grads, moves), result.aux, rename_stacks(result.rest, moves)
+    )
 
 
 def _norm(x: np.ndarray) -> float:
