@@ -48,8 +48,9 @@ from nnxtron.parallel.scan import Aux, LayerStack, _apply_layer, add_stack_axis,
 from nnxtron.parallel.sharding import Rules, activate, active_mesh, logical_to_spec, spmd_axes, variable_names
 
 STAGE = "stage"
+# per-stage offload: a repeat's weights fetched from host memory, and what a round keeps for its backward pass
 STAGE_WEIGHTS = "pipeline_stage_weights"
-ITERATION_INPUTS = "pipeline_iteration_inputs"  # a repeat's weights fetched from host memory (per-stage offload)
+ITERATION_INPUTS = "pipeline_iteration_inputs"
 
 
 def without_axis(rules: Rules, axis: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -387,9 +388,8 @@ def run_pipeline(
             aux_names = jax.eval_shape(on_first, first, staged_rest, zeros, first_args, first_ids == 0, first_ids, first_keys)[1]
         else:
             by_repeat = first_ids if repeats > 1 else None
-            aux_names = jax.eval_shape(compute, staged_params, staged_rest, zeros, first_args, by_repeat, by_repeat, first_keys)[
-                1
-            ]
+            shapes = jax.eval_shape(compute, staged_params, staged_rest, zeros, first_args, by_repeat, by_repeat, first_keys)
+            aux_names = shapes[1]
         buffer = keep(jnp.broadcast_to(parts["x"][None], (stages, *parts["x"].shape)))
         carry = (buffer, zeros, zeros, staged_rest, {name: jnp.zeros((), jnp.float32) for name in aux_names})
         if host:

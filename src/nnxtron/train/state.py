@@ -62,12 +62,7 @@ class ModelSetup:
         the optimizer update runs on device memory like every other offload."""
         if self.compute_shardings is None:
             return tree
-
-        def one(value: jax.Array, sharding: NamedSharding) -> jax.Array:
-            on_host = jax.typeof(value).memory_space == jax.memory.Space.Host
-            return jax.device_put(value, sharding) if on_host else value
-
-        return jax.tree.map(one, tree, self.device_param_shardings())
+        return host_to_device(tree, self.device_param_shardings())
 
     def device_param_shardings(self) -> Any:
         """Where the parameters (and their gradients) are in device memory."""
@@ -80,6 +75,17 @@ class ModelSetup:
         if self.compute_shardings is None:
             return state
         return {key: jax.device_put(value, self.state_shardings[key]) for key, value in state.items()}
+
+
+def host_to_device(tree: Any, shardings: Any) -> Any:
+    """Inside a step: the leaves of ``tree`` held in host memory moved to ``shardings`` (device
+    memory); the others are returned as they are, so the program without host leaves is unchanged."""
+
+    def one(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+        on_host = jax.typeof(value).memory_space == jax.memory.Space.Host
+        return jax.device_put(value, sharding) if on_host else value
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def _with_memory_kind(shardings: Any, kind: str) -> Any:

@@ -20,7 +20,7 @@ from nnxtron.parallel.microbatch import split_microbatches
 from nnxtron.parallel.row_keys import row_keys
 from nnxtron.parallel.sharding import activate, constrain, logical_to_spec
 from nnxtron.params import flatten_with_treedef
-from nnxtron.train.state import ModelSetup, TrainState
+from nnxtron.train.state import ModelSetup, TrainState, host_to_device
 
 Batch = dict[str, jax.Array]
 
@@ -135,8 +135,8 @@ def compute_gradients(
         acc, loss_sum, tokens, aux_sum, rest = carry
         mb = {key: constrain(v, ("activation_batch", "activation_length")[: v.ndim]) for key, v in mb.items()}
         (_, (mb_loss, mb_tokens, rest, mb_aux)), grads = grad_fn(params, rest, mb)
-        if any(jax.typeof(g).memory_space == jax.memory.Space.Host for g in jax.tree.leaves(grads)):
-            grads = jax.device_put(grads, grad_shardings)  # per-stage offload: host gradients join the accumulator
+        if grad_shardings is not None:  # per-stage offload: host gradients join the accumulator
+            grads = host_to_device(grads, grad_shardings)
         acc = _constrain_tree(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), grad_shardings)
         aux_sum = {name: aux_sum[name] + mb_aux[name] for name in aux_sum}
         return (acc, loss_sum + mb_loss, tokens + mb_tokens, aux_sum, rest), None
