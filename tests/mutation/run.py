@@ -279,8 +279,8 @@ MUTATIONS = [
     Mutation("cache-keeps-padding", "layers/kv_cache.py", "keep = valid & (positions > latest - self.size)", "keep = positions > latest - self.size",
              ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[mistral-tiny]",)),
     Mutation("decode-attends-before-writing", "layers/kv_cache.py",
-             "        self._write(new, positions, valid)\n        return {name: self.entries[name][...] for name in new}, self.positions[...]",
-             "        read = {name: self.entries[name][...] for name in new}, self.positions[...]\n"
+             "        self._write(new, positions, valid)\n        return {name: self._stored(name) for name in new}, self._stored_positions()",
+             "        read = {name: self._stored(name) for name in new}, self._stored_positions()\n"
              "        self._write(new, positions, valid)\n        return read",
              ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[llama3.1-tiny]",)),
     Mutation("unrolled-decoding-loses-the-unpipelined-offset", "params.py", "first + index, rest", "index, rest",

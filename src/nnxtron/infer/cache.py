@@ -6,12 +6,14 @@ from __future__ import annotations
 from flax import nnx
 
 from nnxtron.layers.kv_cache import CacheSpec, TokenCache
+from nnxtron.layers.paged_cache import PagedCache
 
 
-def attach_caches(model: nnx.Module, batch: int, max_length: int) -> None:
+def attach_caches(model: nnx.Module, batch: int, max_length: int, paging=None) -> None:
     """Give every attention layer of ``model``'s layer stacks a cache for ``batch`` rows of
     up to ``max_length`` tokens (modules with a ``cache_spec(max_length)`` method returning
-    one ``CacheSpec`` or a dict of them)."""
+    one ``CacheSpec`` or a dict of them). With ``paging`` (``infer.paging.Paging``; unrolled
+    layers only) the caches are ``PagedCache`` block pools shared by all sequences."""
     targets = []
     for name in model.stack_names:
         stack = getattr(model, name)
@@ -25,10 +27,18 @@ def attach_caches(model: nnx.Module, batch: int, max_length: int) -> None:
                     targets.append((module, lead, lead_axes))
     if not targets:
         raise ValueError(f"{model.config.decoder_block}: no attention layer supports a decoding cache")
+
+    def make(spec: CacheSpec, lead, lead_axes) -> TokenCache:
+        if paging is None:
+            return TokenCache(batch, spec, lead, lead_axes)
+        if lead:
+            raise ValueError("paged caches need unrolled layers (infer.decode.unrolled)")
+        return PagedCache(batch, spec, paging.block_size, paging.pool_blocks(spec.size, max_length))
+
     with nnx.use_eager_sharding(False):  # annotations only; the arrays are placed by whoever jits the step
         for module, lead, lead_axes in targets:
             spec = module.cache_spec(max_length)
             if isinstance(spec, CacheSpec):
-                module.cache = TokenCache(batch, spec, lead, lead_axes)
+                module.cache = make(spec, lead, lead_axes)
             else:  # several caches (DeepSeek-V4: sliding keys, compressor buffers and entries)
-                module.cache = nnx.Dict({name: TokenCache(batch, one, lead, lead_axes) for name, one in spec.items()})
+                module.cache = nnx.Dict({name: make(one, lead, lead_axes) for name, one in spec.items()})

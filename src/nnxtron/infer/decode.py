@@ -54,9 +54,10 @@ class CachedModel:
         return self._step(self.params, self.state, caches, tokens, positions, segment_ids)
 
 
-def with_caches(model: nnx.Module, batch: int, max_length: int) -> CachedModel:
+def with_caches(model: nnx.Module, batch: int, max_length: int, paging=None) -> CachedModel:
     """``model`` with empty caches for ``batch`` rows of up to ``max_length`` tokens (the
-    model itself is not changed)."""
+    model itself is not changed); with ``paging`` (``infer.paging.Paging``) block pools
+    shared by all sequences, whose tables ``infer.paging.PagedLayout`` fills per step."""
     cfg = model.config
     if max_length > cfg.max_position_embeddings:
         raise UserError(
@@ -64,7 +65,7 @@ def with_caches(model: nnx.Module, batch: int, max_length: int) -> CachedModel:
             "shorten the prompt or lower max_new_tokens"
         )
     model = unrolled(model)
-    attach_caches(model, batch, max_length)
+    attach_caches(model, batch, max_length, paging)
     graphdef, params, caches, state = nnx.split(model, nnx.Param, CacheEntry, ...)
     pure = nnx.to_pure_dict
     return CachedModel(graphdef, pure(params), pure(state), pure(caches), max_length, _jitted_step(graphdef))

@@ -71,9 +71,18 @@ class TokenCache(nnx.Module):
             }
         )
 
+    def _stored(self, name: str) -> jax.Array:
+        """Entry ``name`` of every row in its storage layout (``[B, size, *dims]`` or with the
+        slot axis inside); ``PagedCache`` gathers it from its block pool."""
+        return self.entries[name][...]
+
+    def _stored_positions(self) -> jax.Array:
+        """``[B, size]``: the position held by each slot of each row (``EMPTY``: none)."""
+        return self.positions[...]
+
     def _token_major(self, name: str) -> jax.Array:
         """Entry ``name`` as ``[B, size, *dims]`` (a transposed copy when stored slot-inside)."""
-        entry = self.entries[name][...]
+        entry = self._stored(name)
         return entry if self.slot_dim == 0 else jnp.moveaxis(entry, 1 + self.slot_dim, 1)
 
     def extend(
@@ -86,7 +95,7 @@ class TokenCache(nnx.Module):
         new_positions = jnp.where(valid, positions, EMPTY)
         old = {name: self._token_major(name) for name in new}
         every = {name: jnp.concatenate([old[name], new[name].astype(old[name].dtype)], axis=1) for name in new}
-        key_positions = jnp.concatenate([self.positions[...], new_positions], axis=1)
+        key_positions = jnp.concatenate([self._stored_positions(), new_positions], axis=1)
         self._write(new, positions, valid)
         return every, key_positions
 
@@ -102,7 +111,7 @@ class TokenCache(nnx.Module):
         if positions.shape[1] != 1:
             return self.extend(new, positions, valid)
         self._write(new, positions, valid)
-        return {name: self.entries[name][...] for name in new}, self.positions[...]
+        return {name: self._stored(name) for name in new}, self._stored_positions()
 
     def _write(self, new: Mapping[str, jax.Array], positions: jax.Array, valid: jax.Array) -> None:
         """Store the last ``size`` valid positions of each row in their slots (the rest are dropped)."""
@@ -110,6 +119,10 @@ class TokenCache(nnx.Module):
         latest = jnp.max(new_positions, axis=1, keepdims=True)
         keep = valid & (positions > latest - self.size)
         slots = jnp.where(keep, positions % self.size, self.size)
+        self._scatter(slots, new, positions)
+
+    def _scatter(self, slots: jax.Array, new: Mapping[str, jax.Array], positions: jax.Array) -> None:
+        """Write each row's tokens into ``slots [B, S]`` (``size``: dropped)."""
         rows = jnp.arange(positions.shape[0])[:, None]
         # rows and slots around the leading dims: the updates are indexed [B, S, *dims] either way
         where = (rows, *(slice(None),) * self.slot_dim, slots)
