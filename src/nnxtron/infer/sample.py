@@ -67,3 +67,37 @@ def generate_tokens(
         yield token
         if token in stop_ids:
             return
+
+
+def sample_row(
+    logits: np.ndarray, rng: np.random.Generator, temperature: float, top_k: int, top_p: float, logprobs: int | None = None
+) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+    """One token from one row's float32 ``logits [V]`` with per-request settings, on the
+    host (the server's rows each have their own; ``sample_logits`` is the jitted sampler of
+    one config): temperature 0 is greedy (argmax, as ``sample_logits``); otherwise the
+    logits over ``temperature``, then the ``top_k`` best (0 = all), then the smallest
+    prefix of mass ``top_p`` (OpenAI's order), drawn with ``rng``. With ``logprobs``: the
+    token's log-probability under the model (before temperature and filters) and the
+    ``logprobs`` most likely tokens with theirs."""
+    logits = np.asarray(logits, np.float64)
+    if temperature == 0:
+        token = int(np.argmax(logits))
+    else:
+        scaled = logits / temperature
+        if 0 < top_k < scaled.size:
+            kth = np.partition(scaled, -top_k)[-top_k]
+            scaled = np.where(scaled < kth, -np.inf, scaled)
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        if top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            before = np.cumsum(probs[order]) - probs[order]  # mass of the better tokens
+            dropped = order[before >= top_p]
+            probs[dropped] = 0.0
+            probs /= probs.sum()
+        token = int(min(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"), probs.size - 1))
+    if logprobs is None:
+        return token, None, None
+    log_probs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+    best = np.argsort(-log_probs, kind="stable")[:logprobs]
+    return token, float(log_probs[token]), [(int(t), float(log_probs[t])) for t in best]
