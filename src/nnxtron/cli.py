@@ -1,4 +1,4 @@
-"""The ``nnxtron`` command: train | generate | convert | config | bench | plan.
+"""The ``nnxtron`` command: train | generate | serve | convert | config | bench | plan.
 
 Every subcommand takes an optional YAML file and ``key=value`` overrides. Bad input
 (config, data, checkpoint, command line) is reported as one line on stderr with exit
@@ -183,6 +183,22 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         sys.stdout.write(text.push([token]))
         sys.stdout.flush()
     sys.stdout.write(text.finish() + "\n")
+    return 0
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    import os
+
+    from nnxtron.serve.server import ServeOptions, serve
+
+    options = ServeOptions(
+        host=ns.host, port=ns.port, api_key=ns.api_key if ns.api_key is not None else os.environ.get("NNXTRON_API_KEY") or None,
+        model_name=ns.served_model_name, max_length=ns.max_length, max_sequences=ns.max_sequences, block_size=ns.block_size,
+        kv_blocks=ns.kv_blocks, prefill_chunk=ns.prefill_chunk, max_queue=ns.max_queue,
+        request_timeout=None if ns.request_timeout == 0 else ns.request_timeout, chat_template=ns.chat_template,
+        log_level=ns.log_level,
+    )  # fmt: skip
+    serve(ns.path, ns.overrides, options)
     return 0
 
 
@@ -386,6 +402,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="prompt text (same as prompt=...)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("serve", help="serve a run directory or an HF directory over an OpenAI-compatible HTTP API")
+    p.add_argument("path", help="run directory (config.yml + checkpoints/) or HF model directory")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides for loading the model (e.g. dtype=bfloat16)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument(
+        "--api-key", default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $NNXTRON_API_KEY if set, else no key)",
+    )  # fmt: skip
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory's name)")
+    p.add_argument(
+        "--max-length", type=int, default=None,
+        help="context of one sequence, prompt + completion (default: max_position_embeddings, at most 4096)",
+    )  # fmt: skip
+    p.add_argument("--max-sequences", type=int, default=16, help="sequences decoded together (default 16)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV cache blocks (default: every sequence at --max-length)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens prefilled per step (power of two >= 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting sequences before requests get 429 (default 64)")
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0,
+        help="seconds a request may take before it is cancelled with 504 (default 600; 0: no limit)",
+    )  # fmt: skip
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file replacing the tokenizer's")
+    p.add_argument("--log-level", default="info", help="uvicorn log level: critical, error, warning, info, debug")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("convert", help="convert between HF or MaxText checkpoints and nnxtron runs")
     p.add_argument("direction", choices=["from-hf", "to-hf", "from-maxtext", "to-maxtext"])

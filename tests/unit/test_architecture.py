@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engines", ("nnxtron.train", "nnxtron.infer")),
     ("convert", ("nnxtron.convert",)),
     ("tools", ("nnxtron.tools",)),
+    ("serve", ("nnxtron.serve",)),
     ("cli", ("nnxtron.cli", "nnxtron")),
     ("entry", ("nnxtron.__main__",)),  # `python -m nnxtron`
 )
