@@ -42,7 +42,7 @@ class TextStream:
     def finish(self) -> str:
         """The rest of the text (held-back whitespace, a final partial character)."""
         text = self.tokenizer.decode(self.ids)
-        new, self.emitted = _after(text, self.emitted), text
+        new, self.emitted = text_after(text, self.emitted), text
         return new
 
     def text(self) -> str:
@@ -51,10 +51,10 @@ class TextStream:
 
     def completion(self) -> str:
         """The text after the prompt's, as ``decode`` joins them."""
-        return _after(self.text(), self.prompt_text)
+        return text_after(self.text(), self.prompt_text)
 
 
-def _after(text: str, prefix: str) -> str:
+def text_after(text: str, prefix: str) -> str:
     """``text`` past ``prefix`` (past their common part, where ``prefix`` is not one)."""
     n = 0
     for x, y in zip(text, prefix):

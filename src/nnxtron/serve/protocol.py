@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nnxtron.data.detokenize import PARTIAL, TextStream
+from nnxtron.data.detokenize import PARTIAL, TextStream, text_after
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.infer.engine import SamplingParams
 
@@ -194,16 +194,6 @@ class ChatCompletionRequest(_Request):
 # ---- generated text ----------------------------------------------------------------------
 
 
-def _after(text: str, prefix: str) -> str:
-    """``text`` past its common part with ``prefix`` (as ``TextStream.completion``)."""
-    n = 0
-    for x, y in zip(text, prefix):
-        if x != y:
-            break
-        n += 1
-    return text[n:]
-
-
 class CompletionText:
     """The text of one generated sequence, released piece by piece and cut at its first stop string.
 
@@ -226,9 +216,9 @@ class CompletionText:
         if self.stopped:
             return ""
         self.stream.push(token_ids)
-        settled = _after(self.stream.emitted, self.stream.prompt_text)
+        settled = text_after(self.stream.emitted, self.stream.prompt_text)
         # stop strings are looked for in the whole decoded text (trailing whitespace too), less a partial character
-        raw = _after(self.stream.text(), self.stream.prompt_text).rstrip(PARTIAL) if self.stop else settled
+        raw = text_after(self.stream.text(), self.stream.prompt_text).rstrip(PARTIAL) if self.stop else settled
         return self._release(settled, raw, final=False)
 
     def finish(self) -> str:
