@@ -31,7 +31,8 @@ import uvicorn
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nnxtron.serve.app import ServeState, create_app
+from nnxtron.serve.app import create_app
+from nnxtron.serve.sequences import ServeState
 from nnxtron.serve.server import ServeOptions, listen, load, make_engine
 from tests.integration.conftest import assert_user_error, run_cli
 

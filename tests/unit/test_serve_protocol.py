@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from nnxtron.data.chat_template import ChatTemplate
 from nnxtron.infer.engine import QueueFull, TokenEvent
-from nnxtron.serve.app import ServeState, create_app
+from nnxtron.serve.app import create_app
 from nnxtron.serve.metrics import Counter, Histogram, Metrics, TokenRate
 from nnxtron.serve.protocol import (
     APIError,
@@ -31,6 +31,7 @@ from nnxtron.serve.protocol import (
     sse,
     validation_error,
 )
+from nnxtron.serve.sequences import ServeState
 
 
 class CharTokenizer:

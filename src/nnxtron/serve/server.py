@@ -28,7 +28,8 @@ from nnxtron.errors import UserError
 from nnxtron.infer.engine import Engine
 from nnxtron.infer.paging import Paging
 from nnxtron.runtime.compile_cache import enable_compilation_cache
-from nnxtron.serve.app import ServeState, create_app
+from nnxtron.serve.app import create_app
+from nnxtron.serve.sequences import ServeState
 
 __all__ = ["DEFAULT_MAX_LENGTH", "Loaded", "ServeOptions", "listen", "load", "load_chat_template", "make_engine", "serve"]
 
