@@ -12,12 +12,15 @@ import time
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
+from nnxtron.convert.hf import from_hf
 from nnxtron.infer.decode import generate
 from nnxtron.infer.engine import Engine, QueueFull, SamplingParams, TokenEvent
 from nnxtron.infer.paging import Paging
 from nnxtron.models.build import build_model
 from tests.conftest import tiny_config
+from tests.parity.test_hf_golden import GOLDEN
 
 NEW = 12
 LENGTHS = (3, 40, 1, 17, 9, 70)
@@ -130,3 +133,23 @@ def test_bad_requests_are_refused_before_queueing(model):
         with pytest.raises(ValueError, match=words):
             engine.submit(prompt, params, lambda event: None)
     assert engine.stats()["queue_depth"] == 0
+
+
+# one stored HF model per attention kind: GQA, sliding window, Gemma 3's mix, Llama 4 chunks, MLA,
+# DeepSeek-V4 compressed attention (tests/parity/test_kv_cache.py runs them all through `generate`)
+ATTENTION_KINDS = ("llama31", "mistral", "gemma3", "llama4", "deepseek3", "deepseek4")
+
+
+@pytest.mark.parametrize("case", ATTENTION_KINDS)
+def test_engine_greedy_equals_hf_generate(case):
+    """Stored tiny HF models through the engine (all prompts at once, paged cache with
+    4-slot blocks, prefill chunks of 16): transformers' own greedy ``generate``."""
+    golden = load_file(str(GOLDEN / case / "generate.safetensors"))
+    model = from_hf(GOLDEN / case)
+    engine = Engine(model, 64, Paging(block_size=4, max_sequences=4), prefill_chunk=16)
+    out = Collector()
+    new = golden["generated"].shape[1]
+    for row, prompt in enumerate(golden["prompt_ids"]):
+        engine.submit([int(t) for t in prompt], SamplingParams(temperature=0, max_tokens=new), out.emit(row))
+    _run(engine, out, len(golden["prompt_ids"]))
+    np.testing.assert_array_equal(np.array([out.tokens[row] for row in range(len(out.tokens))]), golden["generated"])
