@@ -9,6 +9,9 @@ One request set (``--requests`` prompts of 8 to 96 random tokens, each asking fo
 * ``engine, concurrency C``: C client threads each submit a request to
   ``infer.engine.Engine`` (paged cache, chunked prefill, continuous batching) and the next
   when it is answered; per request: time to first token and latency; overall tokens/s;
+* ``server, concurrency C``: the same through ``nnxtron serve``'s HTTP API (uvicorn in this
+  process, C client threads streaming ``/v1/completions`` with token-id prompts): what
+  HTTP, JSON, server-sent events and incremental detokenization add;
 * ``HF generate, batches of C``: transformers' greedy ``generate`` on the requests in
   batches of C (left-padded, ``max_new_tokens`` = the batch's largest; only each
   request's own tokens count).
@@ -32,12 +35,18 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
+import uvicorn
 
 from nnxtron.convert.hf import from_hf
+from nnxtron.data.tokenizer import ByteTokenizer
 from nnxtron.infer.decode import generate
 from nnxtron.infer.engine import Engine, SamplingParams, TokenEvent
 from nnxtron.infer.paging import Paging
+from nnxtron.serve.app import create_app
+from nnxtron.serve.sequences import ServeState
+from nnxtron.serve.server import listen
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "assets" / "golden"
 
@@ -54,8 +63,16 @@ def reference_answers(model, requests) -> list[list[int]]:
     return [[step[0] for step in generate(model, [prompt], cfg, new)] for prompt, new in requests]
 
 
-def engine_load(engine: Engine, requests, concurrency: int) -> dict:
-    """``concurrency`` closed-loop clients over ``requests``: answers, latencies, time."""
+class NoStopTokenizer(ByteTokenizer):
+    """Text for the server's responses; no EOS, so every request runs to its max_tokens (the
+    golden checkpoints carry no tokenizer; prompts are sent as token ids)."""
+
+    eos_id = -1
+
+
+def closed_loop(requests, concurrency: int, run_one) -> dict:
+    """``concurrency`` clients, each running ``run_one(index) -> (answer, ttft, latency)`` on the
+    next request until none is left."""
     answers: list[list[int] | None] = [None] * len(requests)
     ttft, latency = [0.0] * len(requests), [0.0] * len(requests)
     next_request = iter(range(len(requests)))
@@ -67,23 +84,7 @@ def engine_load(engine: Engine, requests, concurrency: int) -> dict:
                 index = next(next_request, None)
             if index is None:
                 return
-            prompt, new = requests[index]
-            tokens: list[int] = []
-            done = threading.Event()
-            sent = time.perf_counter()
-
-            def on_event(event: TokenEvent, tokens=tokens, done=done, index=index, sent=sent) -> None:
-                if event.token is not None:
-                    if not tokens:
-                        ttft[index] = time.perf_counter() - sent
-                    tokens.append(event.token)
-                if event.finish_reason is not None:
-                    latency[index] = time.perf_counter() - sent
-                    done.set()
-
-            engine.submit(prompt, SamplingParams(temperature=0, max_tokens=new), on_event)
-            done.wait()
-            answers[index] = tokens
+            answers[index], ttft[index], latency[index] = run_one(index)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -92,6 +93,73 @@ def engine_load(engine: Engine, requests, concurrency: int) -> dict:
     for thread in threads:
         thread.join()
     return {"answers": answers, "seconds": time.perf_counter() - start, "ttft": ttft, "latency": latency}
+
+
+def engine_load(engine: Engine, requests, concurrency: int) -> dict:
+    def run_one(index: int):
+        prompt, new = requests[index]
+        tokens: list[int] = []
+        done = threading.Event()
+        sent = time.perf_counter()
+        first = [0.0]
+
+        def on_event(event: TokenEvent) -> None:
+            if event.token is not None:
+                if not tokens:
+                    first[0] = time.perf_counter() - sent
+                tokens.append(event.token)
+            if event.finish_reason is not None:
+                done.set()
+
+        engine.submit(prompt, SamplingParams(temperature=0, max_tokens=new), on_event)
+        done.wait()
+        return tokens, first[0], time.perf_counter() - sent
+
+    return closed_loop(requests, concurrency, run_one)
+
+
+def http_load(url: str, requests, concurrency: int) -> dict:
+    local = threading.local()
+
+    def run_one(index: int):
+        prompt, new = requests[index]
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(timeout=300)
+        body = {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True, "return_token_ids": True}
+        tokens: list[int] = []
+        sent, first = time.perf_counter(), 0.0
+        with local.client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    if ids and not tokens:
+                        first = time.perf_counter() - sent
+                    tokens.extend(ids)
+        return tokens, first, time.perf_counter() - sent
+
+    return closed_loop(requests, concurrency, run_one)
+
+
+class Server:
+    """``nnxtron serve``'s application around ``engine``, on a free loopback port, in a thread."""
+
+    def __init__(self, engine: Engine, vocab_size: int):
+        state = ServeState(engine, NoStopTokenizer(), "bench", vocab_size, request_timeout=None)
+        self.sock = listen("127.0.0.1", 0)
+        self.server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+        self.sock.close()
 
 
 def hf_batched(path: Path, requests, batch: int) -> float | None:
@@ -147,25 +215,31 @@ def main() -> None:
         paging = Paging(block_size=args.block_size, max_sequences=concurrency)
         engine = Engine(model, max_length, paging, prefill_chunk=args.prefill_chunk, max_queue=args.requests)
         engine.start()
+        server = Server(engine, model.config.vocab_size)
         engine_load(engine, requests, concurrency)  # compile every prefill bucket and batch width
-        passes = [engine_load(engine, requests, concurrency) for _ in range(args.repeats)]
+        for mode in ("engine", "server"):
+            if mode == "engine":
+                passes = [engine_load(engine, requests, concurrency) for _ in range(args.repeats)]
+            else:
+                passes = [http_load(server.url, requests, concurrency) for _ in range(args.repeats)]
+            for result in passes:
+                wrong = [i for i, (a, b) in enumerate(zip(result["answers"], reference)) if a != b]
+                if wrong:
+                    raise SystemExit(f"{mode} answers differ from decoding each request alone for requests {wrong[:5]}")
+            seconds = statistics.median(result["seconds"] for result in passes)
+            rows.append(
+                {
+                    "mode": f"{mode}, concurrency {concurrency}",
+                    "tokens_per_s": total_new / seconds,
+                    "seconds": seconds,
+                    "ttft_s": percentiles([t for result in passes for t in result["ttft"]]),
+                    "latency_s": percentiles([t for result in passes for t in result["latency"]]),
+                }
+            )
+        server.close()
         engine.stop()
-        for result in passes:
-            wrong = [i for i, (a, b) in enumerate(zip(result["answers"], reference)) if a != b]
-            if wrong:
-                raise SystemExit(f"engine answers differ from decoding each request alone for requests {wrong[:5]}")
-        assert engine.stats()["blocks_in_use"] == 0
-        seconds = statistics.median(result["seconds"] for result in passes)
-        rows.append(
-            {
-                "mode": f"engine, concurrency {concurrency}",
-                "tokens_per_s": total_new / seconds,
-                "seconds": seconds,
-                "ttft_s": percentiles([t for result in passes for t in result["ttft"]]),
-                "latency_s": percentiles([t for result in passes for t in result["latency"]]),
-                "preemptions": engine.counters.preemptions,
-            }
-        )
+        assert engine.stats()["blocks_in_use"] == 0, "cache blocks left held"
+        rows[-2]["preemptions"] = engine.counters.preemptions
         hf_seconds = hf_batched(path, requests, concurrency)
         rows.append(
             {"mode": f"HF generate, batches of {concurrency}", "tokens_per_s": total_new / hf_seconds, "seconds": hf_seconds}
