@@ -190,6 +190,7 @@ def case_decode(quick: bool) -> list[dict[str, Any]]:
     step bound by the bytes it reads would give, ``16 (W + C) / (W + 16 C)`` for weights
     ``W`` and one row's cache ``C``."""
     from nnxtron.config.loader import load_config
+    from nnxtron.infer.paging import Paging
     from nnxtron.tools.bench import run_decode_bench
 
     base = ["model_name=llama2-tiny", "vocab_size=256", "max_target_length=32", "max_new_tokens=8"] if quick else []
@@ -220,6 +221,15 @@ def case_decode(quick: bool) -> list[dict[str, Any]]:
         "baseline": f"bytes-bound model {bound:.1f}x", "ratio": rates[16] / rates[1], "ratio_name": "speed-up",
         "target": ">= 8 (issue 27)", "detail": {"tokens_per_s": rates, "bytes_bound_speedup": bound},
     })  # fmt: skip
+    for batch in (1, 16):  # the serving engine's paged cache (block tables set on the host every step)
+        overrides = [*base, *_devices_batch(batch)]
+        paged = run_decode_bench(None, overrides, steps=2 if quick else 3, paging=Paging(block_size=16, max_sequences=batch))
+        rows.append({
+            "case": f"decode, paged cache (blocks of 16): batch {batch}",
+            "measured": f"{paged['decode_tokens_per_s']:,.0f} tok/s", "baseline": f"{rates[batch]:,.0f} tok/s unpaged",
+            "ratio": paged["decode_tokens_per_s"] / rates[batch], "ratio_name": "paged / unpaged", "target": "report",
+            "detail": paged,
+        })  # fmt: skip
     return rows
 
 

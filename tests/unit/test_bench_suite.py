@@ -30,8 +30,11 @@ def test_compile_case_reports_trace_and_compile_apart_and_their_ratio():
 
 
 def test_decode_case_reports_each_batch_and_the_scaling_against_the_bytes_bound():
-    *batches, scaling = _suite().case_decode(quick=True)
+    *batches, scaling, paged_1, paged_16 = _suite().case_decode(quick=True)
     assert [row["detail"]["decode_batch"] for row in batches] == [1, 16]
+    for batch, paged, dense in ((1, paged_1, batches[0]), (16, paged_16, batches[1])):  # the engine's paged cache, same shapes
+        assert paged["detail"]["decode_batch"] == batch and "paged" in paged["case"]
+        assert paged["ratio"] == pytest.approx(paged["detail"]["decode_tokens_per_s"] / dense["detail"]["decode_tokens_per_s"])
     rates = scaling["detail"]["tokens_per_s"]
     assert rates == {b: row["detail"]["decode_tokens_per_s"] for b, row in zip((1, 16), batches, strict=True)}
     assert scaling["ratio"] == pytest.approx(rates[16] / rates[1]) and scaling["target"] == ">= 8 (issue 27)"

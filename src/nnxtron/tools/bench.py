@@ -32,6 +32,7 @@ from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
 from nnxtron.data.sources import make_sources
 from nnxtron.errors import UserError
+from nnxtron.infer.paging import Paging
 from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.runtime.compile_cache import count_cache_events, enable_compilation_cache
@@ -154,10 +155,11 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
     }
 
 
-def run_decode_bench(file: str | None, overrides: Sequence[str], steps: int = 3) -> dict[str, Any]:
+def run_decode_bench(file: str | None, overrides: Sequence[str], steps: int = 3, paging: Paging | None = None) -> dict[str, Any]:
     """Time KV-cached decoding (``tools.decode_timing``) of the config's model at its initial
     weights: prefill of ``per_device_batch_size x devices`` prompts of ``max_target_length`` tokens (median of
-    ``steps``), then ``max_new_tokens`` one-token steps. Decoding runs on one device."""
+    ``steps``), then ``max_new_tokens`` one-token steps. Decoding runs on one device; with
+    ``paging``, over the serving engine's paged cache."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
 
@@ -165,7 +167,7 @@ def run_decode_bench(file: str | None, overrides: Sequence[str], steps: int = 3)
     enable_compilation_cache(cfg)
     batch = max(1, int(cfg.per_device_batch_size * jax.device_count()))  # the global batch, without a mesh
     model = build_model(cfg)
-    result = time_decoding(model, batch, cfg.max_target_length, cfg.max_new_tokens, repeats=steps)
+    result = time_decoding(model, batch, cfg.max_target_length, cfg.max_new_tokens, repeats=steps, paging=paging)
     return {**_identity(cfg), "params": count_params(nnx.state(model, nnx.Param)), **result}
 
 

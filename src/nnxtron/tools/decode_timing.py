@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.infer.decode import prompt_batch, with_caches
+from nnxtron.infer.paging import PagedLayout, Paging
 
 
 def _timed(fn, *args) -> tuple[Any, float]:
@@ -25,11 +26,33 @@ def _timed(fn, *args) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def time_decoding(model: nnx.Module, batch: int, prompt_length: int, new_tokens: int, repeats: int = 3, seed: int = 0) -> dict:
+def time_decoding(
+    model: nnx.Module,
+    batch: int,
+    prompt_length: int,
+    new_tokens: int,
+    repeats: int = 3,
+    seed: int = 0,
+    paging: Paging | None = None,
+) -> dict:
     """Tokens per second of prefill (``batch`` prompts of ``prompt_length``) and of decode
-    (``batch`` rows, one token each per step, ``new_tokens`` steps after the prompt)."""
+    (``batch`` rows, one token each per step, ``new_tokens`` steps after the prompt). With
+    ``paging``: the serving engine's paged cache (``batch`` sequences holding the blocks of
+    their whole length), the block tables written into the caches before every step as the
+    engine does (that host work is timed too)."""
     cfg = model.config
-    cached = with_caches(model, batch, prompt_length + new_tokens)
+    length = prompt_length + new_tokens
+    cached = with_caches(model, batch, length, paging)
+    step = cached.step
+    if paging is not None:
+        layout = PagedLayout(cached.caches, paging, length)
+        sequences = list(range(1, batch + 1))
+        for sequence in sequences:
+            assert layout.reserve(sequence, length), "the block pool is too small for the batch"
+
+        def step(caches, *inputs):
+            return cached.step(layout.with_tables(caches, sequences), *inputs)
+
     prompts = np.random.default_rng(seed).integers(3, cfg.vocab_size, size=(batch, prompt_length))
     inputs = [jnp.asarray(v) for v in prompt_batch(list(prompts), prompt_length).values()]
     empty = cached.caches
@@ -37,14 +60,14 @@ def time_decoding(model: nnx.Module, batch: int, prompt_length: int, new_tokens:
     def fresh() -> dict:  # the step donates its caches: every prefill starts from a copy
         return jax.tree.map(jnp.copy, empty)
 
-    (_, caches), prefill_compile = _timed(cached.step, fresh(), *inputs)
-    prefill = [_timed(cached.step, fresh(), *inputs)[1] for _ in range(repeats)]
+    (_, caches), prefill_compile = _timed(step, fresh(), *inputs)
+    prefill = [_timed(step, fresh(), *inputs)[1] for _ in range(repeats)]
     token = jnp.zeros((batch, 1), jnp.int32)
     ones = jnp.ones((batch, 1), jnp.int32)
     decode_times = []
     for i in range(new_tokens):
         position = jnp.full((batch, 1), prompt_length + i, jnp.int32)
-        (_, caches), seconds = _timed(cached.step, caches, token, position, ones)
+        (_, caches), seconds = _timed(step, caches, token, position, ones)
         decode_times.append(seconds)
     decode_compile, steady = decode_times[0], decode_times[1:] or decode_times
     prefill_seconds, decode_seconds = statistics.median(prefill), statistics.median(steady)
