@@ -269,8 +269,9 @@ class Engine:
             self._sample(sequence, np.asarray(logits[0, len(chunk) - 1]))
 
     def _decode(self, decoding: list[_Sequence]) -> None:
-        reserved = [s for s in decoding if self._reserve(s, s.cached + 1)]
-        rows = [s for s in reserved if s in self.running]  # a later reservation may have preempted an earlier row
+        # a reservation may preempt another row: skip rows already preempted, drop earlier ones preempted later
+        reserved = [s for s in decoding if s in self.running and self._reserve(s, s.cached + 1)]
+        rows = [s for s in reserved if s in self.running]
         if not rows:
             return
         width = min(1 << (len(rows) - 1).bit_length(), max(self.paging.max_sequences, len(rows)))
