@@ -240,6 +240,9 @@ def main() -> None:
         engine.stop()
         assert engine.stats()["blocks_in_use"] == 0, "cache blocks left held"
         rows[-2]["preemptions"] = engine.counters.preemptions
+        # the global caches' blocks: the most held at once, against every running sequence at max_length
+        rows[-2]["kv_blocks_peak"] = engine.counters.peak_growing_blocks
+        rows[-2]["kv_blocks_worst_case"] = engine.stats()["growing_blocks_capacity"]
         hf_seconds = hf_batched(path, requests, concurrency)
         rows.append(
             {"mode": f"HF generate, batches of {concurrency}", "tokens_per_s": total_new / hf_seconds, "seconds": hf_seconds}
@@ -259,6 +262,10 @@ def main() -> None:
         ttft = f"{row['ttft_s']['p50']:.3f}/{row['ttft_s']['p99']:.3f}" if "ttft_s" in row else ""
         lat = "/".join(f"{row['latency_s'][k]:.2f}" for k in ("p50", "p90", "p99")) if "latency_s" in row else ""
         print(f"{row['mode']:34s} {row['tokens_per_s']:8.0f} {row['tokens_per_s'] / base:14.2f}x {ttft:>16s} {lat:>24s}")
+    for row in rows:
+        if "kv_blocks_peak" in row:
+            print(f"{row['mode']}: KV blocks of the global caches held at most {row['kv_blocks_peak']} "
+                  f"of {row['kv_blocks_worst_case']} (every running sequence at the longest request's length)")  # fmt: skip
     print(json.dumps({"benchmark": "serve_load", "case": args.case, "requests": args.requests, "rows": rows}))
 
 

@@ -98,6 +98,7 @@ class _Counters:
     preemptions: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    peak_growing_blocks: int = 0  # the most blocks the growing (global) caches held at once
     started: float = field(default_factory=time.monotonic)
 
 
@@ -184,6 +185,7 @@ class Engine:
             "blocks_capacity": sum(g.capacity for g in self.layout.groups.values()),
             "tokens_generated": self.counters.tokens_generated,
             "preemptions": self.counters.preemptions,
+            "peak_growing_blocks": self.counters.peak_growing_blocks,
         }
 
     def _seconds_per_request(self) -> float:
@@ -240,6 +242,8 @@ class Engine:
             self._preempt(victim)
             if victim is sequence:
                 return False
+        in_use = self.layout.growing_blocks()[0]
+        self.counters.peak_growing_blocks = max(self.counters.peak_growing_blocks, in_use)
         return True
 
     def _preempt(self, sequence: _Sequence) -> None:
