@@ -19,7 +19,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -171,18 +171,12 @@ def _completion_body(state: ServeState, body: CompletionRequest, run: RequestRun
     }  # fmt: skip
 
 
-async def _completion_events(state: ServeState, body: CompletionRequest, run: RequestRun, rid: str, created: int):
-    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name, "system_fingerprint": None}
+async def _event_stream(body, run: RequestRun, head: dict, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream's events: the ``chunks``, then the usage (if asked for) and ``[DONE]``; an error
+    becomes a last error event; the run is closed however the stream ends."""
     try:
-        async for updates in run.updates():
-            for u in updates:
-                wanted = (
-                    u.text or u.finished or (body.logprobs is not None and u.logprobs) or (body.return_token_ids and u.tokens)
-                )
-                if wanted:
-                    yield sse(
-                        {**head, "choices": [_completion_choice(state, body, u.choice, u.text, u.tokens, u.logprobs, u.finished)]}
-                    )
+        async for chunk in chunks:
+            yield chunk
         if body.stream_options is not None and body.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": usage(run.prompt_tokens, run.completion_tokens)})
     except APIError as err:
@@ -193,6 +187,23 @@ async def _completion_events(state: ServeState, body: CompletionRequest, run: Re
     finally:
         run.close()
     yield DONE
+
+
+def _completion_events(state: ServeState, body: CompletionRequest, run: RequestRun, rid: str, created: int):
+    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name, "system_fingerprint": None}
+
+    async def chunks() -> AsyncIterator[bytes]:
+        async for updates in run.updates():
+            for u in updates:
+                wanted = (
+                    u.text or u.finished or (body.logprobs is not None and u.logprobs) or (body.return_token_ids and u.tokens)
+                )
+                if wanted:
+                    yield sse(
+                        {**head, "choices": [_completion_choice(state, body, u.choice, u.text, u.tokens, u.logprobs, u.finished)]}
+                    )
+
+    return _event_stream(body, run, head, chunks())
 
 
 def _chat_choice(state: ServeState, body: ChatCompletionRequest, choice: Choice) -> dict:
@@ -214,7 +225,7 @@ def _chat_body(state: ServeState, body: ChatCompletionRequest, run: RequestRun, 
     }  # fmt: skip
 
 
-async def _chat_events(state: ServeState, body: ChatCompletionRequest, run: RequestRun, rid: str, created: int):
+def _chat_events(state: ServeState, body: ChatCompletionRequest, run: RequestRun, rid: str, created: int):
     head = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -229,7 +240,7 @@ async def _chat_events(state: ServeState, body: ChatCompletionRequest, run: Requ
             choice["token_ids"] = list(ids or [])
         return sse({**head, "choices": [choice]})
 
-    try:
+    async def chunks() -> AsyncIterator[bytes]:
         for choice in run.choices:
             yield chunk(choice.index, {"role": "assistant", "content": ""})
         async for updates in run.updates():
@@ -239,16 +250,8 @@ async def _chat_events(state: ServeState, body: ChatCompletionRequest, run: Requ
                     yield chunk(u.choice.index, {"content": u.text}, logprobs, ids=u.tokens)
                 if u.finished:
                     yield chunk(u.choice.index, {}, finish=_openai_reason(u.choice))
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(run.prompt_tokens, run.completion_tokens)})
-    except APIError as err:
-        yield sse(err.body())
-    except Exception as err:  # a bug: the stream ends with an error event instead of a broken connection
-        log.exception("stream failed")
-        yield sse(error_body(f"internal server error: {type(err).__name__}: {err}", "server_error", code="internal_error"))
-    finally:
-        run.close()
-    yield DONE
+
+    return _event_stream(body, run, head, chunks())
 
 
 # ---- the application -----------------------------------------------------------------------
