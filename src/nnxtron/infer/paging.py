@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from nnxtron.layers.paged_cache import NULL_BLOCK, paged_size
@@ -83,8 +84,8 @@ class PagedLayout:
     def __init__(self, caches: dict, paging: Paging, max_length: int):
         self.paging = paging
         self.widths: set[int] = set()
-        for path, leaf in _leaves(caches):
-            if path[-1] == "table":
+        for path, leaf in jax.tree_util.tree_leaves_with_path(caches):
+            if path[-1].key == "table":
                 self.widths.add(leaf.shape[1])
         if not self.widths:
             raise ValueError("the caches are not paged (no block tables)")
@@ -125,25 +126,10 @@ class PagedLayout:
         ids = np.array(sequences, np.int32)
 
         def put(path, leaf):
-            if path[-1] == "table":
+            if path[-1].key == "table":
                 return tables[leaf.shape[1]]
-            if path[-1] == "sequence":
+            if path[-1].key == "sequence":
                 return ids
             return leaf
 
-        return _map_with_path(put, caches)
-
-
-def _leaves(tree: dict, prefix: tuple = ()):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
-
-
-def _map_with_path(fn, tree: dict, prefix: tuple = ()) -> dict:
-    return {
-        key: _map_with_path(fn, value, (*prefix, key)) if isinstance(value, dict) else fn((*prefix, key), value)
-        for key, value in tree.items()
-    }
+        return jax.tree_util.tree_map_with_path(put, caches)
