@@ -111,12 +111,19 @@ def test_strategy_matches_baseline(strategy, baseline):
     assert_grad_parity(run(strategy), baseline, **BOUNDS)
 
 
-# Quantized training (nnxtron/quant.py): scan/unroll, remat and dense fp8 sharding over
-# data/fsdp/tensor give each quantized matmul bit-identical operands, so they meet the
-# float32 bounds against the quantized baseline (measured: worst 5e-7). Rounding to 8 bits
-# is discontinuous: layouts that change a float summation order before a quantization
-# (context parallelism, int8 under sharding), microbatching and sharded MoE dispatch differ
-# by rounding flips or per-shard scales; their rows and bounds are in test_quantization.py.
+# Quantized training (nnxtron/models/quant.py). On one device, scan/unroll and remat give
+# each quantized matmul bit-identical operands: measured difference 0.0, float32 bounds.
+# Sharding the batch or the heads (data/fsdp/tensor) changes float summation orders (the
+# loss mean, the gradient reductions) before later quantizations, so an 8-bit value can
+# round to its neighbour: measured against the one-device baseline, loss 4.8e-7 relative,
+# worst leaf 1.2e-5 alone and 6.7e-5 (9.5e-5 of the leaf's norm, layer 1's query kernel)
+# in the full CI suite, where the same rows compiled after other tests flipped another
+# value. SHARDED_QUANT_BOUNDS sit ~10x above that and far below a real bug (a missing
+# reduction is O(1)). Context parallelism, int8 under sharding, microbatching and sharded
+# MoE dispatch differ by more: their rows and bounds are in test_quantization.py.
+SHARDED_QUANT_BOUNDS = dict(loss_rtol=1e-5, rel=1e-3, abs_frac=2e-5, aggregate_rel=1e-3)
+
+
 def _quantized(mode: str) -> tuple[tuple[str, object], ...]:
     return (("use_qwix_quantization", True), ("quantization", mode))
 
@@ -132,7 +139,8 @@ QUANT_ROWS = [
 @pytest.mark.parametrize("strategy", QUANT_ROWS, ids=lambda s: s.id)
 def test_quantized_strategy_matches_quantized_baseline(strategy):
     baseline = run(Strategy(extra=strategy.extra))
-    assert_grad_parity(run(strategy), baseline, **BOUNDS)
+    bounds = BOUNDS if MESHES[strategy.mesh] is None else SHARDED_QUANT_BOUNDS
+    assert_grad_parity(run(strategy), baseline, **bounds)
 
 
 MOE_MODEL = dict(mtp_num_layers=1, routed_bias_update_rate=1e-3)

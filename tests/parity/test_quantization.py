@@ -5,9 +5,9 @@ model on the same weights and batch, with bounds chosen from measurement (this C
 2026-11; measured values in the comments, bounds ~2x above them). The same numbers are a
 *lower* bound too: a quantized run that agrees with float32 to 1e-3 did not quantize.
 
-Strategies that keep every matmul's operands whole (scan/unroll, remat, dense sharding)
-compute the same quantized function: those rows are in tests/parity/test_matrix.py with
-the float32 bounds. Splitting the batch into microbatches (gradient accumulation, a
+Strategies that keep every matmul's operands whole (scan/unroll, remat) compute the same
+quantized function, and dense fp8 sharding differs from it by rare rounding flips: those
+rows are in tests/parity/test_matrix.py. Splitting the batch into microbatches (gradient accumulation, a
 pipeline) or the MoE dispatch into shards (expert/data parallel ``shard_map``) changes
 what one weight-gradient scale covers (qwix takes it over the tokens it sees), so those
 rows differ by quantization noise and have bounds measured for them here.
