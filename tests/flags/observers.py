@@ -65,7 +65,8 @@ def _digest(*arrays: Any) -> str:
 @functools.cache
 def corpus() -> dict[str, str]:
     """Globs of small fixed corpora: ``text`` (6 files), ``text_a`` (3 of them), ``jsonl``
-    (records with a ``text`` and a ``body`` field), ``jsonl_bad`` (one record without text)."""
+    (records with a ``text`` and a ``body`` field), ``jsonl_bad`` (one record without text),
+    ``sft`` (records with a ``text`` and chat ``messages``) and two chat templates for it."""
     root = WORK / "corpus"
     (root / "text").mkdir(parents=True)
     words = PARAGRAPH.split()
@@ -76,12 +77,23 @@ def corpus() -> dict[str, str]:
     records = [{"text": text, "body": text.upper()[::-1]} for text in texts]
     (root / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (root / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"text": null}\n')
+    chats = [
+        {"text": text, "messages": [{"role": "user", "content": text[:40]}, {"role": "assistant", "content": text[40:90]}]}
+        for text in texts
+    ]
+    (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    turn = "{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}</s>{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+    (root / "chat.jinja").write_text(turn)
+    (root / "chat_b.jinja").write_text(turn.replace("<{{ m['role'] }}>", "### {{ m['role'] }}: "))
     return {
         "text": str(root / "text" / "*.txt"),
         "text_a": str(root / "text" / "doc[0-2].txt"),
         "text_b": str(root / "text" / "doc[3-5].txt"),
         "jsonl": str(root / "a.jsonl"),
         "jsonl_bad": str(root / "bad.jsonl"),
+        "sft": str(root / "sft.jsonl"),
+        "template": str(root / "chat.jinja"),
+        "template_b": str(root / "chat_b.jinja"),
     }
 
 

@@ -38,7 +38,7 @@ def test_every_key_of_maxtexts_base_yml_is_in_the_table_with_its_default():
     extra = [k for k, r in KEYS.items() if r.default is NOT_IN_BASE]
     assert sorted(extra) == ["enable_nnx", "pure_nnx", "pure_nnx_decoder"]
     counts = Counter(r.kind for k, r in KEYS.items() if k in values)
-    assert counts == {IGNORED: 373, REFUSED: 247, HONOURED: 128, TRANSLATED: 38}
+    assert counts == {IGNORED: 373, REFUSED: 244, HONOURED: 130, TRANSLATED: 39}
 
 
 def test_each_class_carries_what_it_needs():
@@ -136,6 +136,27 @@ def test_accepted_values_of_refused_keys():
     # override_model_config=true: the command line wins over the preset, as in MaxText
     cfg = load_config(BASE, [*REFERENCE, "override_model_config=true", "base_emb_dim=128"])
     assert cfg.base_emb_dim == 128
+
+
+def test_maxtexts_sft_keys():
+    """use_sft and chat_template_path are honoured; sft_train_on_completion_only keeps MaxText's default (false,
+    every token) and is read only with use_sft; train_data_columns name the record's fields."""
+    data = [
+        "dataset_type=grain",
+        "grain_file_type=parquet",
+        "grain_train_files=/data/*.parquet",
+        "grain_packing_type=concat_then_split",
+    ]
+    cfg = load_config(BASE, [*data, "use_sft=true", "train_data_columns=['messages']", "chat_template_path=/t.jinja"])
+    assert (cfg.use_sft, cfg.sft_train_on_completion_only, cfg.chat_template_path) == (True, False, "/t.jinja")
+    assert cfg.dataset_type == "parquet" and cfg.dataset_text_field == ""
+    cfg = load_config(
+        BASE, [*data, "use_sft=true", "sft_train_on_completion_only=true", "train_data_columns=['prompt','completion']"]
+    )
+    assert (cfg.use_sft, cfg.sft_train_on_completion_only) == (True, True)
+    assert not load_config(BASE, ["sft_train_on_completion_only=true"]).use_sft  # read only with use_sft
+    with pytest.raises(ConfigError, match="train_data_columns"):
+        load_config(BASE, [*data, "use_sft=true", "train_data_columns=['question','answer']"])
 
 
 def test_maxtext_keys_on_the_command_line_without_a_maxtext_file():

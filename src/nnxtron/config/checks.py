@@ -102,10 +102,15 @@ def check_data(cfg: Config) -> None:
         raise ConfigError("tokenizer_path is not read by tokenizer_type=byte; unset it or choose hf, sentencepiece or tiktoken")
     if cfg.data_num_epochs == 0:
         raise ConfigError("data_num_epochs must be -1 (endless) or a positive number of epochs, got 0")
+    if not cfg.use_sft:
+        for key, is_set in {"sft_train_on_completion_only": not cfg.sft_train_on_completion_only,
+                            "chat_template_path": cfg.chat_template_path != ""}.items():  # fmt: skip
+            if is_set:
+                raise ConfigError(f"{key} is read only with use_sft=true (instruction data); set use_sft=true or unset it")
     if cfg.dataset_type == "synthetic":
         unread = {"dataset_text_field": cfg.dataset_text_field != "", "packing": cfg.packing != "concat",
                   "truncate_documents": cfg.truncate_documents, "skip_bad_records": cfg.skip_bad_records,
-                  "data_num_epochs": cfg.data_num_epochs != -1}  # fmt: skip
+                  "data_num_epochs": cfg.data_num_epochs != -1, "use_sft": cfg.use_sft}  # fmt: skip
         for key, is_set in unread.items():
             if is_set:
                 raise ConfigError(f"{key} is not read with dataset_type=synthetic; unset it or train on a corpus")
@@ -115,6 +120,12 @@ def check_data(cfg: Config) -> None:
         raise ConfigError(f"dataset_type={kind} needs dataset_path (files, directories or globs)")
     if cfg.dataset_text_field and kind == "text":
         raise ConfigError("dataset_text_field is not read by dataset_type=text (one document per file); unset it")
+    if cfg.use_sft and kind == "text":
+        raise ConfigError(
+            "use_sft=true reads instruction records: set dataset_type to jsonl, parquet or arrayrecord (JSON records)"
+        )
+    if cfg.use_sft and cfg.dataset_text_field:
+        raise ConfigError("dataset_text_field is not read with use_sft=true (each row is a whole record); unset it")
     if cfg.eval_interval > 0 and cfg.eval_split_fraction == 0:
         raise ConfigError(f"eval_interval > 0 with dataset_type={kind} needs eval_split_fraction > 0 (or set eval_interval=-1)")
 

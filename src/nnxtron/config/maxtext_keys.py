@@ -470,11 +470,16 @@ _refused(
     compile_xla_flags='',
 )
 _refused(
-    'an SFT / DPO / chat-template data option; nnxtron pre-trains on raw text',
+    'a DPO / chat-template data option nnxtron does not have (SFT: use_sft, sft_train_on_completion_only, chat_template_path)',
     "leave it at MaxText's default",
-    use_chat_template=False, chat_template_path='', chat_template='', tokenize_train_data=True, tokenize_eval_data=True,
-    default_prompt='', max_segments_per_seq=-1, use_dpo=False, use_sft=False, sft_train_on_completion_only=False,
+    use_chat_template=False, chat_template='', tokenize_train_data=True, tokenize_eval_data=True,
+    default_prompt='', max_segments_per_seq=-1, use_dpo=False,
 )
+_honoured(use_sft=False, chat_template_path='')
+# MaxText trains SFT on every token unless sft_train_on_completion_only=true (nnxtron's default: the answers only);
+# MaxText reads the key only with use_sft=true
+_translated("sft_train_on_completion_only", False, "sft_train_on_completion_only (read only with use_sft=true)",
+            lambda v, c: {"sft_train_on_completion_only": v} if c.get("use_sft") else {})
 _refused(
     'nnxtron evaluates with per_device_batch_size',
     'leave eval_per_device_batch_size=0',
@@ -694,6 +699,11 @@ def _dataset_type(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
 
 def _train_data_columns(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
     columns = [value] if isinstance(value, str) else list(value)
+    if ctx.get("use_sft"):  # instruction rows are whole records: nnxtron reads these fields by name
+        if columns not in (["messages"], ["prompt", "completion"], ["text"]):
+            raise refusal("train_data_columns", value, "nnxtron's SFT rows are 'messages' or 'prompt' + 'completion'",
+                          "name ['messages'] or ['prompt', 'completion'] and store the rows under those fields")  # fmt: skip
+        return {}
     if len(columns) != 1:
         raise refusal("train_data_columns", value, "nnxtron trains on one text column", "name one column")
     return {} if columns[0] == "text" else {"dataset_text_field": columns[0]}
@@ -843,7 +853,9 @@ _translated("quantize_mtp", False, "with quantization on: qwix_module_path '.*la
             lambda v, c: {"qwix_module_path": "(.*layers|mtp)/.*" if v else ".*layers/.*"} if _quantized(c) else {})  # fmt: skip
 _translated("quantize_router_proj", True, "with quantization on: qwix_exclude_module_path '.*/(.*_hc)' (true: routers quantized) "
             "or '.*/(router|.*_hc)' (false)", lambda v, c: {"qwix_exclude_module_path": ".*/(.*_hc)" if v else ".*/(router|.*_hc)"} if _quantized(c) else {})  # fmt: skip
-_translated("train_data_columns", ["text"], "dataset_text_field (one column)", _train_data_columns)
+_translated(
+    "train_data_columns", ["text"], "dataset_text_field (one column); with use_sft the record's fields", _train_data_columns
+)
 _translated(
     "num_epoch",
     1,

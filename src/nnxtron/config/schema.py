@@ -229,6 +229,9 @@ class Config(BaseModel):
     packing: Literal[options.PACKING_MODES]  # concat: documents flow across rows; pad: each row starts a document
     truncate_documents: bool  # keep only the first row's worth of each document
     skip_bad_records: bool  # count and skip unusable documents instead of stopping with an error
+    use_sft: bool  # instruction records (messages / prompt+completion), rendered with the chat template (data/sft.py)
+    sft_train_on_completion_only: bool  # use_sft: the loss trains on the answers only (false: every token)
+    chat_template_path: str  # use_sft: a Jinja chat template replacing the tokenizer's
     eval_split_fraction: float = Field(ge=0, le=0.5)
     data_shuffle_seed: int = Field(ge=0, lt=2**32)
     data_num_epochs: int = Field(ge=-1, le=MAX_STEPS)  # -1 = endless; else training past the last epoch is an error

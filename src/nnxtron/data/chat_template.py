@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -16,11 +18,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nnxtron.errors import UserError
 
-__all__ = ["TEMPLATE_FILE", "ChatTemplate"]
+__all__ = ["TEMPLATE_FILE", "ChatTemplate", "Span", "find_chat_template"]
 
 TEMPLATE_FILE = "chat_template.jinja"  # next to tokenizer_config.json; HF prefers it to the config's chat_template
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # HF fills the first two from whichever is given
 SpecialToken = str | Mapping[str, Any] | None  # as in tokenizer_config.json: a string or an AddedToken dict with "content"
+Span = tuple[int, int]  # [start, end) characters of a rendered text
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+_MARKS = ("\U000f0000", "\U000f0001")  # private-use characters around {% generation %} bodies while spans are found
+_MARKING = contextvars.ContextVar("nnxtron_chat_template_marking", default=False)
 
 
 class ChatTemplate:
@@ -63,6 +69,72 @@ class ChatTemplate:
         except (TypeError, ValueError, ArithmeticError, LookupError) as exc:  # a template's own bad operation, e.g. "a" + 1
             raise UserError(f"chat template failed to render: {type(exc).__name__}: {_one_line(str(exc))}") from exc
 
+    @property
+    def marks_generation(self) -> bool:
+        """The template marks assistant text with ``{% generation %}`` (what HF's assistant-token mask reads)."""
+        return bool(_GENERATION_TAG.search(self.template))
+
+    def assistant_spans(self, messages: Sequence[Mapping[str, Any]], **extra: Any) -> tuple[str, list[Span]]:
+        """The text of the whole conversation (no generation prompt) and the character spans of
+        the assistant's answers, one per assistant message, in order.
+
+        A template with ``{% generation %}`` blocks gives their bodies, exactly the characters
+        HF's ``return_assistant_tokens_mask`` marks. Without them, assistant message ``i`` is
+        the text that rendering the first ``i + 1`` messages adds to the first ``i`` rendered
+        with the generation prompt (its answer and the template's end of turn); that needs a
+        template whose shorter conversations render to prefixes of longer ones."""
+        chat = _checked_messages(messages)
+        assistants = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
+        if any(mark in json.dumps(chat, ensure_ascii=False) for mark in _MARKS):
+            raise UserError("chat messages hold the private-use characters U+F0000/U+F0001; remove them")
+        if self.marks_generation:
+            marking = _MARKING.set(True)
+            try:
+                marked = self.render(chat, add_generation_prompt=False, **extra)
+            finally:
+                _MARKING.reset(marking)
+            text, spans = _unmark(marked)
+            if len(spans) != len(assistants):
+                raise UserError(
+                    f"the chat template marks {len(spans)} {{% generation %}} blocks for {len(assistants)} assistant messages; "
+                    "each assistant message needs exactly one"
+                )
+            return text, spans
+        text = self.render(chat, add_generation_prompt=False, **extra)
+        spans = []
+        for i in assistants:
+            if i == 0:
+                raise UserError("the conversation starts with an assistant message; put a user (or system) message first")
+            before = self.render(chat[:i], add_generation_prompt=True, **extra)
+            through = self.render(chat[: i + 1], add_generation_prompt=False, **extra)
+            if not (through.startswith(before) and text.startswith(through)):
+                raise UserError(
+                    f"the chat template renders the first {i} messages (with the generation prompt) to text that does not "
+                    f"begin the rendering of the first {i + 1} and of the whole conversation, so assistant message {i}'s "
+                    "tokens cannot be found; add {% generation %}...{% endgeneration %} around the assistant's text "
+                    "(as HF's assistant-token mask needs) or pass a template with chat_template_path"
+                )
+            spans.append((len(before), len(through)))
+        return text, spans
+
+
+def _unmark(marked: str) -> tuple[str, list[Span]]:
+    """The text without the generation marks, and the spans they enclosed."""
+    start_mark, end_mark = _MARKS
+    pieces, spans, length, start = [], [], 0, None
+    for piece in re.split(f"({start_mark}|{end_mark})", marked):
+        if piece == start_mark:
+            if start is not None:
+                raise UserError("the chat template nests {% generation %} blocks; mark each assistant answer once")
+            start = length
+        elif piece == end_mark:
+            spans.append((start, length))
+            start = None
+        else:
+            pieces.append(piece)
+            length += len(piece)
+    return "".join(pieces), spans
+
 
 class _Generation(Extension):
     """``{% generation %}...{% endgeneration %}`` marks assistant text for HF's assistant-token mask; rendering keeps the body."""
@@ -75,7 +147,8 @@ class _Generation(Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Any) -> str:
-        return caller()
+        body = caller()
+        return f"{_MARKS[0]}{body}{_MARKS[1]}" if _MARKING.get() else body
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -187,3 +260,49 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def _has_template(directory: Path) -> bool:
+    if (directory / TEMPLATE_FILE).is_file():
+        return True
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "chat_template" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return True  # unreadable: ChatTemplate.from_directory reports it
+
+
+def find_chat_template(directories: Sequence[Path], tokenizer: Any, file: str | None = None) -> tuple[ChatTemplate | None, str]:
+    """The chat template of the first of ``directories`` that has one (``file``: a Jinja file
+    that replaces it, seeing the directories' special tokens): (template, "") or (None, why
+    there is none). A template that is there but broken is an error."""
+    if file is not None:
+        special = _special_tokens(directories, tokenizer)
+        return ChatTemplate(Path(file).read_text(encoding="utf-8"), special), ""
+    for directory in directories:
+        if _has_template(directory):
+            return ChatTemplate.from_directory(directory), ""
+    where = " or ".join(str(d) for d in directories)
+    return None, f"no {TEMPLATE_FILE} and no chat_template in tokenizer_config.json in {where}"
+
+
+def _special_tokens(directories: Sequence[Path], tokenizer: Any) -> dict[str, Any]:
+    """The special tokens a template file sees: tokenizer_config.json's ``*_token`` entries, else the tokenizer's BOS / EOS."""
+    tokens: dict[str, Any] = {}
+    for kind, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)):
+        if token_id >= 0:
+            tokens[f"{kind}_token"] = tokenizer.token_text(token_id)
+    for directory in directories:
+        config = directory / "tokenizer_config.json"
+        try:
+            data = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if key.endswith("_token") and (isinstance(value, str) or isinstance(value, dict) and "content" in value):
+                    tokens[key] = value
+            break
+    return tokens

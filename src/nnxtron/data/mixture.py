@@ -102,8 +102,7 @@ class MixtureBatchIterator:
         for k in range(self.done, self.done + self.rows):
             parts.append(next(self.packers[self.schedule.source(self.global_row(k))]))  # StopIteration ends the data
         self.done += self.rows
-        tokens, doc_of, pos_of = (np.stack(p) for p in zip(*parts))
-        batch = row_arrays(tokens, doc_of, pos_of)  # each row is from one packer: its documents are numbered apart
+        batch = row_arrays(*(np.stack(p) for p in zip(*parts)))  # each row is from one packer: its documents are numbered apart
         return {k: batch[k] for k in BATCH_KEYS}
 
     def get_state(self) -> dict[str, Any]:

@@ -38,13 +38,16 @@ class PackStats:
         return {**dataclasses.asdict(self), "packing_efficiency": self.efficiency}
 
 
-def row_arrays(tokens: np.ndarray, doc_of: np.ndarray, pos_of: np.ndarray) -> dict[str, np.ndarray]:
+def row_arrays(
+    tokens: np.ndarray, doc_of: np.ndarray, pos_of: np.ndarray, trainable: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """The batch arrays of rows of ``seq_len + 1`` stream tokens ``[rows, seq_len + 1]``.
 
     ``doc_of`` numbers the document each token belongs to (-1 = padding), ``pos_of`` is its
-    position in that document. Inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]``;
-    segment ids number the documents of each row 1, 2, ... (0 = padding) and the loss mask is
-    1 where the target is the next token of the same document."""
+    position in that document, ``trainable`` (None = all) whether the loss may train on
+    predicting it (instruction data: the answers only). Inputs are ``tokens[:, :-1]``, targets
+    ``tokens[:, 1:]``; segment ids number the documents of each row 1, 2, ... (0 = padding)
+    and the loss mask is 1 where the target is the next token of the same document and trainable."""
     doc_in, doc_tgt = doc_of[:, :-1], doc_of[:, 1:]
     starts_seg = np.ones(doc_in.shape, dtype=bool)
     starts_seg[:, 1:] = doc_in[:, 1:] != doc_in[:, :-1]
@@ -55,7 +58,9 @@ def row_arrays(tokens: np.ndarray, doc_of: np.ndarray, pos_of: np.ndarray) -> di
         "targets": np.ascontiguousarray(tokens[:, 1:], dtype=np.int32),
         "positions": np.ascontiguousarray(pos_of[:, :-1], dtype=np.int32),
         "segment_ids": segment_ids,
-        "loss_mask": ((doc_in == doc_tgt) & (doc_tgt >= 0)).astype(np.float32),
+        "loss_mask": ((doc_in == doc_tgt) & (doc_tgt >= 0) & (True if trainable is None else trainable[:, 1:])).astype(
+            np.float32
+        ),
     }
 
 

@@ -266,6 +266,9 @@ class CorpusBatches(BatchSource):
         if s["bad_records"]:
             bad = f"; {'' if exact else '~'}{s['bad_records']:,} bad records will be skipped (first: {s['first_problem']})"
         order = f"shuffled with seed {self.seed}, {'endless' if self.epochs is None else f'{self.epochs} epochs'}"
+        if self.spec.sft is not None:  # what the loss trains on, so a template that marks nothing shows at once
+            trained = "the answers" if self.spec.sft.completion_only else "every token"
+            bad = f"; instruction records, trained on {trained}: {'' if exact else '~'}{s['loss_tokens_per_epoch']:,} targets per epoch{bad}"
         return (
             f"{self.split} data: {s['documents']:,} of {self.corpus.describe()}, "
             f"{'' if exact else '~'}{s['tokens']:,} tokens ({self.tokenizer.name} tokenizer{measured}) -> "

@@ -18,6 +18,7 @@ import pathlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +80,24 @@ class Corpus(abc.ABC):
     @abc.abstractmethod
     def _read(self, file: int, local: int) -> str:
         """Text of record ``local`` of file ``file``; BadRecord(reason) if unusable."""
+
+    def record(self, index: int) -> dict:
+        """The whole record of document ``index`` (a JSON object, a Parquet row): what an
+        instruction (SFT) row is read from; :class:`BadRecord` when it is not an object."""
+        file, local = self.locate(index)
+        try:
+            value = self._object(file, local)
+            if not isinstance(value, dict):
+                raise BadRecord(f"is a JSON {type(value).__name__}, not an object")
+        except BadRecord as err:
+            raise BadRecord(f"{self.where(index)}: {err}") from None
+        return value
+
+    def _object(self, file: int, local: int) -> object:
+        raise DataError(
+            f"dataset_type={self.kind} holds plain text, not records; instruction data (use_sft=true) needs "
+            "dataset_type jsonl, parquet or arrayrecord (JSON records)"
+        )
 
     def keys(self) -> np.ndarray:
         """A stable 64-bit key per document: its file's path relative to the corpus root and its
@@ -158,8 +177,8 @@ class JsonLines(Corpus):
 
     kind, unit, first_number = "jsonl", "line", 1
 
-    def __init__(self, paths: Sequence[pathlib.Path], field: str) -> None:
-        self.field = field
+    def __init__(self, paths: Sequence[pathlib.Path], field: str | None) -> None:
+        self.field = field  # None: whole records (record(), not text())
         self._lines = []  # (start byte, end byte, line number) of each line holding a document
         for path in paths:
             try:
@@ -170,7 +189,7 @@ class JsonLines(Corpus):
                 ) from None
         super().__init__(paths, [len(lines[0]) for lines in self._lines])
         for path, (starts, ends, _) in zip(self.paths, self._lines):
-            if len(starts):  # the first document shows a wrong field name at once
+            if len(starts) and field is not None:  # the first document shows a wrong field name at once
                 first = _read_range(path, int(starts[0]), int(ends[0]))
                 try:
                     value = _loads(first)
@@ -213,15 +232,17 @@ class JsonLines(Corpus):
         file, local = self.locate(index)
         return f"'{self.paths[file]}' line {int(self._lines[file][2][local])}"
 
-    def _read(self, file: int, local: int) -> str:
+    def _object(self, file: int, local: int) -> object:
         starts, ends, _ = self._lines[file]
         raw = _read_range(self.paths[file], int(starts[local]), int(ends[local]))
         line = _decode(raw, "the line")
         try:
-            value = _loads(line)
+            return _loads(line)
         except ValueError as e:
             raise BadRecord(f"is not valid JSON ({e})") from None
-        return _field(value, self.field)
+
+    def _read(self, file: int, local: int) -> str:
+        return _field(self._object(file, local), self.field or "text")
 
 
 def _read_range(path: pathlib.Path, start: int, end: int) -> bytes:
@@ -242,26 +263,19 @@ class ParquetColumn(Corpus):
     kind, unit = "parquet", "row"
     cached_groups = 4
 
-    def __init__(self, paths: Sequence[pathlib.Path], column: str) -> None:
+    def __init__(self, paths: Sequence[pathlib.Path], column: str | None) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        self.column = column
+        self.column = column  # None: whole rows (record(), not text())
         self._files, self._group_starts = [], []
         for path in paths:
             try:
                 handle = pq.ParquetFile(path)
             except (pa.ArrowException, OSError) as e:
                 raise DataError(f"'{path}' is not a readable Parquet file ({_first_line(e)}); repair or remove it") from None
-            names = handle.schema_arrow.names
-            if column not in names:
-                shown = ", ".join(repr(n) for n in names[:12])
-                raise DataError(
-                    f"Parquet file '{path}' has no column {column!r} (it has {shown}); set dataset_text_field to the text column"
-                )
-            kind = handle.schema_arrow.field(column).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                raise DataError(f"column {column!r} of Parquet file '{path}' holds {kind}, not strings; choose a text column")
+            if column is not None:
+                _check_text_column(handle, path, column)
             rows = [handle.metadata.row_group(g).num_rows for g in range(handle.num_row_groups)]
             self._files.append(handle)
             self._group_starts.append(np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]))
@@ -276,7 +290,8 @@ class ParquetColumn(Corpus):
                 self._cache.move_to_end(key)
                 return self._cache[key]
             try:
-                values = self._files[file].read_row_group(group, columns=[self.column]).column(0).to_pylist()
+                table = self._files[file].read_row_group(group, columns=None if self.column is None else [self.column])
+                values = table.to_pylist() if self.column is None else table.column(0).to_pylist()
             except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds for damaged pages
                 raise BadRecord(f"row group {group} cannot be read ({_first_line(e)})") from None
             self._cache[key] = values
@@ -284,13 +299,30 @@ class ParquetColumn(Corpus):
                 self._cache.popitem(last=False)
             return values
 
-    def _read(self, file: int, local: int) -> str:
+    def _object(self, file: int, local: int) -> object:
         starts = self._group_starts[file]
         group = int(np.searchsorted(starts, local, side="right")) - 1
-        value = self._group(file, group)[local - int(starts[group])]
+        return self._group(file, group)[local - int(starts[group])]
+
+    def _read(self, file: int, local: int) -> str:
+        value = self._object(file, local)
         if value is None:
             raise BadRecord(f"column {self.column!r} is null")
         return value
+
+
+def _check_text_column(handle: Any, path: pathlib.Path, column: str) -> None:
+    import pyarrow as pa
+
+    names = handle.schema_arrow.names
+    if column not in names:
+        shown = ", ".join(repr(n) for n in names[:12])
+        raise DataError(
+            f"Parquet file '{path}' has no column {column!r} (it has {shown}); set dataset_text_field to the text column"
+        )
+    kind = handle.schema_arrow.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"column {column!r} of Parquet file '{path}' holds {kind}, not strings; choose a text column")
 
 
 class ArrayRecords(Corpus):
@@ -318,12 +350,21 @@ class ArrayRecords(Corpus):
             self._locks.append(threading.Lock())
         super().__init__(paths, [count for _, count in self._readers])
 
-    def _read(self, file: int, local: int) -> str:
+    def _raw(self, file: int, local: int) -> bytes:
         with self._locks[file]:
             try:
-                raw = self._readers[file][0].read([local])[0]
+                return self._readers[file][0].read([local])[0]
             except Exception as e:  # noqa: BLE001
                 raise BadRecord(f"cannot be read ({_first_line(e)})") from None
+
+    def _object(self, file: int, local: int) -> object:
+        try:
+            return _loads(_decode(self._raw(file, local), "the record"))
+        except ValueError as e:
+            raise BadRecord(f"is not a JSON object ({e})") from None
+
+    def _read(self, file: int, local: int) -> str:
+        raw = self._raw(file, local)
         if not self.field:
             try:
                 return raw.decode("utf-8")
@@ -344,12 +385,24 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def open_corpus(kind: str, patterns: Sequence[str | os.PathLike] | str | os.PathLike, text_field: str = "") -> Corpus:
+def open_corpus(
+    kind: str, patterns: Sequence[str | os.PathLike] | str | os.PathLike, text_field: str = "", records: bool = False
+) -> Corpus:
     """The corpus of ``kind`` over the files named by ``patterns`` (files, directories, globs).
 
     ``text_field`` is the JSON field / Parquet column holding the text (default ``"text"``);
-    for ArrayRecord it means the records are JSON objects. Plain text files take none."""
+    for ArrayRecord it means the records are JSON objects. Plain text files take none.
+    ``records``: the documents are whole records (``Corpus.record``), e.g. instruction rows."""
     paths = resolve_paths(patterns)
+    if records:
+        if kind == "text":
+            raise DataError(
+                "dataset_type=text holds plain text, not records; instruction data (use_sft=true) needs "
+                "dataset_type jsonl, parquet or arrayrecord (JSON records)"
+            )
+        if text_field:
+            raise DataError("dataset_text_field is not read with use_sft=true (rows are whole records); unset it")
+        return {"jsonl": JsonLines, "parquet": ParquetColumn, "arrayrecord": ArrayRecords}[kind](paths, None)
     if kind == "text":
         if text_field:
             raise DataError("dataset_text_field is not read for dataset_type=text (one document per file); unset it")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from nnxtron.config.checks import mixture_sources
 from nnxtron.config.schema import Config
+from nnxtron.data.chat_template import find_chat_template
 from nnxtron.data.mixture import MixtureBatches, source_seed
 from nnxtron.data.pipeline import BatchSource, CorpusBatches, SyntheticBatches, split_documents
 from nnxtron.data.records import open_corpus
+from nnxtron.data.sft import SFTFormat, check_tokenizer
 from nnxtron.data.stream import RowSpec
 from nnxtron.data.tokenizer import Tokenizer, make_tokenizer
-from nnxtron.errors import ConfigError, DataError
+from nnxtron.errors import ConfigError, DataError, UserError
 
 EVAL_SEED_OFFSET = 1_000_003  # synthetic eval batches come from a different stream
 BYTE_MODEL_VOCAB_LIMIT = 512  # the byte tokenizer's 259 ids, padded; a larger vocabulary is another tokenizer's
@@ -32,6 +36,22 @@ def tokenizer_for(cfg: Config) -> Tokenizer:
     return tokenizer
 
 
+def sft_format(cfg: Config, tokenizer: Tokenizer) -> SFTFormat:
+    """How ``use_sft`` renders records: ``chat_template_path``, else the tokenizer directory's
+    template (none: only plain-text prompt/completion records are usable)."""
+    check_tokenizer(tokenizer)
+    file = cfg.chat_template_path or None
+    if file is not None and not Path(file).expanduser().is_file():
+        raise ConfigError(f"chat_template_path={file!r} is not a file; point it at a Jinja chat template")
+    directories = [] if not cfg.tokenizer_path else [Path(cfg.tokenizer_path).expanduser()]
+    directories = [d if d.is_dir() else d.parent for d in directories]
+    try:
+        template, _ = find_chat_template(directories, tokenizer, file and str(Path(file).expanduser()))
+    except UserError as err:
+        raise ConfigError(f"use_sft=true: {err}") from None
+    return SFTFormat(template, completion_only=cfg.sft_train_on_completion_only)
+
+
 def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, BatchSource | None]:
     """(train, eval) sources; eval is None when periodic eval is off. Several sources (``dataset_weights``,
     ``grain_train_files``) make a :class:`MixtureBatches` of one :class:`CorpusBatches` per source."""
@@ -49,6 +69,7 @@ def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, Batc
         add_bos=cfg.add_bos,
         add_eos=cfg.add_eos,
         skip_bad_records=cfg.skip_bad_records,
+        sft=sft_format(cfg, tokenizer) if cfg.use_sft else None,
     )
     common = dict(
         read_threads=cfg.data_read_threads, prefetch=cfg.data_prefetch_batches, stats_documents=cfg.data_stats_documents
@@ -58,7 +79,7 @@ def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, Batc
     trains, evals = [], []
     for i, (patterns, _) in enumerate(mixture):
         try:
-            corpus = open_corpus(cfg.dataset_type, patterns, cfg.dataset_text_field)
+            corpus = open_corpus(cfg.dataset_type, patterns, cfg.dataset_text_field, records=cfg.use_sft)
             train_docs, eval_docs = split_documents(corpus, cfg.eval_split_fraction if evaluate else 0.0)  # no eval: all train
             seed = source_seed(cfg.data_shuffle_seed, i)
             trains.append(CorpusBatches(corpus, train_docs, tokenizer, spec, global_batch_size, split="train", seed=seed,

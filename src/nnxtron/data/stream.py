@@ -19,6 +19,7 @@ import numpy as np
 from nnxtron.config.options import PACKING_MODES
 from nnxtron.data.packing import BATCH_KEYS, row_arrays
 from nnxtron.data.records import BadRecord, Corpus
+from nnxtron.data.sft import SFTFormat, format_record
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import DataError
 
@@ -27,11 +28,13 @@ __all__ = ["BatchIterator", "Document", "RowPacker", "RowSpec", "document_iterat
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    """One tokenized document (BOS/EOS included), or why it is unusable."""
+    """One tokenized document (BOS/EOS included), or why it is unusable; ``trainable`` marks
+    the tokens the loss may train on predicting (None: all; instruction data: the answers)."""
 
     index: int
     tokens: np.ndarray | None
     problem: str = ""
+    trainable: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,7 @@ class RowSpec:
     new document (or the rest of a long one) and pads the rest of the row. With
     ``truncate_documents`` a document keeps only the tokens that fit one row (``seq_len + 1``
     with BOS/EOS). ``skip_bad_records`` counts and skips unusable documents instead of raising.
+    ``sft``: the documents are instruction records (``data.sft``), trained on their answers.
     """
 
     seq_len: int
@@ -51,6 +55,7 @@ class RowSpec:
     add_bos: bool = True
     add_eos: bool = True
     skip_bad_records: bool = False
+    sft: SFTFormat | None = None
 
     def __post_init__(self) -> None:
         if self.packing not in PACKING_MODES:
@@ -63,18 +68,31 @@ class _Tokenize:
     """grain map: document number -> :class:`Document` (runs in the reader threads)."""
 
     def __init__(self, corpus: Corpus, tokenizer: Tokenizer, spec: RowSpec) -> None:
-        self.corpus, self.tokenizer = corpus, tokenizer
+        self.corpus, self.tokenizer, self.spec = corpus, tokenizer, spec
         self.head = [tokenizer.bos_id] if spec.add_bos and tokenizer.bos_id >= 0 else []
         self.tail = [tokenizer.eos_id] if spec.add_eos and tokenizer.eos_id >= 0 else []
 
     def __call__(self, index: Any) -> Document:
         index = int(index)
+        if self.spec.sft is not None:
+            return self._instruction(index)
         try:
             text = self.corpus.text(index)
         except BadRecord as err:
             return Document(index, None, str(err))
         ids = self.tokenizer.encode(text)
         return Document(index, np.concatenate([self.head, ids, self.tail]).astype(np.int32))
+
+    def _instruction(self, index: int) -> Document:
+        try:
+            record = self.corpus.record(index)
+            try:
+                ids, trainable = format_record(record, self.tokenizer, self.spec.sft, self.spec.add_bos, self.spec.add_eos)
+            except BadRecord as err:
+                raise BadRecord(f"{self.corpus.where(index)}: {err}") from None
+        except BadRecord as err:
+            return Document(index, None, str(err))
+        return Document(index, ids, trainable=trainable)
 
 
 def document_iterator(
@@ -120,6 +138,7 @@ class RowPacker:
         self.first_problem = ""
         self._before = documents.get_state()  # the documents state before self._doc
         self._doc: np.ndarray | None = None
+        self._trainable: np.ndarray | None = None  # of self._doc (None: every token)
         self._offset = 0  # tokens of self._doc already packed (the next row starts there)
         self._serial = 0  # a number per document pulled, to tell documents apart inside a row
 
@@ -148,16 +167,16 @@ class RowPacker:
                     )
                 continue
             self._bad_in_a_row = 0
-            tokens = doc.tokens
+            tokens, trainable = doc.tokens, doc.trainable
             limit = self.spec.seq_len + 1
             if self.spec.truncate_documents and tokens.size > limit:
                 if count:
                     self.counts["truncated_tokens"] += int(tokens.size - limit)
-                tokens = tokens[:limit]
+                tokens, trainable = tokens[:limit], None if trainable is None else trainable[:limit]
             if count:
                 self.counts["documents"] += 1
                 self.counts["tokens"] += int(tokens.size)
-            self._before, self._doc, self._offset = before, tokens, 0
+            self._before, self._doc, self._trainable, self._offset = before, tokens, trainable, 0
             self._serial += 1
             return True
 
@@ -167,12 +186,13 @@ class RowPacker:
     def __iter__(self) -> RowPacker:
         return self
 
-    def __next__(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens, document number or -1 for padding, position), each ``[seq_len + 1]``."""
+    def __next__(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, document number or -1 for padding, position, trainable), each ``[seq_len + 1]``."""
         width = self.spec.seq_len + 1
         tokens = np.full(width, self.pad_id, np.int32)
         doc_of = np.full(width, -1, np.int32)
         pos_of = np.zeros(width, np.int32)
+        trainable = np.ones(width, bool)
         filled = 0
         concat = self.spec.packing == "concat"
         while filled < width:
@@ -182,6 +202,8 @@ class RowPacker:
             tokens[filled : filled + take] = self._doc[self._offset : self._offset + take]
             doc_of[filled : filled + take] = self._serial
             pos_of[filled : filled + take] = np.arange(self._offset, self._offset + take)
+            if self._trainable is not None:
+                trainable[filled : filled + take] = self._trainable[self._offset : self._offset + take]
             filled += take
             self._offset += take
             if not concat:
@@ -195,8 +217,8 @@ class RowPacker:
             self._offset -= 1  # the rest of a long document starts the next row
         self.counts["rows"] += 1
         self.counts["real_targets"] += filled - 1
-        self.counts["loss_targets"] += int((doc_of[1:filled] == doc_of[: filled - 1]).sum())
-        return tokens, doc_of, pos_of
+        self.counts["loss_targets"] += int(((doc_of[1:filled] == doc_of[: filled - 1]) & trainable[1:filled]).sum())
+        return tokens, doc_of, pos_of, trainable
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -233,8 +255,7 @@ class BatchIterator:
 
     def __next__(self) -> dict[str, np.ndarray]:
         parts = [next(self.packer) for _ in range(self.rows)]  # StopIteration ends the batches
-        tokens, doc_of, pos_of = (np.stack(p) for p in zip(*parts))
-        batch = row_arrays(tokens, doc_of, pos_of)
+        batch = row_arrays(*(np.stack(p) for p in zip(*parts)))
         return {k: batch[k] for k in BATCH_KEYS}
 
     def get_state(self) -> dict[str, Any]:

@@ -49,6 +49,12 @@ class ByteTokenizer:
         raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         return raw.astype(np.int32) + self.offset
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``encode(text)`` and each token's ``[start, end)`` character span in ``text``."""
+        chars = [len(c.encode("utf-8")) for c in text]
+        owner = np.repeat(np.arange(len(text), dtype=np.int32), chars)  # the character of each byte
+        return self.encode(text), np.stack([owner, owner + 1], axis=1).reshape(-1, 2)
+
     def decode(self, ids: object) -> str:
         """Text of ``ids``; special and out-of-range ids are dropped, bad UTF-8 replaced."""
         arr = np.asarray(ids, dtype=np.int64).ravel()
@@ -108,6 +114,13 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """Ids of ``text`` (no special tokens added: BOS/EOS are the caller's choice)."""
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``encode(text)`` and each token's ``[start, end)`` character span in ``text`` (special
+        tokens written in the text, e.g. a chat template's, are matched as in HF)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, dtype=np.int32).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.int32), offsets
 
     def decode(self, ids: object) -> str:
         """Text of ``ids``; special tokens are skipped."""

@@ -29,7 +29,12 @@ from nnxtron.data.tokenizer import (
 )
 from nnxtron.errors import DataError
 
-HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")  # copied with an HF tokenizer
+HF_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)  # copied with an HF tokenizer
 MODEL_FILE = "tokenizer.model"  # SentencePiece model or tiktoken ranks
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+\r?$")
 

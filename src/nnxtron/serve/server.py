@@ -9,7 +9,6 @@ SIGINT / SIGTERM; the engine is stopped on the way out.
 from __future__ import annotations
 
 import ipaddress
-import json
 import socket
 import sys
 from collections.abc import Callable, Iterable
@@ -21,7 +20,7 @@ import uvicorn
 
 from nnxtron.config.schema import Config
 from nnxtron.convert.runs import load_model
-from nnxtron.data.chat_template import TEMPLATE_FILE, ChatTemplate
+from nnxtron.data.chat_template import ChatTemplate, find_chat_template
 from nnxtron.data.sources import tokenizer_for
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import UserError
@@ -120,51 +119,11 @@ def template_directories(path: str | Path, cfg: Config) -> list[Path]:
     return unique
 
 
-def _has_template(directory: Path) -> bool:
-    if (directory / TEMPLATE_FILE).is_file():
-        return True
-    config = directory / "tokenizer_config.json"
-    if not config.is_file():
-        return False
-    try:
-        return "chat_template" in json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return True  # unreadable: ChatTemplate.from_directory reports it
-
-
 def load_chat_template(
     path: str | Path, cfg: Config, tokenizer: Tokenizer, file: str | None = None
 ) -> tuple[ChatTemplate | None, str]:
     """(template, "") or (None, why there is none). A template that is there but broken is an error."""
-    directories = template_directories(path, cfg)
-    if file is not None:
-        special = _special_tokens(directories, tokenizer)
-        return ChatTemplate(Path(file).read_text(encoding="utf-8"), special), ""
-    for directory in directories:
-        if _has_template(directory):
-            return ChatTemplate.from_directory(directory), ""
-    where = " or ".join(str(d) for d in directories)
-    return None, f"no {TEMPLATE_FILE} and no chat_template in tokenizer_config.json in {where}"
-
-
-def _special_tokens(directories: list[Path], tokenizer: Tokenizer) -> dict[str, Any]:
-    """The special tokens a template file sees: tokenizer_config.json's ``*_token`` entries, else the tokenizer's BOS / EOS."""
-    tokens: dict[str, Any] = {}
-    for kind, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)):
-        if token_id >= 0:
-            tokens[f"{kind}_token"] = tokenizer.token_text(token_id)
-    for directory in directories:
-        config = directory / "tokenizer_config.json"
-        try:
-            data = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            for key, value in data.items():
-                if key.endswith("_token") and (isinstance(value, str) or isinstance(value, dict) and "content" in value):
-                    tokens[key] = value
-            break
-    return tokens
+    return find_chat_template(template_directories(path, cfg), tokenizer, file)
 
 
 def make_engine(model: Any, options: ServeOptions) -> Engine:

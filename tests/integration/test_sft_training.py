@@ -1,0 +1,74 @@
+"""Instruction fine-tuning end to end: ``use_sft=true`` on chat records with a chat template
+file, the byte tokenizer and a tiny model; the loss on the answers falls and the held-out
+answers' loss improves; bad rows are counted and skipped; bad settings are one line."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from nnxtron.config import load_config
+from nnxtron.errors import ConfigError
+from nnxtron.train.loop import Trainer
+from tests.integration.conftest import train_overrides
+from tests.unit.test_chat_template import GENERATION
+
+WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "star"]
+
+
+def instruction_records(count: int, seed: int = 0) -> list[dict]:
+    """'reverse: a b c' -> 'c b a' conversations (a task the answers alone teach)."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(count):
+        words = rng.sample(WORDS, 3)
+        records.append({"messages": [
+            {"role": "user", "content": "reverse: " + " ".join(words)},
+            {"role": "assistant", "content": " ".join(reversed(words))},
+        ]})  # fmt: skip
+    return records
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    records = instruction_records(60)
+    lines = [json.dumps(r) for r in records]
+    lines.insert(7, json.dumps({"messages": [{"role": "user", "content": "no answer"}]}))  # a bad row: nothing to train on
+    lines.insert(20, "{not json")
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "template.jinja").write_text(GENERATION)
+    return root
+
+
+def sft_overrides(root, base, run, **extra):
+    return train_overrides(
+        str(root), base, run, dataset_type="jsonl", dataset_path=str(root / "train.jsonl"), use_sft=True,
+        chat_template_path=str(root / "template.jinja"), skip_bad_records=True, max_target_length=64, per_device_batch_size=1,
+        eval_split_fraction=0.2, **extra,
+    )  # fmt: skip
+
+
+def test_sft_loss_falls_and_the_held_out_answers_improve(sft_data, tmp_path):
+    cfg = load_config(overrides=sft_overrides(sft_data, str(tmp_path), "sft", steps=60, eval_interval=20,
+                                              checkpoint_period=60, learning_rate=0.01))  # fmt: skip
+    result = Trainer(cfg, progress=False).run()
+    first, last = float(np.mean(result.losses[:3])), float(np.mean(result.losses[-5:]))
+    assert last < 0.5 * first, (first, last)
+    evals = result.eval_losses
+    assert evals[60] < 0.8 * evals[20], evals
+
+
+def test_sft_settings_are_checked(sft_data, tmp_path):
+    base = str(tmp_path)
+    with pytest.raises(ConfigError, match="chat_template_path is read only with use_sft=true"):
+        load_config(overrides=train_overrides(str(sft_data), base, "x", chat_template_path="t.jinja"))
+    with pytest.raises(ConfigError, match="use_sft=true reads instruction records: set dataset_type"):
+        load_config(overrides=train_overrides(str(sft_data), base, "x", use_sft=True))
+    missing = sft_overrides(sft_data, base, "x", steps=1)
+    missing = [o for o in missing if not o.startswith("chat_template_path=")] + ["chat_template_path=/nonexistent.jinja"]
+    with pytest.raises(ConfigError, match="chat_template_path='/nonexistent.jinja' is not a file"):
+        Trainer(load_config(overrides=missing), progress=False).run()
