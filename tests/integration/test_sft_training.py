@@ -13,7 +13,7 @@ import pytest
 from nnxtron.config import load_config
 from nnxtron.errors import ConfigError
 from nnxtron.train.loop import Trainer
-from tests.integration.conftest import train_overrides
+from tests.integration.conftest import run_cli, train_overrides
 from tests.unit.test_chat_template import GENERATION
 
 WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "star"]
@@ -72,3 +72,31 @@ def test_sft_settings_are_checked(sft_data, tmp_path):
     missing = [o for o in missing if not o.startswith("chat_template_path=")] + ["chat_template_path=/nonexistent.jinja"]
     with pytest.raises(ConfigError, match="chat_template_path='/nonexistent.jinja' is not a file"):
         Trainer(load_config(overrides=missing), progress=False).run()
+
+
+def test_sft_from_an_hf_directory_uses_its_chat_template(tmp_path, capsys):
+    """init_from an HF directory (the golden llama2 with a BPE and a chat template in tokenizer_config.json):
+    the template comes from the source's tokenizer, the loss falls, the start-up line says what is trained."""
+    from tests.integration.test_serve import write_model_dir
+
+    source = write_model_dir(tmp_path / "hf")
+    words = "quick brown fox lazy dog stitch time nine glitters gold will way".split()
+    rng = random.Random(1)
+    rows = []
+    for _ in range(40):
+        picked = rng.sample(words, 2)
+        rows.append({"prompt": [{"role": "user", "content": f"join {picked[0]} {picked[1]}"}],
+                     "completion": [{"role": "assistant", "content": f"{picked[0]}-{picked[1]}"}]})  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [
+        f"init_from={source}", "use_sft=true", "dataset_type=jsonl", f"dataset_path={tmp_path / 'rows.jsonl'}",
+        "steps=30", "eval_interval=-1", "checkpoint_period=30", "learning_rate=0.01", "warmup_steps_fraction=0",
+        "per_device_batch_size=1", "max_target_length=32", f"base_output_directory={tmp_path}", "run_name=ft",
+        "sample_after_training=0", "enable_tensorboard=false", "log_period=1",
+    ]  # fmt: skip
+    code, out, err = run_cli(capsys, "train", *overrides, "--no-progress")
+    assert code == 0, err
+    assert "instruction records, trained on the answers" in out + err
+    records = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 30 and np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
