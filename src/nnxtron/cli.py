@@ -186,6 +186,28 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(ns: argparse.Namespace) -> int:
+    from nnxtron.convert.runs import load_model
+    from nnxtron.infer.score import score_corpus
+    from nnxtron.runtime.compile_cache import enable_compilation_cache
+
+    model = load_model(ns.path, list(ns.overrides))  # the data keys among the overrides choose the corpus
+    cfg = model.config
+    enable_compilation_cache(cfg)
+    score = score_corpus(model, cfg, ns.batch_rows)
+    if ns.json:
+        print(json.dumps(score.as_dict()))
+        return 0
+    bpb = "" if score.bits_per_byte is None else f", {score.bits_per_byte:.4f} bits per byte ({score.bytes:,} bytes)"
+    skipped = f" ({score.bad_records:,} bad records skipped)" if score.bad_records else ""
+    scored = "answer tokens" if cfg.use_sft else "tokens"
+    print(
+        f"{score.documents:,} documents{skipped}, {score.tokens:,} {scored} scored: loss {score.loss:.4f}, "
+        f"perplexity {score.perplexity:.4f}{bpb}"
+    )
+    return 0
+
+
 def _cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
@@ -402,6 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="prompt text (same as prompt=...)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run or an HF directory on a corpus")
+    p.add_argument("path", help="run directory (config.yml + checkpoints/) or HF model directory")
+    p.add_argument(
+        "overrides", nargs="*", help="key=value: the corpus (dataset_type, dataset_path, dataset_text_field, use_sft, ...)"
+    )
+    p.add_argument("--batch-rows", type=int, default=8, help="rows of max_target_length tokens scored per call (default 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("serve", help="serve a run directory or an HF directory over an OpenAI-compatible HTTP API")
     p.add_argument("path", help="run directory (config.yml + checkpoints/) or HF model directory")

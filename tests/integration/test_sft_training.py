@@ -83,11 +83,12 @@ def test_sft_from_an_hf_directory_uses_its_chat_template(tmp_path, capsys):
     words = "quick brown fox lazy dog stitch time nine glitters gold will way".split()
     rng = random.Random(1)
     rows = []
-    for _ in range(40):
+    for _ in range(48):
         picked = rng.sample(words, 2)
         rows.append({"prompt": [{"role": "user", "content": f"join {picked[0]} {picked[1]}"}],
                      "completion": [{"role": "assistant", "content": f"{picked[0]}-{picked[1]}"}]})  # fmt: skip
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:40]))
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[40:]))
     overrides = [
         f"init_from={source}", "use_sft=true", "dataset_type=jsonl", f"dataset_path={tmp_path / 'rows.jsonl'}",
         "steps=30", "eval_interval=-1", "checkpoint_period=30", "learning_rate=0.01", "warmup_steps_fraction=0",
@@ -100,3 +101,13 @@ def test_sft_from_an_hf_directory_uses_its_chat_template(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 30 and np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
+    # nnxtron eval on held-out rows: the answers' loss of the fine-tuned run is below the source model's
+    scores = {}
+    for name, path in (("source", source), ("tuned", tmp_path / "ft")):
+        args = ["eval", str(path), "use_sft=true", "dataset_type=jsonl", f"dataset_path={tmp_path / 'held_out.jsonl'}",
+                "max_target_length=32", "--json"]  # fmt: skip
+        code, out, err = run_cli(capsys, *args)
+        assert code == 0, err
+        scores[name] = json.loads(out.strip().splitlines()[-1])
+    assert scores["tuned"]["tokens"] == scores["source"]["tokens"] > 0 and scores["source"]["bits_per_byte"] is None
+    assert scores["tuned"]["loss"] < 0.6 * scores["source"]["loss"], scores

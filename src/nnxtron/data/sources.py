@@ -52,6 +52,19 @@ def sft_format(cfg: Config, tokenizer: Tokenizer) -> SFTFormat:
     return SFTFormat(template, completion_only=cfg.sft_train_on_completion_only)
 
 
+def row_spec(cfg: Config, tokenizer: Tokenizer) -> RowSpec:
+    """How the config's documents become rows of ``max_target_length``."""
+    return RowSpec(
+        seq_len=cfg.max_target_length,
+        packing=cfg.packing,
+        truncate_documents=cfg.truncate_documents,
+        add_bos=cfg.add_bos,
+        add_eos=cfg.add_eos,
+        skip_bad_records=cfg.skip_bad_records,
+        sft=sft_format(cfg, tokenizer) if cfg.use_sft else None,
+    )
+
+
 def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, BatchSource | None]:
     """(train, eval) sources; eval is None when periodic eval is off. Several sources (``dataset_weights``,
     ``grain_train_files``) make a :class:`MixtureBatches` of one :class:`CorpusBatches` per source."""
@@ -62,15 +75,7 @@ def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, Batc
         evaluation = SyntheticBatches(cfg.vocab_size, seq, global_batch_size, seed=cfg.data_shuffle_seed + EVAL_SEED_OFFSET)
         return train, evaluation if evaluate else None
     tokenizer = tokenizer_for(cfg)
-    spec = RowSpec(
-        seq_len=seq,
-        packing=cfg.packing,
-        truncate_documents=cfg.truncate_documents,
-        add_bos=cfg.add_bos,
-        add_eos=cfg.add_eos,
-        skip_bad_records=cfg.skip_bad_records,
-        sft=sft_format(cfg, tokenizer) if cfg.use_sft else None,
-    )
+    spec = row_spec(cfg, tokenizer)
     common = dict(
         read_threads=cfg.data_read_threads, prefetch=cfg.data_prefetch_batches, stats_documents=cfg.data_stats_documents
     )
