@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -62,9 +63,16 @@ def _two_processes(args: list[str]) -> list[subprocess.CompletedProcess]:
     return out
 
 
+# gloo's C++ connection messages; several of its threads write them at once, so one can be cut
+# into pieces on different lines (seen in CI: "[Gloo] Rank " on one line, "2 is connected to ..." on the next)
+GLOO_MESSAGE = re.compile(
+    r"\[Gloo\] Rank |\d* ?is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
+)
+
+
 def _ours(text: str) -> str:
-    """Output without gloo's own connection lines (printed by its C++ code)."""
-    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith("[Gloo]"))
+    """Output without gloo's own connection messages, whole or in pieces, and the blank lines they leave."""
+    return "".join(line for line in GLOO_MESSAGE.sub("", text).splitlines(keepends=True) if line.strip())
 
 
 def _records(run: Path) -> list[dict]:

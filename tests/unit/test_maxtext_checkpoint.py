@@ -41,7 +41,9 @@ REFERENCE_SKIPPED = ("steps=", "learning_rate=", "dataset_type=", "per_device", 
 TOKENS = ((jnp.arange(16, dtype=jnp.int32) * 7 + 3) % 32).reshape(2, 8)  # maxtext_logits.py's tokens
 # measured: 6e-7 to 8e-7 (float32 on CPU; same function, different op order)
 LOGITS_ATOL = 5e-6
-GEMMA3_LOGITS_ATOL = 1e-5  # 8 layers, sandwich norms: measured 1.5e-6 (scanned), 6.0e-6 (unscanned; 3e-7 at position 0)
+# 8 layers, sandwich norms: measured 1.5e-6 (scanned), 6.0e-6 (unscanned; 3e-7 at position 0) alone, and 1.24e-5
+# (unscanned) in a full CI run (float32, another op order than MaxText's)
+GEMMA3_LOGITS_ATOL = 3e-5
 MAXTEXT_BASE = str(ASSETS.parent / "base.yml")  # MaxText 0.2.5's base.yml
 
 
