@@ -40,13 +40,13 @@ def sft_format(cfg: Config, tokenizer: Tokenizer) -> SFTFormat:
     """How ``use_sft`` renders records: ``chat_template_path``, else the tokenizer directory's
     template (none: only plain-text prompt/completion records are usable)."""
     check_tokenizer(tokenizer)
-    file = cfg.chat_template_path or None
-    if file is not None and not Path(file).expanduser().is_file():
-        raise ConfigError(f"chat_template_path={file!r} is not a file; point it at a Jinja chat template")
-    directories = [] if not cfg.tokenizer_path else [Path(cfg.tokenizer_path).expanduser()]
-    directories = [d if d.is_dir() else d.parent for d in directories]
+    file = Path(cfg.chat_template_path).expanduser() if cfg.chat_template_path else None
+    if file is not None and not file.is_file():
+        raise ConfigError(f"chat_template_path={cfg.chat_template_path!r} is not a file; point it at a Jinja chat template")
+    tokenizer_path = Path(cfg.tokenizer_path).expanduser() if cfg.tokenizer_path else None
+    directories = [] if tokenizer_path is None else [tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent]
     try:
-        template, _ = find_chat_template(directories, tokenizer, file and str(Path(file).expanduser()))
+        template, _ = find_chat_template(directories, tokenizer, None if file is None else str(file))
     except UserError as err:
         raise ConfigError(f"use_sft=true: {err}") from None
     return SFTFormat(template, completion_only=cfg.sft_train_on_completion_only)

@@ -3,8 +3,8 @@ bits per byte (``nnxtron eval``).
 
 A corpus is read by the training data pipeline (the config's ``dataset_*`` keys, its
 tokenizer, BOS/EOS, packing with per-document segments, ``use_sft`` records), once, in
-order; every target the loss mask keeps is scored, with exactly the training loss's
-per-token negative log-likelihood (``models.loss``). Bits per byte divide the total by
+order; every target the loss mask keeps is scored by its negative log-likelihood
+(logsumexp of the logits minus the target's logit, as the training loss computes it). Bits per byte divide the total by
 ``ln 2`` times the UTF-8 bytes of the documents' text (the EOS predictions included in
 the total, as the loss includes them); with ``use_sft`` the scored tokens are the answers
 and bits per byte is not defined.
