@@ -15,6 +15,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Opt in for re-runs: JAX_COMPILATION_CACHE_DIR=/tmp/nnxtron-test-cache (tests/integration -n 2:
 # 410-450 s off, 410-620 s on a cold cache, 233 s on a warm one; CI starts cold, so it stays off)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
+# no test reaches the network: HF datasets (the lm-eval harness's local tasks) and the hub read local files only
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -194,6 +194,15 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     model = load_model(ns.path, list(ns.overrides))  # the data keys among the overrides choose the corpus
     cfg = model.config
     enable_compilation_cache(cfg)
+    if ns.tasks:
+        return _harness_tasks(model, ns)
+    given = [
+        flag
+        for flag, value in (("--include-path", ns.include_path), ("--limit", ns.limit), ("--num-fewshot", ns.num_fewshot))
+        if value is not None
+    ]
+    if given:
+        raise UserError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} read only with --tasks (lm-eval harness tasks)")
     score = score_corpus(model, cfg, ns.batch_rows)
     if ns.json:
         print(json.dumps(score.as_dict()))
@@ -205,6 +214,20 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         f"{score.documents:,} documents{skipped}, {score.tokens:,} {scored} scored: loss {score.loss:.4f}, "
         f"perplexity {score.perplexity:.4f}{bpb}"
     )
+    return 0
+
+
+def _harness_tasks(model, ns: argparse.Namespace) -> int:
+    """``nnxtron eval --tasks``: lm-eval harness tasks on the model (``infer/harness.py``)."""
+    from nnxtron.infer.harness import evaluate_tasks
+
+    tasks = [task for task in ns.tasks.split(",") if task]
+    results = evaluate_tasks(model, tasks, ns.include_path, ns.limit, ns.num_fewshot, ns.batch_rows)
+    if ns.json:
+        print(json.dumps(results))
+        return 0
+    for task, metrics in results.items():
+        print(f"{task}: " + ", ".join(f"{metric} {value:.4f}" for metric, value in sorted(metrics.items())))
     return 0
 
 
@@ -425,13 +448,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run or an HF directory on a corpus")
+    p = sub.add_parser(
+        "eval", help="loss, perplexity and bits per byte of a run or an HF directory on a corpus, or lm-eval tasks"
+    )
     p.add_argument("path", help="run directory (config.yml + checkpoints/) or HF model directory")
     p.add_argument(
         "overrides", nargs="*", help="key=value: the corpus (dataset_type, dataset_path, dataset_text_field, use_sft, ...)"
     )
     p.add_argument("--batch-rows", type=int, default=8, help="rows of max_target_length tokens scored per call (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tasks", default="", help="lm-eval harness tasks, comma-separated (needs nnxtron[lmeval])")
+    p.add_argument("--include-path", default=None, help="a directory of lm-eval task YAML files (with --tasks)")
+    p.add_argument("--limit", type=int, default=None, help="with --tasks: at most this many documents per task")
+    p.add_argument("--num-fewshot", type=int, default=None, help="with --tasks: few-shot examples per prompt")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("serve", help="serve a run directory or an HF directory over an OpenAI-compatible HTTP API")

@@ -82,6 +82,8 @@ def corpus() -> dict[str, str]:
         for text in texts
     ]
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    pairs = [{"text": text, "prompt": text[:40], "chosen": text[40:90], "rejected": text[90:120]} for text in texts]
+    (root / "dpo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
     turn = "{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}</s>{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
     (root / "chat.jinja").write_text(turn)
     (root / "chat_b.jinja").write_text(turn.replace("<{{ m['role'] }}>", "### {{ m['role'] }}: "))
@@ -92,6 +94,7 @@ def corpus() -> dict[str, str]:
         "jsonl": str(root / "a.jsonl"),
         "jsonl_bad": str(root / "bad.jsonl"),
         "sft": str(root / "sft.jsonl"),
+        "dpo": str(root / "dpo.jsonl"),
         "template": str(root / "chat.jinja"),
         "template_b": str(root / "chat_b.jinja"),
     }

@@ -46,6 +46,8 @@ C = obs.corpus()
 T = obs.tokenizers()
 DATA = {"dataset_path": (C["text"],), "eval_split_fraction": 0.3, "max_target_length": 16}
 SFT_DATA = {**DATA, "dataset_type": "jsonl", "dataset_path": (C["sft"],)}
+DPO_DATA = {**DATA, "dataset_type": "jsonl", "dataset_path": (C["dpo"],), "packing": "pad", "max_target_length": 64}
+DPO = {**DPO_DATA, "use_dpo": True}
 RUN = {
     "dataset_path": (C["text"],), "eval_split_fraction": 0.3, "per_device_batch_size": 1, "max_target_length": 16,
     "base_num_decoder_layers": 1, "steps": 4, "eval_interval": 2, "eval_steps": 1, "checkpoint_period": 2,
@@ -229,6 +231,9 @@ VALUES: dict[str, Flag] = {
     "use_sft": F(True, "data", D, SFT_DATA, also={"chat_template_path": C["template"]}),
     "sft_train_on_completion_only": F(False, "data", D, {**SFT_DATA, "use_sft": True, "chat_template_path": C["template"]}),
     "chat_template_path": F(C["template_b"], "data", D, {**SFT_DATA, "use_sft": True, "chat_template_path": C["template"]}),
+    "use_dpo": F(True, "data", D, DPO_DATA),
+    "dpo_beta": F(0.3, "train_step", D, DPO),
+    "dpo_label_smoothing": F(0.1, "train_step", D, DPO),
     "eval_split_fraction": F(0.5, "data", D, DATA),
     "data_shuffle_seed": F(7, "data", D, DATA),
     "data_num_epochs": F(1, "data", D, DATA),

@@ -58,6 +58,7 @@ def check_combinations(cfg: Config) -> None:
         raise ConfigError("rope_high_freq_factor must be at least rope_low_freq_factor for rope_type=llama3")
     check_data(cfg)
     check_mixture(cfg)
+    check_dpo(cfg)
     check_wandb(cfg)
     check_init_from(cfg)
     check_optimization(cfg)
@@ -104,13 +105,13 @@ def check_data(cfg: Config) -> None:
         raise ConfigError("data_num_epochs must be -1 (endless) or a positive number of epochs, got 0")
     if not cfg.use_sft:
         for key, is_set in {"sft_train_on_completion_only": not cfg.sft_train_on_completion_only,
-                            "chat_template_path": cfg.chat_template_path != ""}.items():  # fmt: skip
+                            "chat_template_path": cfg.chat_template_path != "" and not cfg.use_dpo}.items():  # fmt: skip
             if is_set:
                 raise ConfigError(f"{key} is read only with use_sft=true (instruction data); set use_sft=true or unset it")
     if cfg.dataset_type == "synthetic":
         unread = {"dataset_text_field": cfg.dataset_text_field != "", "packing": cfg.packing != "concat",
                   "truncate_documents": cfg.truncate_documents, "skip_bad_records": cfg.skip_bad_records,
-                  "data_num_epochs": cfg.data_num_epochs != -1, "use_sft": cfg.use_sft}  # fmt: skip
+                  "data_num_epochs": cfg.data_num_epochs != -1, "use_sft": cfg.use_sft, "use_dpo": cfg.use_dpo}  # fmt: skip
         for key, is_set in unread.items():
             if is_set:
                 raise ConfigError(f"{key} is not read with dataset_type=synthetic; unset it or train on a corpus")
@@ -120,14 +121,36 @@ def check_data(cfg: Config) -> None:
         raise ConfigError(f"dataset_type={kind} needs dataset_path (files, directories or globs)")
     if cfg.dataset_text_field and kind == "text":
         raise ConfigError("dataset_text_field is not read by dataset_type=text (one document per file); unset it")
-    if cfg.use_sft and kind == "text":
-        raise ConfigError(
-            "use_sft=true reads instruction records: set dataset_type to jsonl, parquet or arrayrecord (JSON records)"
-        )
-    if cfg.use_sft and cfg.dataset_text_field:
-        raise ConfigError("dataset_text_field is not read with use_sft=true (each row is a whole record); unset it")
+    for key in ("use_sft", "use_dpo"):
+        if getattr(cfg, key) and kind == "text":
+            kind_of = "instruction" if key == "use_sft" else "preference"
+            raise ConfigError(
+                f"{key}=true reads {kind_of} records: set dataset_type to jsonl, parquet or arrayrecord (JSON records)"
+            )
+        if getattr(cfg, key) and cfg.dataset_text_field:
+            raise ConfigError(f"dataset_text_field is not read with {key}=true (each row is a whole record); unset it")
     if cfg.eval_interval > 0 and cfg.eval_split_fraction == 0:
         raise ConfigError(f"eval_interval > 0 with dataset_type={kind} needs eval_split_fraction > 0 (or set eval_interval=-1)")
+
+
+def check_dpo(cfg: Config) -> None:
+    """DPO's keys are read only with ``use_dpo``; it needs rows of one answer each and a loss
+    the model's other objectives do not change."""
+    if not cfg.use_dpo:
+        for key, is_set in {"dpo_beta": cfg.dpo_beta != 0.1, "dpo_label_smoothing": cfg.dpo_label_smoothing != 0.0}.items():
+            if is_set:
+                raise ConfigError(f"{key} is read only with use_dpo=true (preference pairs); set use_dpo=true or unset it")
+        return
+    refusals = [
+        (cfg.use_sft, "use_dpo=true and use_sft=true are two training objectives; choose one"),
+        (cfg.packing != "pad", "use_dpo=true puts one answer in each row: set packing=pad"),
+        (not cfg.sft_train_on_completion_only, "sft_train_on_completion_only is not read with use_dpo=true (DPO scores the answers); unset it"),
+        (cfg.mtp_num_layers > 0, "use_dpo=true with mtp_num_layers > 0: multi-token prediction has no DPO loss; set mtp_num_layers=0"),
+        (len(mixture_sources(cfg)) > 1, "use_dpo=true reads one dataset (a batch holds whole pairs): give one dataset_path source"),
+    ]  # fmt: skip
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(message)
 
 
 DEFAULT_DATASET_PATH = ("{python_stdlib}/*.py",)  # base.yml's dataset_path: grain_train_files may replace only it

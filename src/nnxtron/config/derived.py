@@ -67,7 +67,8 @@ def _describe(shape: dict[str, int]) -> str:
     return " x ".join(f"{axis}={size}" for axis, size in shape.items())
 
 
-def derive(cfg: Config, num_devices: int) -> Derived:
+def derive(cfg: Config, num_devices: int, processes: int = 1) -> Derived:
+    """The sizes a config implies on ``num_devices`` devices (``processes``: the processes that read the data)."""
     shape = mesh_shape(cfg, num_devices)
     global_batch = cfg.per_device_batch_size * num_devices
     if global_batch != int(global_batch) or global_batch < 1:
@@ -88,6 +89,12 @@ def derive(cfg: Config, num_devices: int) -> Derived:
             f"gradient_accumulation_steps={accumulation} does not divide the global batch {global_batch} into "
             f"microbatches that divide over the data x fsdp x expert mesh axes ({batch_shards}); choose a divisor of "
             f"{global_batch // batch_shards} or change per_device_batch_size"
+        )
+    pair_rows = 2 * accumulation * processes
+    if cfg.use_dpo and global_batch % pair_rows:
+        raise ConfigError(
+            f"use_dpo=true keeps each pair's two rows in one microbatch of one process: the global batch {global_batch} "
+            f"must be a multiple of 2 x gradient_accumulation_steps x processes = {pair_rows}; change per_device_batch_size"
         )
     spec = pipeline_spec(cfg)
     if spec is not None:

@@ -231,7 +231,10 @@ class Config(BaseModel):
     skip_bad_records: bool  # count and skip unusable documents instead of stopping with an error
     use_sft: bool  # instruction records (messages / prompt+completion), rendered with the chat template (data/sft.py)
     sft_train_on_completion_only: bool  # use_sft: the loss trains on the answers only (false: every token)
-    chat_template_path: str  # use_sft: a Jinja chat template replacing the tokenizer's
+    chat_template_path: str  # use_sft / use_dpo: a Jinja chat template replacing the tokenizer's
+    use_dpo: bool  # preference pairs (chosen / rejected), trained by DPO against the starting weights (train/dpo.py)
+    dpo_beta: float = Field(gt=0, le=1000)  # use_dpo: the KL strength beta of the DPO loss
+    dpo_label_smoothing: float = Field(ge=0, lt=0.5)  # use_dpo: the chance a preference label is flipped (cDPO)
     eval_split_fraction: float = Field(ge=0, le=0.5)
     data_shuffle_seed: int = Field(ge=0, lt=2**32)
     data_num_epochs: int = Field(ge=-1, le=MAX_STEPS)  # -1 = endless; else training past the last epoch is an error

@@ -10,7 +10,7 @@ import numpy as np
 from grain.experimental import ThreadPrefetchDatasetIterator
 
 from nnxtron.data.records import Corpus
-from nnxtron.data.stream import BatchIterator, RowPacker, RowSpec, document_iterator
+from nnxtron.data.stream import BatchIterator, RowPacker, RowSpec, document_iterator, make_packer
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import DataError
 
@@ -232,7 +232,7 @@ class CorpusBatches(BatchSource):
         """This process's packed rows, one at a time (a mixture draws rows from several)."""
         docs = self._documents(process_index, process_count, read_threads=self.read_threads)
         pass_size = max(1, len(self.documents) // process_count)  # this process's documents per epoch
-        return RowPacker(docs, self.spec, self.tokenizer.pad_id, pass_size)
+        return make_packer(docs, self.spec, self.tokenizer.pad_id, pass_size)
 
     def _measure(self, limit: int) -> dict:
         """Counts from packing up to ``limit`` documents spread evenly over the split."""
@@ -269,6 +269,9 @@ class CorpusBatches(BatchSource):
         if self.spec.sft is not None:  # what the loss trains on, so a template that marks nothing shows at once
             trained = "the answers" if self.spec.sft.completion_only else "every token"
             bad = f"; instruction records, trained on {trained}: {'' if exact else '~'}{s['loss_tokens_per_epoch']:,} targets per epoch{bad}"
+        if self.spec.preference is not None:
+            pairs = f"{'' if exact else '~'}{s['documents'] - s['bad_records']:,}"
+            bad = f"; preference pairs ({pairs}), two rows each, scored on the answers: {'' if exact else '~'}{s['loss_tokens_per_epoch']:,} targets per epoch{bad}"
         return (
             f"{self.split} data: {s['documents']:,} of {self.corpus.describe()}, "
             f"{'' if exact else '~'}{s['tokens']:,} tokens ({self.tokenizer.name} tokenizer{measured}) -> "
@@ -310,7 +313,7 @@ class CorpusSample:
     def __init__(self, corpus: Corpus, documents: np.ndarray, tokenizer: Tokenizer, spec: RowSpec) -> None:
         skip = RowSpec(**{**spec.__dict__, "skip_bad_records": True})  # count bad records here; training decides
         docs = document_iterator(corpus, documents, tokenizer, skip, seed=None, epochs=1, read_threads=2)
-        packer = RowPacker(docs, skip, tokenizer.pad_id)
+        packer = make_packer(docs, skip, tokenizer.pad_id)
         try:
             for _ in packer:
                 pass

@@ -37,8 +37,8 @@ def tokenizer_for(cfg: Config) -> Tokenizer:
 
 
 def sft_format(cfg: Config, tokenizer: Tokenizer) -> SFTFormat:
-    """How ``use_sft`` renders records: ``chat_template_path``, else the tokenizer directory's
-    template (none: only plain-text prompt/completion records are usable)."""
+    """How ``use_sft`` and ``use_dpo`` render records: ``chat_template_path``, else the tokenizer
+    directory's template (none: only plain-text records are usable)."""
     check_tokenizer(tokenizer)
     file = Path(cfg.chat_template_path).expanduser() if cfg.chat_template_path else None
     if file is not None and not file.is_file():
@@ -48,7 +48,7 @@ def sft_format(cfg: Config, tokenizer: Tokenizer) -> SFTFormat:
     try:
         template, _ = find_chat_template(directories, tokenizer, None if file is None else str(file))
     except UserError as err:
-        raise ConfigError(f"use_sft=true: {err}") from None
+        raise ConfigError(f"{'use_dpo' if cfg.use_dpo else 'use_sft'}=true: {err}") from None
     return SFTFormat(template, completion_only=cfg.sft_train_on_completion_only)
 
 
@@ -62,6 +62,7 @@ def row_spec(cfg: Config, tokenizer: Tokenizer) -> RowSpec:
         add_eos=cfg.add_eos,
         skip_bad_records=cfg.skip_bad_records,
         sft=sft_format(cfg, tokenizer) if cfg.use_sft else None,
+        preference=sft_format(cfg, tokenizer) if cfg.use_dpo else None,
     )
 
 
@@ -84,7 +85,7 @@ def make_sources(cfg: Config, global_batch_size: int) -> tuple[BatchSource, Batc
     trains, evals = [], []
     for i, (patterns, _) in enumerate(mixture):
         try:
-            corpus = open_corpus(cfg.dataset_type, patterns, cfg.dataset_text_field, records=cfg.use_sft)
+            corpus = open_corpus(cfg.dataset_type, patterns, cfg.dataset_text_field, records=cfg.use_sft or cfg.use_dpo)
             train_docs, eval_docs = split_documents(corpus, cfg.eval_split_fraction if evaluate else 0.0)  # no eval: all train
             seed = source_seed(cfg.data_shuffle_seed, i)
             trains.append(CorpusBatches(corpus, train_docs, tokenizer, spec, global_batch_size, split="train", seed=seed,

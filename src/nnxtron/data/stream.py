@@ -18,23 +18,28 @@ import numpy as np
 
 from nnxtron.config.options import PACKING_MODES
 from nnxtron.data.packing import BATCH_KEYS, row_arrays
+from nnxtron.data.preference import format_pair
 from nnxtron.data.records import BadRecord, Corpus
 from nnxtron.data.sft import SFTFormat, format_record
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import DataError
 
-__all__ = ["BatchIterator", "Document", "RowPacker", "RowSpec", "document_iterator"]
+__all__ = ["BatchIterator", "Document", "PairPacker", "RowPacker", "RowSpec", "document_iterator", "make_packer"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Document:
     """One tokenized document (BOS/EOS included), or why it is unusable; ``trainable`` marks
-    the tokens the loss may train on predicting (None: all; instruction data: the answers)."""
+    the tokens the loss may train on predicting (None: all; instruction data: the answers).
+    A preference pair holds its chosen side in ``tokens``/``trainable`` and its rejected
+    side in ``rejected``/``rejected_trainable``."""
 
     index: int
     tokens: np.ndarray | None
     problem: str = ""
     trainable: np.ndarray | None = None
+    rejected: np.ndarray | None = None
+    rejected_trainable: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +52,8 @@ class RowSpec:
     ``truncate_documents`` a document keeps only the tokens that fit one row (``seq_len + 1``
     with BOS/EOS). ``skip_bad_records`` counts and skips unusable documents instead of raising.
     ``sft``: the documents are instruction records (``data.sft``), trained on their answers.
+    ``preference``: they are preference pairs (``data.preference``, rendered with this format's
+    template), each made into two rows, its chosen then its rejected side (:class:`PairPacker`).
     """
 
     seq_len: int
@@ -56,6 +63,7 @@ class RowSpec:
     add_eos: bool = True
     skip_bad_records: bool = False
     sft: SFTFormat | None = None
+    preference: SFTFormat | None = None
 
     def __post_init__(self) -> None:
         if self.packing not in PACKING_MODES:
@@ -74,7 +82,7 @@ class _Tokenize:
 
     def __call__(self, index: Any) -> Document:
         index = int(index)
-        if self.spec.sft is not None:
+        if self.spec.sft is not None or self.spec.preference is not None:
             return self._instruction(index)
         try:
             text = self.corpus.text(index)
@@ -86,13 +94,28 @@ class _Tokenize:
     def _instruction(self, index: int) -> Document:
         try:
             record = self.corpus.record(index)
+            bos_eos = (self.spec.add_bos, self.spec.add_eos)
             try:
-                ids, trainable = format_record(record, self.tokenizer, self.spec.sft, self.spec.add_bos, self.spec.add_eos)
+                if self.spec.preference is not None:
+                    pair = format_pair(record, self.tokenizer, self.spec.preference, *bos_eos)
+                    _check_answers_fit(pair.chosen_scored, pair.rejected_scored, self.spec.seq_len)
+                    return Document(index, pair.chosen, "", pair.chosen_scored, pair.rejected, pair.rejected_scored)
+                ids, trainable = format_record(record, self.tokenizer, self.spec.sft, *bos_eos)
             except BadRecord as err:
                 raise BadRecord(f"{self.corpus.where(index)}: {err}") from None
         except BadRecord as err:
             return Document(index, None, str(err))
         return Document(index, ids, trainable=trainable)
+
+
+def _check_answers_fit(chosen_scored: np.ndarray, rejected_scored: np.ndarray, seq_len: int) -> None:
+    """A preference row is scored on the answer tokens within its first ``seq_len + 1``."""
+    for name, scored in (("chosen", chosen_scored), ("rejected", rejected_scored)):
+        if not scored[1 : seq_len + 1].any():
+            raise BadRecord(
+                f"its prompt fills the row: no {name!r} answer token within max_target_length={seq_len}; shorten the "
+                "prompt or raise max_target_length"
+            )
 
 
 def document_iterator(
@@ -169,7 +192,7 @@ class RowPacker:
             self._bad_in_a_row = 0
             tokens, trainable = doc.tokens, doc.trainable
             limit = self.spec.seq_len + 1
-            if self.spec.truncate_documents and tokens.size > limit:
+            if (self.spec.truncate_documents or self.spec.preference is not None) and tokens.size > limit:
                 if count:
                     self.counts["truncated_tokens"] += int(tokens.size - limit)
                 tokens, trainable = tokens[:limit], None if trainable is None else trainable[:limit]
@@ -177,6 +200,7 @@ class RowPacker:
                 self.counts["documents"] += 1
                 self.counts["tokens"] += int(tokens.size)
             self._before, self._doc, self._trainable, self._offset = before, tokens, trainable, 0
+            self._document = doc
             self._serial += 1
             return True
 
@@ -215,10 +239,13 @@ class RowPacker:
                 self._offset -= 1  # a row's last token is the next row's first input
         elif self._offset < self._doc.size:
             self._offset -= 1  # the rest of a long document starts the next row
+        self._count_row(doc_of, trainable, filled)
+        return tokens, doc_of, pos_of, trainable
+
+    def _count_row(self, doc_of: np.ndarray, trainable: np.ndarray, filled: int) -> None:
         self.counts["rows"] += 1
         self.counts["real_targets"] += filled - 1
         self.counts["loss_targets"] += int(((doc_of[1:filled] == doc_of[: filled - 1]) & trainable[1:filled]).sum())
-        return tokens, doc_of, pos_of, trainable
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -244,17 +271,73 @@ class RowPacker:
             ) from None
 
 
+class PairPacker(RowPacker):
+    """Rows of preference pairs (``RowSpec.preference``): each pair gives two rows, its chosen
+    side then its rejected side, each starting at position 0 and padded. A side longer than
+    a row keeps its first ``seq_len + 1`` tokens (the rest counted as ``truncated_tokens``)."""
+
+    def __init__(self, documents: grain.DatasetIterator, spec: RowSpec, pad_id: int, pass_size: int | None = None) -> None:
+        super().__init__(documents, spec, pad_id, pass_size)
+        self._rejected_row: tuple[np.ndarray, ...] | None = None
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if self._rejected_row is not None:
+            row, self._rejected_row = self._rejected_row, None
+            return row
+        if not self._pull():
+            raise StopIteration
+        limit = self.spec.seq_len + 1
+        rejected, rejected_trainable = self._document.rejected, self._document.rejected_trainable
+        self.counts["truncated_tokens"] += max(int(rejected.size) - limit, 0)
+        self.counts["tokens"] += min(int(rejected.size), limit)
+        chosen = self._row(self._doc, self._trainable)
+        self._rejected_row = self._row(rejected[:limit], rejected_trainable[:limit])
+        self._offset = self._doc.size  # the pair is used up
+        return chosen
+
+    def _row(self, tokens: np.ndarray, trainable: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        width, size = self.spec.seq_len + 1, tokens.size
+        row = np.full(width, self.pad_id, np.int32)
+        doc_of = np.full(width, -1, np.int32)
+        pos_of = np.zeros(width, np.int32)
+        scored = np.zeros(width, bool)
+        row[:size], doc_of[:size], pos_of[:size], scored[:size] = tokens, 0, np.arange(size), trainable
+        self._count_row(doc_of, scored, size)
+        return row, doc_of, pos_of, scored
+
+    def get_state(self) -> dict[str, Any]:
+        if self._rejected_row is not None:
+            raise RuntimeError("a preference pair's rejected row is still to come: batches hold whole pairs")
+        return super().get_state()
+
+
+def make_packer(documents: grain.DatasetIterator, spec: RowSpec, pad_id: int, pass_size: int | None = None) -> RowPacker:
+    """The packer of ``spec``'s documents: :class:`PairPacker` for preference pairs, else :class:`RowPacker`."""
+    return (PairPacker if spec.preference is not None else RowPacker)(documents, spec, pad_id, pass_size)
+
+
 class BatchIterator:
-    """Batches of ``rows`` packed rows: the ``BATCH_KEYS`` arrays, ``[rows, seq_len]``."""
+    """Batches of ``rows`` packed rows: the ``BATCH_KEYS`` arrays, ``[rows, seq_len]``.
+
+    Preference pairs (a :class:`PairPacker`) come as the chosen sides of ``rows / 2`` pairs
+    followed by their rejected sides in the same order (``train.dpo.pair_halves``)."""
 
     def __init__(self, packer: RowPacker, rows: int) -> None:
         self.packer, self.rows = packer, rows
+        self.pairs = isinstance(packer, PairPacker)
+        if self.pairs and rows % 2:
+            raise DataError(
+                f"use_dpo=true puts each preference pair in two rows, but this process has {rows} rows per batch; "
+                "set the batch size to an even number of rows per process"
+            )
 
     def __iter__(self) -> BatchIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
         parts = [next(self.packer) for _ in range(self.rows)]  # StopIteration ends the batches
+        if self.pairs:
+            parts = parts[0::2] + parts[1::2]
         batch = row_arrays(*(np.stack(p) for p in zip(*parts)))
         return {k: batch[k] for k in BATCH_KEYS}
 

@@ -31,7 +31,7 @@ from nnxtron.data.sources import row_spec, tokenizer_for
 from nnxtron.data.stream import RowPacker, document_iterator
 from nnxtron.errors import ConfigError
 
-__all__ = ["CorpusScore", "score_corpus", "token_logprobs"]
+__all__ = ["CorpusScore", "score_corpus", "score_tokens", "token_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,17 +66,25 @@ def _scorer(graphdef: nnx.GraphDef):
     def score(state, inputs, positions, segment_ids, targets):
         logits = nnx.merge(graphdef, state)(inputs, positions, segment_ids).logits.astype(jnp.float32)
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        return picked - jax.nn.logsumexp(logits, axis=-1)
+        return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     return jax.jit(score)
+
+
+def score_tokens(model: nnx.Module, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(``log p(targets[b, s] | inputs[b, :s+1])`` float32 ``[B, S]``, the most likely token at
+    each position int32 ``[B, S]``) of a batch with ``inputs``, ``positions``, ``segment_ids``
+    and ``targets`` (the loss mask is not applied)."""
+    graphdef, state = nnx.split(model)
+    keys = ("inputs", "positions", "segment_ids", "targets")
+    logprobs, greedy = _scorer(graphdef)(state, *(jnp.asarray(batch[k]) for k in keys))
+    return np.asarray(logprobs), np.asarray(greedy)
 
 
 def token_logprobs(model: nnx.Module, batch: dict[str, np.ndarray]) -> np.ndarray:
     """``log p(targets[b, s] | inputs[b, :s+1])`` for every position, float32 ``[B, S]``
     (the batch keys of ``data.packing.BATCH_KEYS``; the loss mask is not applied)."""
-    graphdef, state = nnx.split(model)
-    keys = ("inputs", "positions", "segment_ids", "targets")
-    return np.asarray(_scorer(graphdef)(state, *(jnp.asarray(batch[k]) for k in keys)))
+    return score_tokens(model, batch)[0]
 
 
 def score_corpus(model: nnx.Module, cfg: Config, batch_rows: int = 8) -> CorpusScore:
@@ -85,6 +93,8 @@ def score_corpus(model: nnx.Module, cfg: Config, batch_rows: int = 8) -> CorpusS
         raise ConfigError("nnxtron eval needs a corpus: set dataset_type (text, jsonl, parquet, arrayrecord) and dataset_path")
     if batch_rows < 1:
         raise ConfigError(f"--batch-rows must be at least 1, got {batch_rows}")
+    if cfg.use_dpo:
+        raise ConfigError("nnxtron eval scores text or instruction answers, not preference pairs: unset use_dpo")
     tokenizer = tokenizer_for(cfg)
     spec = row_spec(cfg, tokenizer)
     patterns = [pattern for sources, _ in mixture_sources(cfg) for pattern in sources]

@@ -18,13 +18,18 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array | N
     is then one fused select next to the softmax's, where a gather's gradient is a scatter
     into a zeroed logits-sized buffer.
     """
+    per_token = token_nll(logits, targets)
+    weights = jnp.ones_like(per_token) if mask is None else mask.astype(jnp.float32)
+    return jnp.sum(per_token * weights), jnp.sum(weights)
+
+
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``-log softmax(logits)[target]`` of every position, float32 ``[B, S]`` (see ``cross_entropy_sum``)."""
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     target_logit = jnp.sum(jnp.where(vocab == targets[..., None].astype(jnp.int32), logits, 0.0), axis=-1)
-    per_token = log_z - target_logit
-    weights = jnp.ones_like(per_token) if mask is None else mask.astype(jnp.float32)
-    return jnp.sum(per_token * weights), jnp.sum(weights)
+    return log_z - target_logit
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

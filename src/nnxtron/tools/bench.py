@@ -40,7 +40,7 @@ from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.tools.decode_timing import time_decoding
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import init_state, setup
-from nnxtron.train.step import batch_sharding, device_batch, make_train_step
+from nnxtron.train.step import batch_sharding, device_batch, make_train_step, reference_from
 
 WARMUP_STEPS = 2
 MAX_DISTINCT_BATCHES = 8  # held on device at once
@@ -98,10 +98,11 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
         batches = [device_batch(next(data), shardings) for _ in range(min(WARMUP_STEPS + steps, MAX_DISTINCT_BATCHES))]
     finally:
         data.close()
-    jax.block_until_ready((state, batches))
+    extra = (reference_from(state, model_setup),) if cfg.use_dpo else ()  # DPO's frozen reference model
+    jax.block_until_ready((state, batches, extra))
 
     start = time.perf_counter()
-    lowered = step_fn.lower(state, batches[0])
+    lowered = step_fn.lower(state, batches[0], *extra)
     lowered_at = time.perf_counter()
     with count_cache_events() as cache_events:
         compiled = lowered.compile()
@@ -112,7 +113,7 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
     for i in range(WARMUP_STEPS + steps):
         batch = batches[i % len(batches)]
         t0 = time.perf_counter()
-        state, metrics = compiled(state, batch)  # the input state is donated
+        state, metrics = compiled(state, batch, *extra)  # the input state is donated
         jax.block_until_ready((state, metrics))
         elapsed = time.perf_counter() - t0
         if i >= WARMUP_STEPS:

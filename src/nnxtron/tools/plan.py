@@ -38,7 +38,7 @@ from nnxtron.params import flatten, path_str
 from nnxtron.tools.plan_pipeline import format_pipeline, pipeline_plan
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import setup
-from nnxtron.train.step import batch_sharding, make_train_step
+from nnxtron.train.step import abstract_reference, batch_sharding, make_train_step
 
 GIB = 1024**3
 
@@ -188,7 +188,7 @@ def trace_train_step(cfg: Config, model_setup: Any, tx: Any, schedule: Any, deri
     batch_sh = batch_sharding(cfg, model_setup)
     shape = (derived.global_batch_size, cfg.max_target_length)
     batch = {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES[k], sharding=batch_sh[k]) for k in BATCH_KEYS}
-    return step.trace(state, batch)
+    return step.trace(state, batch, *((abstract_reference(model_setup),) if cfg.use_dpo else ()))
 
 
 def _memory_stats(compiled: Any) -> dict[str, int] | None:
@@ -290,6 +290,7 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
         "quantization": _quantization(cfg),
         "params": counts,
         "state_per_device": per_device,
+        "dpo_reference": cfg.use_dpo,  # the train step also takes a frozen copy of the parameters and model state
         "state_unsharded": unsharded_totals,
         "flops": flops,
         "unsharded": {
@@ -441,7 +442,8 @@ def format_plan(plan: dict[str, Any]) -> str:
             "",
             f"memory per device (XLA memory analysis of the compiled train step, {m['backend']} backend; "
             f"lowered in {c['lower']:.1f} s, compiled in {c['compile']:.1f} s)",
-            f"  arguments          {_bytes(m['argument_bytes']):>12}   (train state + batch)",
+            f"  arguments          {_bytes(m['argument_bytes']):>12}   (train state + batch"
+            f"{' + the DPO reference: parameters and other state again' if plan.get('dpo_reference') else ''})",
             f"  outputs            {_bytes(m['output_bytes']):>12}",
             f"  aliased (donated)  {_bytes(m['alias_bytes']):>12}   (outputs written into donated arguments)",
             f"  temporaries        {_bytes(m['temp_bytes']):>12}   (gradients, activations, optimizer intermediates)",

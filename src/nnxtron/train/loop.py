@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import time
@@ -31,15 +32,18 @@ from nnxtron.params import flatten_with_treedef
 from nnxtron.runtime.compile_cache import enable_compilation_cache
 from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.train.checkpoint import Checkpointer, UnreadableCheckpoint
+from nnxtron.train.checksum import checksums
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.preemption import StopRequests
 from nnxtron.train.run_dir import RunDirError, RunLock, make_run_dir, remove_unused_run_dir, resolve_run_dir
 from nnxtron.train.schedules import schedule_change_note
 from nnxtron.train.state import TrainState, init_state, setup
-from nnxtron.train.step import batch_sharding, device_batch, make_eval_step, make_train_step
+from nnxtron.train.step import Reference, batch_sharding, device_batch, make_eval_step, make_train_step, reference_from
 from nnxtron.train.wandb_logger import require_wandb
 from nnxtron.train.weights import checkpoint_model, load_weights
+
+DPO_REFERENCE_FILE = "dpo_reference.json"  # the checksum of a use_dpo run's reference weights
 
 # (abstract {"params", "rest"}, their shardings) -> the starting (params, model state or None) of an init_from run
 ParamsLoader = Callable[[dict, dict], tuple[Any, Any]]
@@ -108,7 +112,7 @@ class Trainer:
         self.cfg = cfg
         self.init_params = init_params  # reads the init_from weights of a new run
         self.compilation_cache = enable_compilation_cache(cfg)  # before anything compiles; None = off
-        self.derived: Derived = derive(cfg, jax.device_count())
+        self.derived: Derived = derive(cfg, jax.device_count(), jax.process_count())
         self.run_dir = run_dir or resolve_run_dir(cfg)
         if cfg.enable_wandb:
             require_wandb()  # a missing extra fails here, before the run directory is written
@@ -122,6 +126,7 @@ class Trainer:
         self.notes: list[str] = []  # lines for the start-up print (checkpoints skipped on resume)
         self.train_step = make_train_step(cfg, self.setup, self.tx, self.schedule)
         self.eval_step = make_eval_step(cfg, self.setup)
+        self.step_args: tuple = ()  # use_dpo: (the reference model,), set when the run starts
 
     def _data(self, source: BatchSource) -> DataIterator:
         return source.iterator(jax.process_index(), jax.process_count())
@@ -154,6 +159,10 @@ class Trainer:
                 f"none of the {len(unreadable)} checkpoints in '{ckpt.directory}' reads back (newest: "
                 f"{str(unreadable[0][1]).split('; ')[0]}); repair them or use a new run_name"
             )
+        return self.starting_state(), 0, None
+
+    def starting_state(self) -> TrainState:
+        """The state of step 0: the init_from / load_parameters_path weights, else a seeded init."""
         weights = None  # (params, model state or None: fresh)
         abstract = {key: self.setup.abstract_state[key] for key in ("params", "rest")}
         shardings = {key: self.setup.state_shardings[key] for key in ("params", "rest")}
@@ -161,20 +170,41 @@ class Trainer:
             weights = self.init_params(abstract, shardings)
         elif self.cfg.load_parameters_path:
             weights = load_weights(self.cfg.load_parameters_path, self.cfg, abstract, shardings)
-        return init_state(self.cfg, self.setup, self.tx, *(weights or ())), 0, None
+        return init_state(self.cfg, self.setup, self.tx, *(weights or ()))
+
+    def dpo_reference(self, state: TrainState, start: int) -> Reference:
+        """DPO's frozen reference model: the run's starting weights (a copy of ``state``'s at step 0;
+        read again on resume, and checked against the checksum recorded when the run started)."""
+        reference = reference_from(state if start == 0 else self.starting_state(), self.setup)
+        flat, _ = flatten_with_treedef({"params": reference.params, "rest": reference.rest})
+        digest = hashlib.sha256(json.dumps(sorted(checksums(flat)[0].items())).encode()).hexdigest()[:16]
+        record = self.run_dir / DPO_REFERENCE_FILE
+        if record.is_file():
+            recorded = json.loads(record.read_text()).get("checksum")
+            if recorded != digest:
+                raise CheckpointError(
+                    f"use_dpo=true: the reference weights read now (checksum {digest}) are not the ones run "
+                    f"'{self.run_dir}' started from ({recorded}, {record.name}); restore the weights it was "
+                    "initialised from (init_from / load_parameters_path) or use a new run_name"
+                )
+        elif jax.process_index() == 0:
+            record.write_text(json.dumps({"checksum": digest, "step": start}) + "\n")
+        return reference
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        """``{"loss": token-mean eval loss}`` plus ``"mtp_acceptance"`` (fraction) when configured."""
+        """``{"loss": token-mean eval loss}`` plus ``"mtp_acceptance"`` (fraction) when configured;
+        with ``use_dpo`` the pair-mean DPO loss and its ``dpo/*`` statistics."""
         sums: dict[str, float] = {}
         batches = self._data(self.eval_source)  # the same first eval_steps batches every time
         try:
             for _ in range(self.cfg.eval_steps):
-                out = self.eval_step(state, device_batch(next(batches), self.batch_shardings))
+                out = self.eval_step(state, device_batch(next(batches), self.batch_shardings), *self.step_args)
                 for key, value in out.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
         finally:
             batches.close()
         result = {"loss": sums["loss_sum"] / max(sums["tokens"], 1.0)}
+        result.update({key: value / max(sums["tokens"], 1.0) for key, value in sums.items() if key.startswith("dpo/")})
         if "mtp_accepted" in sums:
             result["mtp_acceptance"] = sums["mtp_accepted"] / max(sums["mtp_predictions"], 1.0)
         return result
@@ -208,6 +238,7 @@ class Trainer:
         if ckpt is not None:
             ckpt.check_writable()
         state, start, data_state = self.initial_state(ckpt)
+        self.step_args = (self.dpo_reference(state, start),) if cfg.use_dpo else ()  # the steps' extra argument
         stored = self.run_dir / "config.yml"  # a resume whose schedule moved says so (train/schedules.py)
         note = schedule_change_note(yaml.safe_load(stored.read_text()), cfg, self.derived, start) if stored.is_file() else None
         if note:
@@ -242,7 +273,7 @@ class Trainer:
                 recorder = _Recorder(self, peak, writer, bar, result, start)
                 for step in range(start, cfg.steps):
                     batch = device_batch(_next_batch(batches, step, cfg), self.batch_shardings)
-                    state, metrics = self.train_step(state, batch)
+                    state, metrics = self.train_step(state, batch, *self.step_args)
                     done = result.end_step = step + 1
                     recorder.submit(done, metrics)  # records the previous step while this one runs
                     stop = stops.stop_after(done)  # a SIGTERM / SIGINT: this step is the last, and it is saved

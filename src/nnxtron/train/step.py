@@ -15,11 +15,12 @@ from nnxtron.config.schema import Config
 from nnxtron.data.packing import BATCH_KEYS
 from nnxtron.layers.dropout import dropout_active
 from nnxtron.layers.moe import update_router_bias
-from nnxtron.models.loss import cross_entropy, cross_entropy_sum
+from nnxtron.models.loss import cross_entropy_sum
 from nnxtron.parallel.microbatch import split_microbatches
 from nnxtron.parallel.row_keys import row_keys
 from nnxtron.parallel.sharding import activate, constrain, logical_to_spec
 from nnxtron.params import flatten_with_treedef
+from nnxtron.train.dpo import DPOSettings, dpo_sums, sequence_logprobs
 from nnxtron.train.state import ModelSetup, TrainState, host_to_device
 
 Batch = dict[str, jax.Array]
@@ -45,16 +46,26 @@ def batch_sharding(cfg: Config, model_setup: ModelSetup) -> dict[str, NamedShard
 # like its cross-entropy tokens, so k = 1 and k > 1 agree when the aux losses are token
 # means over the loss-mask tokens. (If the whole batch has no target token, T is clamped
 # to 1 as in ``cross_entropy`` and each microbatch's aux loss gets weight 1/k.)
+# With ``use_dpo`` the same holds with DPO's loss summed over pairs in place of the
+# cross-entropy sum and pairs in place of tokens (T = the batch's pairs).
 
 
 class Gradients(NamedTuple):
     """What ``compute_gradients`` returns for one (global) batch."""
 
-    loss: jax.Array  # token-mean cross-entropy over the whole batch (float32 scalar; aux losses excluded)
+    loss: jax.Array  # the batch loss (float32 scalar; aux losses excluded): token-mean cross-entropy, or DPO's pair mean
     tokens: jax.Array  # number of target tokens counted (sum of loss_mask)
     grads: Any  # d J / d params, same tree and dtypes as params (J includes the aux losses)
     rest: Any  # the model's non-parameter state after the batch (carried through the microbatches)
     aux: dict[str, jax.Array]  # each aux loss as a batch value (token-share weighted over microbatches)
+    stats: dict[str, jax.Array]  # the objective's own statistics as batch means (DPO: rewards, accuracy)
+
+
+class Reference(NamedTuple):
+    """DPO's frozen reference model: the parameters and model state the run started from."""
+
+    params: Any
+    rest: Any
 
 
 def _aux_losses(out: Any) -> dict[str, jax.Array]:
@@ -75,6 +86,34 @@ def _constrain_tree(tree: Any, shardings: Any | None) -> Any:
     return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
+class _Objective:
+    """The loss of a batch's output in "sum" units: ``(loss sum, count, target tokens, statistic sums)``;
+    the batch loss is ``loss sum / count`` (count: target tokens for cross-entropy, pairs for DPO)."""
+
+    def __init__(self, graphdef: nnx.GraphDef, reference: Reference | None, dpo: DPOSettings | None) -> None:
+        if (reference is None) != (dpo is None):
+            raise ValueError("DPO needs both its settings and the reference model")
+        self.graphdef, self.reference, self.dpo = graphdef, reference, dpo
+
+    def count(self, batch: Batch) -> jax.Array:
+        """The count of a whole batch (the divisor of the accumulated sums)."""
+        if self.dpo is not None:
+            return jnp.float32(batch["inputs"].shape[0] // 2)
+        mask = batch.get("loss_mask")
+        return jnp.float32(batch["targets"].size) if mask is None else jnp.sum(mask.astype(jnp.float32))
+
+    def __call__(self, out: Any, batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+        mask = batch.get("loss_mask")
+        if self.dpo is None:
+            loss_sum, tokens = cross_entropy_sum(out.logits, batch["targets"], mask)
+            return loss_sum, tokens, tokens, {}
+        plain = {key: value for key, value in batch.items() if key != "dropout_keys"}  # the reference drops nothing
+        reference_out, _ = _apply(self.graphdef, self.reference.params, self.reference.rest, plain)
+        policy = sequence_logprobs(out.logits, batch["targets"], mask)
+        loss_sum, pairs, stats = dpo_sums(policy, sequence_logprobs(reference_out.logits, batch["targets"], mask), self.dpo)
+        return loss_sum, pairs, jnp.sum(mask.astype(jnp.float32)), stats
+
+
 def compute_gradients(
     graphdef: nnx.GraphDef,
     params: Any,
@@ -83,16 +122,21 @@ def compute_gradients(
     accumulation_steps: int = 1,
     *,
     grad_shardings: Any | None = None,
+    reference: Reference | None = None,
+    dpo: DPOSettings | None = None,
 ) -> Gradients:
     """Loss, token count, gradients, new non-parameter state and aux losses of one batch.
 
     ``accumulation_steps`` = k > 1 splits the batch into k microbatches
     (``split_microbatches``) and runs them one after the other under ``jax.lax.scan``,
-    accumulating the cross-entropy sum, the token count, the gradient of the summed
-    objective (in float32) and the token-weighted aux losses, and carrying the model's
+    accumulating the loss sum, the count (target tokens), the gradient of the summed
+    objective (in float32) and the count-weighted aux losses, and carrying the model's
     non-parameter state from one microbatch to the next; everything is divided by the
-    total token count at the end, so the result is the large-batch token-mean step, not
+    total count at the end, so the result is the large-batch mean step, not
     a mean of per-microbatch means. k = 1 differentiates the whole batch directly.
+
+    With ``dpo`` (and its frozen ``reference``) the loss is DPO's (``train.dpo``): the
+    count is the pairs, and each microbatch runs the reference model on its rows too.
 
     ``grad_shardings``: shardings of the parameters (a tree like ``params``), applied to
     the gradient accumulator. Call inside ``parallel.sharding.activate`` to shard
@@ -101,56 +145,62 @@ def compute_gradients(
     k = int(accumulation_steps)
     if k < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {k}")
+    terms = _Objective(graphdef, reference, dpo)
     if k == 1:
 
         def objective(params):
             out, new_rest = _apply(graphdef, params, rest, batch)
-            loss, tokens = cross_entropy(out.logits, batch["targets"], batch.get("loss_mask"))
+            loss_sum, count, tokens, stats = terms(out, batch)
+            norm = jnp.maximum(count, 1.0)
+            loss = loss_sum / norm
             aux = _aux_losses(out)
             total = loss + sum(aux.values()) if aux else loss
-            return total, (loss, tokens, new_rest, aux)
+            return total, (loss, tokens, new_rest, aux, {name: value / norm for name, value in stats.items()})
 
-        (_, (loss, tokens, new_rest, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        return Gradients(loss, tokens, grads, new_rest, aux)
+        (_, (loss, tokens, new_rest, aux, stats)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return Gradients(loss, tokens, grads, new_rest, aux, stats)
 
     micro = split_microbatches(batch, k)
-    mask = batch.get("loss_mask")
-    total_tokens = jnp.float32(batch["targets"].size) if mask is None else jnp.sum(mask.astype(jnp.float32))
-    norm = jnp.maximum(total_tokens, 1.0)
+    total_count = terms.count(batch)
+    norm = jnp.maximum(total_count, 1.0)
 
     def objective(params, rest, mb):
         out, new_rest = _apply(graphdef, params, rest, mb)
-        loss_sum, tokens = cross_entropy_sum(out.logits, mb["targets"], mb.get("loss_mask"))
-        # aux weight in "sum" units: tokens_i (/ T at the end = the token share), or 1/k if T = 0
-        weight = jnp.where(total_tokens > 0, tokens, 1.0 / k)
+        loss_sum, count, tokens, stats = terms(out, mb)
+        # aux weight in "sum" units: count_i (/ total at the end = the count share), or 1/k if the total is 0
+        weight = jnp.where(total_count > 0, count, 1.0 / k)
         aux = {name: weight * value for name, value in _aux_losses(out).items()}
         total = loss_sum + sum(aux.values()) if aux else loss_sum
-        return total, (loss_sum, tokens, new_rest, aux)
+        return total, (loss_sum, tokens, new_rest, aux, stats)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     mb_spec = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], b), micro)
-    aux_names = jax.eval_shape(lambda p, r, b: _aux_losses(_apply(graphdef, p, r, b)[0]), params, rest, mb_spec)
+    aux_names, stat_names = jax.eval_shape(
+        lambda p, r, b: (lambda out: (_aux_losses(out), terms(out, b)[3]))(_apply(graphdef, p, r, b)[0]), params, rest, mb_spec
+    )
 
     def body(carry, mb):
-        acc, loss_sum, tokens, aux_sum, rest = carry
+        acc, loss_sum, tokens, aux_sum, stat_sum, rest = carry
         mb = {key: constrain(v, ("activation_batch", "activation_length")[: v.ndim]) for key, v in mb.items()}
-        (_, (mb_loss, mb_tokens, rest, mb_aux)), grads = grad_fn(params, rest, mb)
+        (_, (mb_loss, mb_tokens, rest, mb_aux, mb_stats)), grads = grad_fn(params, rest, mb)
         if grad_shardings is not None:  # per-stage offload: host gradients join the accumulator
             grads = host_to_device(grads, grad_shardings)
         acc = _constrain_tree(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), grad_shardings)
         aux_sum = {name: aux_sum[name] + mb_aux[name] for name in aux_sum}
-        return (acc, loss_sum + mb_loss, tokens + mb_tokens, aux_sum, rest), None
+        stat_sum = {name: stat_sum[name] + mb_stats[name] for name in stat_sum}
+        return (acc, loss_sum + mb_loss, tokens + mb_tokens, aux_sum, stat_sum, rest), None
 
     zeros = _constrain_tree(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings)
     scalar = jnp.zeros((), jnp.float32)
-    init = (zeros, scalar, scalar, {name: scalar for name in aux_names}, rest)
-    (acc, loss_sum, tokens, aux_sum, new_rest), _ = jax.lax.scan(body, init, micro)
+    init = (zeros, scalar, scalar, {name: scalar for name in aux_names}, {name: scalar for name in stat_names}, rest)
+    (acc, loss_sum, tokens, aux_sum, stat_sum, new_rest), _ = jax.lax.scan(body, init, micro)
     # the barrier makes XLA write the divided gradients once (into the accumulator) rather than
     # fuse the division into each reader (the norms, the clip), which on CPU materialises the
     # broadcast divisor as a parameter-sized tree (docs/plan.md, "Train-step memory")
     grads = jax.lax.optimization_barrier(jax.tree.map(lambda a, p: (a / norm).astype(p.dtype), acc, params))
     aux = {name: value / norm for name, value in aux_sum.items()}
-    return Gradients(loss_sum / norm, tokens, grads, new_rest, aux)
+    stats = {name: value / norm for name, value in stat_sum.items()}
+    return Gradients(loss_sum / norm, tokens, grads, new_rest, aux, stats)
 
 
 def make_train_step(
@@ -184,13 +234,17 @@ def make_train_step(
     param_shardings = model_setup.device_param_shardings() if accumulation > 1 else None
 
     drop = dropout_active(cfg.dropout_rate, cfg.enable_dropout)
+    dpo = dpo_settings(cfg)
 
-    def train_step(state: TrainState, batch: Batch):
+    def train_step(state: TrainState, batch: Batch, reference: Reference | None = None):
         state = model_setup.to_compute(state)
         if drop:
             batch = {**batch, "dropout_keys": row_keys(cfg.init_weights_seed, state["step"], batch["inputs"].shape[0])}
         with activate(model_setup.mesh, rules):
-            g = compute_gradients(graphdef, state["params"], state["rest"], batch, accumulation, grad_shardings=param_shardings)
+            g = compute_gradients(
+                graphdef, state["params"], state["rest"], batch, accumulation, grad_shardings=param_shardings,
+                reference=reference, dpo=dpo,
+            )  # fmt: skip
             # per-stage offload leaves the pipelined stack (and its gradient) in host memory until here
             g = g._replace(grads=model_setup.params_on_device(g.grads))
             state = {**state, "params": model_setup.params_on_device(state["params"])}
@@ -207,6 +261,7 @@ def make_train_step(
             "grad_norm": jnp.sqrt(jnp.sum(squares)),
             "learning_rate": jnp.asarray(schedule(state["step"]), jnp.float32),
             **{f"aux/{name}": value for name, value in g.aux.items()},
+            **g.stats,
             # the first parameter (in flatten order) whose gradient is not finite, or -1
             "non_finite_leaf": jnp.where(gradients_finite, -1, jnp.argmax(~jnp.isfinite(squares))).astype(jnp.int32),
             "non_finite_state": (gradients_finite & ~state_finite).astype(jnp.float32),
@@ -221,11 +276,36 @@ def make_train_step(
 
     shardings = model_setup.state_shardings
     replicated = NamedSharding(model_setup.mesh, PartitionSpec())
-    return jax.jit(
-        train_step,
-        in_shardings=(shardings, batch_sharding(cfg, model_setup)),
-        out_shardings=(shardings, replicated),
-        donate_argnums=(0,),
+    inputs = (shardings, batch_sharding(cfg, model_setup)) + ((reference_shardings(model_setup),) if dpo else ())
+    return jax.jit(train_step, in_shardings=inputs, out_shardings=(shardings, replicated), donate_argnums=(0,))
+
+
+def dpo_settings(cfg: Config) -> DPOSettings | None:
+    """The DPO loss of a ``use_dpo`` config (None: cross-entropy). With it the train and eval
+    steps take a third argument, the frozen :class:`Reference`."""
+    if not cfg.use_dpo:
+        return None
+    return DPOSettings(cfg.dpo_beta, cfg.dpo_label_smoothing, jax.process_count())
+
+
+def reference_shardings(model_setup: ModelSetup) -> Reference:
+    """Where DPO's reference model lives: like the parameters (in device memory) and model state."""
+    return Reference(model_setup.device_param_shardings(), model_setup.state_shardings["rest"])
+
+
+def reference_from(state: TrainState, model_setup: ModelSetup) -> Reference:
+    """A copy of ``state``'s parameters and model state, as DPO's reference (the step donates the state)."""
+    copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=reference_shardings(model_setup))
+    return copy(Reference(state["params"], state["rest"]))
+
+
+def abstract_reference(model_setup: ModelSetup) -> Reference:
+    """The reference model's shapes, dtypes and shardings, for tracing the DPO steps ahead of time."""
+    abstract, shardings = model_setup.abstract_state, reference_shardings(model_setup)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        Reference(abstract["params"], abstract["rest"]),
+        shardings,
     )
 
 
@@ -243,26 +323,28 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
-    """``eval(state, batch) -> {"loss_sum", "tokens"}`` (sums so that batches can be pooled);
+    """``eval(state, batch) -> {"loss_sum", "tokens"}`` (sums so that batches can be pooled; with
+    ``use_dpo`` ``eval(state, batch, reference)``, the DPO loss and statistics summed over pairs,
+    ``tokens`` = pairs);
     with ``mtp_eval_target_module`` > 0 also ``mtp_accepted`` and ``mtp_predictions``: how
     many of that MTP depth's predictions equal the main head's (the acceptance rate)."""
     graphdef = model_setup.graphdef
+    dpo = dpo_settings(cfg)
 
-    def eval_step(state: TrainState, batch: Batch):
+    def eval_step(state: TrainState, batch: Batch, reference: Reference | None = None):
         state = model_setup.to_compute(state)
         with activate(model_setup.mesh, cfg.logical_axis_rules):
             out, _ = _apply(graphdef, state["params"], state["rest"], batch)
-            loss_sum, tokens = cross_entropy_sum(out.logits, batch["targets"], batch["loss_mask"])
-        result = {"loss_sum": loss_sum, "tokens": tokens}
+            loss_sum, count, _, stats = _Objective(graphdef, reference, dpo)(out, batch)
+        result = {"loss_sum": loss_sum, "tokens": count, **stats}
         if cfg.mtp_eval_target_module:
             result["mtp_accepted"], result["mtp_predictions"] = out.aux["mtp_acceptance"]
         return result
 
     replicated = NamedSharding(model_setup.mesh, PartitionSpec())
+    inputs = (model_setup.state_shardings, batch_sharding(cfg, model_setup))
     return jax.jit(
-        eval_step,
-        in_shardings=(model_setup.state_shardings, batch_sharding(cfg, model_setup)),
-        out_shardings=replicated,
+        eval_step, in_shardings=inputs + ((reference_shardings(model_setup),) if dpo else ()), out_shardings=replicated
     )
 
 
