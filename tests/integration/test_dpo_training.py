@@ -1,7 +1,7 @@
 """DPO end to end: ``use_dpo=true`` on preference records with a chat template file, the byte
 tokenizer and a tiny model; the held-out pairs' DPO loss falls below log 2 and their reward
 accuracy rises; a resumed run reads the same reference and continues exactly; the strategies
-(fsdp, tensor, unrolled layers with remat, gradient accumulation) compute the same steps."""
+(fsdp, tensor, unrolled layers with remat, gradient accumulation, a pipeline) compute the same steps."""
 
 from __future__ import annotations
 
@@ -89,12 +89,14 @@ STRATEGIES = {
     "tensor2": {"ici_tensor_parallelism": 2},
     "unrolled_remat_full": {"scan_layers": False, "remat_policy": "full"},
     "accumulation2_tensor4": {"gradient_accumulation_steps": 2, "ici_tensor_parallelism": 4},
+    "pipeline2": {"ici_pipeline_parallelism": 2},
 }
 
 
 def test_dpo_strategies_compute_the_same_steps(dpo_data, tmp_path):
     """Step 1's gradient norm (the policy is the reference: only the gradient differs) and step 2's
-    loss and margin (after an update) agree over meshes, remat/unrolled layers and accumulation."""
+    loss and margin (after an update) agree over meshes, remat/unrolled layers, accumulation and
+    a pipeline (2 stages)."""
     runs = {}
     for name, extra in STRATEGIES.items():
         overrides = dpo_overrides(dpo_data, str(tmp_path), name, steps=2, eval_interval=-1, enable_checkpointing=False,
