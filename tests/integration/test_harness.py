@@ -114,6 +114,13 @@ def test_rolling_loglikelihood_gives_the_bits_per_byte_of_the_texts(harness):
     assert harness.results["nnxtron_rolling"]["bits_per_byte,none"] == pytest.approx(nll / (math.log(2) * size), rel=1e-5)
 
 
+def test_an_empty_context_is_the_start_token(harness):
+    """As HFLM: a continuation with no context is scored after the start token (BOS) alone."""
+    lm, text = harness.lm, "The quick brown fox"
+    ((total, _),) = lm.loglikelihood([SimpleNamespace(args=("", text))])
+    assert total == pytest.approx(direct_logprob(lm, lm.start, lm.tokenizer.encode(text).tolist()), abs=1e-5)
+
+
 def test_long_texts_are_scored_in_windows(harness):
     """A text longer than max_length: every token predicted once, over windows of max_length."""
     lm = NnxtronLM(harness.model, batch_size=2, max_length=16)
@@ -135,6 +142,8 @@ def test_bad_requests_are_one_line(harness):
         harness.lm.generate_until([SimpleNamespace(args=("Hi", {"until": ["\n"], "do_sample": True}))])
     with pytest.raises(UserError, match="empty continuation"):
         harness.lm.loglikelihood([SimpleNamespace(args=("Hi", ""))])
+    with pytest.raises(UserError, match="continuation of 20 tokens is longer than the context"):
+        NnxtronLM(harness.model, max_length=16).loglikelihood_tokens([([1], list(range(3, 23)))])
     with pytest.raises(UserError, match="unknown lm-eval task 'no_such_task'"):
         evaluate_tasks(harness.model, ["no_such_task"], str(harness.tasks))
 

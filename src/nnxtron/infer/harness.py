@@ -62,9 +62,18 @@ class NnxtronLM(LM):
         """BOS, when the model's config adds one."""
         return [self.tokenizer.bos_id] if self.cfg.add_bos and self.tokenizer.bos_id >= 0 else []
 
+    @functools.cached_property
+    def start(self) -> list[int]:
+        """The token that starts a text with no context (HFLM's prefix token): BOS, else EOS."""
+        if self.tokenizer.bos_id >= 0:
+            return [self.tokenizer.bos_id]
+        return [self.tokenizer.eos_id] if self.tokenizer.eos_id >= 0 else []
+
     # ------------------------------------------------------------------ log-likelihoods
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context ids, continuation ids) of a request, tokenized as HF's ``HFLM`` does."""
+        if not context:  # as HFLM: the start token alone is the context
+            return self.start, self.tokenizer.encode(continuation).tolist()
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -78,13 +87,18 @@ class NnxtronLM(LM):
             if not continuation:
                 raise UserError("an lm-eval request has an empty continuation: there is nothing to score")
             if not context:
-                raise UserError("an lm-eval request has an empty context and the tokenizer has no BOS to start it with")
+                raise UserError("an lm-eval request has an empty context and the tokenizer has neither BOS nor EOS to start it")
         return self.loglikelihood_tokens(pairs)
 
     def loglikelihood_tokens(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[float, bool]]:
         """(log-likelihood, greedy) of each continuation given its context, both token ids."""
         rows = []
         for context, continuation in pairs:
+            if len(continuation) > self.max_length:
+                raise UserError(
+                    f"an lm-eval continuation of {len(continuation)} tokens is longer than the context "
+                    f"(max_length {self.max_length}); raise max_target_length"
+                )
             tokens = (list(context) + list(continuation))[-(self.max_length + 1) :]
             rows.append((tokens, len(continuation)))
         results: list[tuple[float, bool]] = []
@@ -106,7 +120,9 @@ class NnxtronLM(LM):
             if not ids:
                 results.append(0.0)
                 continue
-            prefix = self.prefix[0] if self.prefix else self.tokenizer.eos_id
+            if not self.start:
+                raise UserError("rolling log-likelihoods need a start token; the tokenizer has neither BOS nor EOS")
+            prefix = self.start[0]
             windows = [
                 lm_eval_utils.make_disjoint_window(window)
                 for window in lm_eval_utils.get_rolling_token_windows(ids, prefix, self.max_length, context_len=1)
