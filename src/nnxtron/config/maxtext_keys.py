@@ -470,10 +470,16 @@ _refused(
     compile_xla_flags='',
 )
 _refused(
-    'a DPO / chat-template data option nnxtron does not have (SFT: use_sft, sft_train_on_completion_only, chat_template_path)',
+    'a chat-template data option nnxtron does not have (SFT: use_sft, sft_train_on_completion_only, chat_template_path)',
     "leave it at MaxText's default",
     use_chat_template=False, chat_template='', tokenize_train_data=True, tokenize_eval_data=True,
-    default_prompt='', max_segments_per_seq=-1, use_dpo=False,
+    default_prompt='', max_segments_per_seq=-1,
+)
+_refused(
+    "MaxText's DPO batches count pairs and read HF datasets; nnxtron's DPO (use_dpo, dpo_beta, dpo_label_smoothing) "
+    'reads local preference records with two rows per pair (docs/post-training.md)',
+    "leave it at MaxText's default and train DPO with an nnxtron config",
+    use_dpo=False,
 )
 _honoured(use_sft=False, chat_template_path='')
 # MaxText trains SFT on every token unless sft_train_on_completion_only=true (nnxtron's default: the answers only);
