@@ -161,8 +161,9 @@ class Trainer:
             )
         return self.starting_state(), 0, None
 
-    def starting_state(self) -> TrainState:
-        """The state of step 0: the init_from / load_parameters_path weights, else a seeded init."""
+    def starting_state(self, optimizer: bool = True) -> TrainState:
+        """The state of step 0: the init_from / load_parameters_path weights, else a seeded init
+        (``optimizer=False``: its parameters and model state only)."""
         weights = None  # (params, model state or None: fresh)
         abstract = {key: self.setup.abstract_state[key] for key in ("params", "rest")}
         shardings = {key: self.setup.state_shardings[key] for key in ("params", "rest")}
@@ -170,12 +171,12 @@ class Trainer:
             weights = self.init_params(abstract, shardings)
         elif self.cfg.load_parameters_path:
             weights = load_weights(self.cfg.load_parameters_path, self.cfg, abstract, shardings)
-        return init_state(self.cfg, self.setup, self.tx, *(weights or ()))
+        return init_state(self.cfg, self.setup, self.tx if optimizer else None, *(weights or ()))
 
     def dpo_reference(self, state: TrainState, start: int) -> Reference:
         """DPO's frozen reference model: the run's starting weights (a copy of ``state``'s at step 0;
         read again on resume, and checked against the checksum recorded when the run started)."""
-        reference = reference_from(state if start == 0 else self.starting_state(), self.setup)
+        reference = reference_from(state if start == 0 else self.starting_state(optimizer=False), self.setup)
         flat, _ = flatten_with_treedef({"params": reference.params, "rest": reference.rest})
         digest = hashlib.sha256(json.dumps(sorted(checksums(flat)[0].items())).encode()).hexdigest()[:16]
         record = self.run_dir / DPO_REFERENCE_FILE

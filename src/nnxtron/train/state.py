@@ -179,7 +179,7 @@ def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSet
 def init_state(
     cfg: Config,
     model_setup: ModelSetup,
-    tx: optax.GradientTransformation,
+    tx: optax.GradientTransformation | None,
     params: dict | None = None,
     rest: dict | None = None,
 ) -> TrainState:
@@ -187,13 +187,17 @@ def init_state(
 
     ``params`` / ``rest``: start from these parameter values / this model state (router
     biases, hash tables: ``train/weights.py``) instead of the seeded random init.
+    ``tx=None``: only ``{"params", "rest"}`` (no optimizer state is made).
     """
     shardings = model_setup.state_shardings
+    outputs = ("params", "rest") if tx is None else tuple(shardings)
 
     def init(loaded, loaded_rest):
         fresh, fresh_rest = _fresh_state(cfg)
         p = fresh if loaded is None else loaded
         r = fresh_rest if loaded_rest is None else loaded_rest
+        if tx is None:
+            return {"params": p, "rest": r}
         return {"params": p, "rest": r, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
 
     given = {"params": params, "rest": rest}
@@ -201,6 +205,6 @@ def init_state(
     jitted = jax.jit(
         lambda loaded: init(loaded.get("params"), loaded.get("rest")),
         in_shardings=({key: shardings[key] for key in inputs},),
-        out_shardings=shardings,
+        out_shardings={key: shardings[key] for key in outputs},
     )
     return jitted(inputs)
