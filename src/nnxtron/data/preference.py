@@ -77,20 +77,16 @@ def format_pair(record: Mapping[str, Any], tokenizer: Tokenizer, template_format
 
 def _split_shared_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
     """(prompt, chosen answer, rejected answer) of two whole texts or conversations."""
-    if isinstance(chosen, list) and isinstance(rejected, list):
-        shared = 0
-        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-            shared += 1
-        return chosen[:shared], chosen[shared:], rejected[shared:]
-    if isinstance(chosen, str) and isinstance(rejected, str):
-        shared = 0
-        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-            shared += 1
-        if shared < min(len(chosen), len(rejected)):  # the texts differ: cut back to a word boundary
-            while shared and not chosen[shared - 1].isspace():
-                shared -= 1
-        return chosen[:shared], chosen[shared:], rejected[shared:]
-    raise BadRecord(
-        f"has a 'chosen' ({type(chosen).__name__}) and a 'rejected' ({type(rejected).__name__}) answer that are not both "
-        "strings or both lists of messages"
-    )
+    if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
+        raise BadRecord(
+            f"has a 'chosen' ({type(chosen).__name__}) and a 'rejected' ({type(rejected).__name__}) answer that are not "
+            "both strings or both lists of messages"
+        )
+    shorter = min(len(chosen), len(rejected))
+    shared = 0
+    while shared < shorter and chosen[shared] == rejected[shared]:
+        shared += 1
+    if isinstance(chosen, str) and shared < shorter:  # texts that differ: cut back to a word boundary
+        while shared and not chosen[shared - 1].isspace():
+            shared -= 1
+    return chosen[:shared], chosen[shared:], rejected[shared:]

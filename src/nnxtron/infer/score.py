@@ -3,8 +3,8 @@ bits per byte (``nnxtron eval``).
 
 A corpus is read by the training data pipeline (the config's ``dataset_*`` keys, its
 tokenizer, BOS/EOS, packing with per-document segments, ``use_sft`` records), once, in
-order; every target the loss mask keeps is scored by its negative log-likelihood
-(logsumexp of the logits minus the target's logit, as the training loss computes it). Bits per byte divide the total by
+order; every target the loss mask keeps is scored by the training loss's per-token
+negative log-likelihood (``models.loss.token_nll``). Bits per byte divide the total by
 ``ln 2`` times the UTF-8 bytes of the documents' text (the EOS predictions included in
 the total, as the loss includes them); with ``use_sft`` the scored tokens are the answers
 and bits per byte is not defined.
@@ -30,6 +30,7 @@ from nnxtron.data.records import BadRecord, Corpus, open_corpus
 from nnxtron.data.sources import row_spec, tokenizer_for
 from nnxtron.data.stream import RowPacker, document_iterator
 from nnxtron.errors import ConfigError
+from nnxtron.models.loss import token_nll
 
 __all__ = ["CorpusScore", "score_corpus", "score_tokens", "token_logprobs"]
 
@@ -65,8 +66,7 @@ class CorpusScore:
 def _scorer(graphdef: nnx.GraphDef):
     def score(state, inputs, positions, segment_ids, targets):
         logits = nnx.merge(graphdef, state)(inputs, positions, segment_ids).logits.astype(jnp.float32)
-        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return -token_nll(logits, targets), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     return jax.jit(score)
 
