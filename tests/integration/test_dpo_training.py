@@ -13,7 +13,8 @@ import pytest
 
 from nnxtron.config import load_config
 from nnxtron.errors import CheckpointError, ConfigError
-from nnxtron.train.loop import DPO_REFERENCE_FILE, Trainer
+from nnxtron.train.checksum import DPO_REFERENCE_FILE
+from nnxtron.train.loop import Trainer
 from tests.integration.conftest import train_overrides
 from tests.integration.test_sft_training import WORDS
 from tests.unit.test_chat_template import GENERATION

@@ -59,6 +59,7 @@ def check_combinations(cfg: Config) -> None:
     check_data(cfg)
     check_mixture(cfg)
     check_dpo(cfg)
+    check_lora(cfg)
     check_wandb(cfg)
     check_init_from(cfg)
     check_optimization(cfg)
@@ -151,6 +152,30 @@ def check_dpo(cfg: Config) -> None:
     for refused, message in refusals:
         if refused:
             raise ConfigError(message)
+
+
+LORA_DEFAULTS = {"lora_alpha": 16.0, "lora_target_modules": "/(query|key|value|out|wi_0|wi_1|wi|wo)$"}  # base.yml
+
+
+def check_lora(cfg: Config) -> None:
+    """LoRA's keys are read only with ``lora_rank`` > 0; its regex compiles; the frozen base
+    is held in device memory."""
+    if not cfg.lora_rank:
+        for key, default in LORA_DEFAULTS.items():
+            if getattr(cfg, key) != default:
+                raise ConfigError(f"{key} is read only with lora_rank > 0 (LoRA fine-tuning); set lora_rank or unset {key}")
+        return
+    try:
+        re.compile(cfg.lora_target_modules)
+    except re.error as err:
+        raise ConfigError(
+            f"lora_target_modules={cfg.lora_target_modules!r} is not a regular expression ({err}); fix it"
+        ) from None
+    if cfg.parameter_memory_host_offload:
+        raise ConfigError(
+            "lora_rank > 0 with parameter_memory_host_offload=true: the frozen base stays in device memory and the "
+            "adapters are small; set parameter_memory_host_offload=false"
+        )
 
 
 DEFAULT_DATASET_PATH = ("{python_stdlib}/*.py",)  # base.yml's dataset_path: grain_train_files may replace only it

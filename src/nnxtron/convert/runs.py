@@ -15,9 +15,11 @@ from nnxtron.config.schema import Config
 from nnxtron.convert.hf import from_hf, hf_config, load_hf_weights
 from nnxtron.convert.maxtext import is_maxtext_checkpoint, load_maxtext_model
 from nnxtron.errors import CheckpointError, ConfigError
+from nnxtron.layers.lora import base_config, merge_adapters, with_adapters
 from nnxtron.models.decoder import Decoder
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.train.state import init_non_params, model_shardings
+from nnxtron.train.checksum import LORA_BASE_FILE, check_recorded
+from nnxtron.train.state import frozen_shardings, init_frozen, init_non_params, model_shardings
 from nnxtron.train.weights import load_weights
 
 __all__ = ["is_hf_directory", "run_config", "load_model", "init_config", "init_params"]
@@ -52,11 +54,28 @@ def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:
     if is_hf_directory(path):
         return from_hf(path, **parse_overrides(overrides))
     cfg = run_config(path, overrides)
-    graphdef, abstract_params, abstract_rest, param_sh, rest_sh = model_shardings(cfg, make_mesh(cfg))
+    mesh = make_mesh(cfg)
+    graphdef, abstract_params, abstract_rest, param_sh, rest_sh = model_shardings(cfg, mesh)
     params, rest = load_weights(
         path, cfg, {"params": abstract_params, "rest": abstract_rest}, {"params": param_sh, "rest": rest_sh}
     )
-    return nnx.merge(graphdef, params, init_non_params(cfg, rest_sh) if rest is None else rest)
+    rest = init_non_params(cfg, rest_sh) if rest is None else rest
+    if not cfg.lora_rank:
+        return nnx.merge(graphdef, params, rest)
+    # a LoRA run's checkpoints hold the adapters: merged into the base it started from
+    abstract_base, base_sh = frozen_shardings(cfg, mesh)
+    loader = init_params(cfg)
+    if loader is not None:
+        weights = loader({"params": abstract_base}, {"params": base_sh})
+    elif cfg.load_parameters_path:
+        weights = load_weights(cfg.load_parameters_path, cfg, {"params": abstract_base}, {"params": base_sh})
+    else:
+        weights = None
+    base = init_frozen(cfg, base_sh, weights[0] if weights else None)
+    check_recorded(path, LORA_BASE_FILE, base, f"LoRA run '{path}': the base weights")
+    base_cfg = base_config(cfg)
+    base_graphdef = model_shardings(base_cfg, mesh)[0]
+    return nnx.merge(base_graphdef, merge_adapters(with_adapters(base, params), cfg.lora_alpha / cfg.lora_rank), rest)
 
 
 def _source_model(source: Path, given: dict[str, Any]) -> dict[str, Any]:
@@ -70,6 +89,11 @@ def _source_model(source: Path, given: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"init_from='{source}' does not exist; pass an HF model directory or an nnxtron run directory")
     _check_run_dir(source)
     stored = run_values(source)
+    if stored.get("lora_rank"):
+        raise ConfigError(
+            f"init_from='{source}' is a LoRA run (its checkpoints hold adapters only); export the merged model with "
+            f"`nnxtron convert to-hf {source} DIR` and start from DIR"
+        )
     return {key: stored[key] for key in (*MODEL_KEYS, "tokenizer_path") if key in stored}
 
 
@@ -100,7 +124,7 @@ def init_params(cfg: Config) -> ParamsLoader | None:
 
         def from_maxtext_checkpoint(abstract: dict, shardings: dict) -> tuple[Any, Any]:
             del abstract, shardings  # init_state places them
-            _, params, rest = nnx.split(load_maxtext_model(source_dir, cfg), nnx.Param, ...)
+            _, params, rest = nnx.split(load_maxtext_model(source_dir, base_config(cfg)), nnx.Param, ...)
             return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
         return from_maxtext_checkpoint
@@ -111,7 +135,7 @@ def init_params(cfg: Config) -> ParamsLoader | None:
 
         def from_hf_directory(abstract: dict, shardings: dict) -> tuple[Any, Any]:
             del abstract, shardings  # init_state places them
-            _, params, rest = nnx.split(load_hf_weights(source, cfg), nnx.Param, ...)
+            _, params, rest = nnx.split(load_hf_weights(source, base_config(cfg)), nnx.Param, ...)
             return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
         return from_hf_directory

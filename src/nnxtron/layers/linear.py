@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxtron.layers.lora import adapters_for, lora_delta
 from nnxtron.layers.matmul import contract_last
 
 
@@ -16,7 +17,9 @@ class Linear(nnx.Module):
     """``y = x @ kernel (+ bias)`` contracting the last ``len(in_shape)`` axes of ``x``.
 
     ``axes`` are the logical sharding names of the kernel (one per kernel dimension).
-    Weights are stored in ``weight_dtype``; the matmul runs in ``dtype``.
+    Weights are stored in ``weight_dtype``; the matmul runs in ``dtype``. Built inside
+    ``layers.lora.building`` it also holds LoRA adapters ``lora_a`` / ``lora_b`` and adds
+    ``lora_scale * x @ A @ B`` (``layers/lora.py``).
     """
 
     def __init__(
@@ -38,12 +41,20 @@ class Linear(nnx.Module):
         fan_in = math.prod(self.in_shape)
         init = jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
         # drawn in float32 then cast: the same seed gives the same model for any weight_dtype
-        self.kernel = nnx.Param(init(rngs.params(), shape, jnp.float32).astype(weight_dtype), out_sharding=tuple(axes))
+        key = rngs.params()
+        self.kernel = nnx.Param(init(key, shape, jnp.float32).astype(weight_dtype), out_sharding=tuple(axes))
+        adapters = adapters_for(key, self.in_shape, self.out_shape, axes, weight_dtype)
+        self.lora_scale = 0.0  # 0: no adapters (none built, or removed by layers.lora.select_targets)
+        if adapters is not None:
+            self.lora_a, self.lora_b, self.lora_scale = adapters
         if use_bias:  # zeros, sharded like the output dims
             self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), out_sharding=tuple(axes[len(self.in_shape) :]))
         self.use_bias = use_bias
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = contract_last(x.astype(self.dtype), self.kernel[...].astype(self.dtype), len(self.in_shape))
+        x = x.astype(self.dtype)
+        y = contract_last(x, self.kernel[...].astype(self.dtype), len(self.in_shape))
+        if self.lora_scale:
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], self.lora_scale, len(self.in_shape), contract_last)
         return y + self.bias[...].astype(self.dtype) if self.use_bias else y

@@ -32,6 +32,9 @@ from nnxtron.config.stacks import built_stacks
 from nnxtron.layers import dropout
 from nnxtron.layers.embed import Embed
 from nnxtron.layers.linear import Linear
+from nnxtron.layers.lora import building as building_lora
+from nnxtron.layers.lora import select_targets as select_lora_targets
+from nnxtron.layers.lora import settings_of as lora_settings
 from nnxtron.layers.matmul import plain_products
 from nnxtron.models.mtp import MultiTokenPrediction
 from nnxtron.models.registry import family_for
@@ -68,6 +71,12 @@ def matmul_precision(call: Callable[..., Any]) -> Callable[..., Any]:
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: Config, rngs: nnx.Rngs):
+        lora = lora_settings(cfg)
+        with building_lora(lora):  # every Linear gets adapters; those not targeted are removed next
+            self._build(cfg, rngs)
+        select_lora_targets(self, lora)
+
+    def _build(self, cfg: Config, rngs: nnx.Rngs) -> None:
         family = family_for(cfg.decoder_block)
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         k_embed, k_layers, k_head = jax.random.split(rngs.params(), 3)

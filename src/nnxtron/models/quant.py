@@ -46,6 +46,7 @@ from qwix._src.utils import flax_util
 from nnxtron.config.options import QUANTIZATION_MODES
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.layers.lora import ADAPTERS
 from nnxtron.models.decoder import Decoder
 
 MODES: dict[str, tuple[Any, Any]] = {  # mode -> (forward qtype, backward qtype)
@@ -93,7 +94,11 @@ class WeightMatmulProvider(qwix.QtProvider):
 
 
 def _one_weight(lhs, rhs) -> bool:
-    return (flax_util.find_param(lhs) is not None) != (flax_util.find_param(rhs) is not None)
+    """One operand is a weight of the calling module and the other is not. LoRA's adapter
+    products (``layers/lora.py``) stay in the compute dtype: a quantized base is frozen, its
+    float adapters are what trains (QLoRA)."""
+    names = (flax_util.find_param(lhs), flax_util.find_param(rhs))
+    return (names[0] is not None) != (names[1] is not None) and not set(names) & set(ADAPTERS)
 
 
 def _tile(size: int) -> int | None:

@@ -39,8 +39,8 @@ from nnxtron.runtime.compile_cache import count_cache_events, enable_compilation
 from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.tools.decode_timing import time_decoding
 from nnxtron.train.optimizer import make_optimizer
-from nnxtron.train.state import init_state, setup
-from nnxtron.train.step import batch_sharding, device_batch, make_train_step, reference_from
+from nnxtron.train.state import init_frozen, init_state, setup
+from nnxtron.train.step import Extras, batch_sharding, device_batch, make_train_step, reference_from
 
 WARMUP_STEPS = 2
 MAX_DISTINCT_BATCHES = 8  # held on device at once
@@ -98,7 +98,9 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
         batches = [device_batch(next(data), shardings) for _ in range(min(WARMUP_STEPS + steps, MAX_DISTINCT_BATCHES))]
     finally:
         data.close()
-    extra = (reference_from(state, model_setup),) if cfg.use_dpo else ()  # DPO's frozen reference model
+    frozen = init_frozen(cfg, model_setup.frozen_shardings) if cfg.lora_rank else None  # LoRA's seeded base
+    reference = reference_from(state, model_setup) if cfg.use_dpo else None  # DPO's frozen reference model
+    extra = (Extras(frozen, reference),) if frozen is not None or reference is not None else ()
     jax.block_until_ready((state, batches, extra))
 
     start = time.perf_counter()

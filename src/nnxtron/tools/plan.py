@@ -38,7 +38,7 @@ from nnxtron.params import flatten, path_str
 from nnxtron.tools.plan_pipeline import format_pipeline, pipeline_plan
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import setup
-from nnxtron.train.step import abstract_reference, batch_sharding, make_train_step
+from nnxtron.train.step import abstract_extras, batch_sharding, make_train_step
 
 GIB = 1024**3
 
@@ -188,7 +188,7 @@ def trace_train_step(cfg: Config, model_setup: Any, tx: Any, schedule: Any, deri
     batch_sh = batch_sharding(cfg, model_setup)
     shape = (derived.global_batch_size, cfg.max_target_length)
     batch = {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES[k], sharding=batch_sh[k]) for k in BATCH_KEYS}
-    return step.trace(state, batch, *((abstract_reference(model_setup),) if cfg.use_dpo else ()))
+    return step.trace(state, batch, *abstract_extras(cfg, model_setup))
 
 
 def _memory_stats(compiled: Any) -> dict[str, int] | None:

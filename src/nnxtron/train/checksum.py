@@ -8,12 +8,20 @@ caught too; it is a fingerprint of the contents, not a cryptographic hash.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nnxtron.errors import CheckpointError
+from nnxtron.params import flatten_with_treedef
+
+DPO_REFERENCE_FILE = "dpo_reference.json"  # in a run directory: the checksum of a use_dpo run's reference weights
+LORA_BASE_FILE = "lora_base.json"  # the checksum of a LoRA run's frozen base weights
 _MIX = np.uint32(0x9E3779B9)  # golden-ratio increment (position mixing)
 _MUL = np.uint32(0x85EBCA6B)  # murmur3 finaliser multiplier
 
@@ -60,3 +68,22 @@ def checksums(flat: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
         sums.update(part_sums)
         finite.update(part_finite)
     return {key: int(sums[key]) for key in flat}, [key for key in flat if not bool(finite[key])]
+
+
+def check_recorded(run_dir: Path, name: str, tree: Any, what: str, *, record_step: int | None = None) -> None:
+    """Weights a run re-reads instead of saving them (LoRA's frozen base, DPO's reference) are the
+    ones it started from: their digest is written to ``run_dir/name`` when it starts
+    (``record_step`` given, process 0) and compared with it afterwards; another is refused (one line)."""
+    flat, _ = flatten_with_treedef(tree)
+    digest = hashlib.sha256(json.dumps(sorted(checksums(flat)[0].items())).encode()).hexdigest()[:16]
+    record = Path(run_dir) / name
+    if record.is_file():
+        recorded = json.loads(record.read_text()).get("checksum")
+        if recorded != digest:
+            raise CheckpointError(
+                f"{what} read now (checksum {digest}) are not the ones run '{run_dir}' started from "
+                f"({recorded}, {record.name}); restore the weights it was initialised from "
+                "(init_from / load_parameters_path) or use a new run_name"
+            )
+    elif record_step is not None and jax.process_index() == 0:
+        record.write_text(json.dumps({"checksum": digest, "step": record_step}) + "\n")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import time
@@ -32,18 +31,24 @@ from nnxtron.params import flatten_with_treedef
 from nnxtron.runtime.compile_cache import enable_compilation_cache
 from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.train.checkpoint import Checkpointer, UnreadableCheckpoint
-from nnxtron.train.checksum import checksums
+from nnxtron.train.checksum import DPO_REFERENCE_FILE, LORA_BASE_FILE, check_recorded
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.preemption import StopRequests
 from nnxtron.train.run_dir import RunDirError, RunLock, make_run_dir, remove_unused_run_dir, resolve_run_dir
 from nnxtron.train.schedules import schedule_change_note
-from nnxtron.train.state import TrainState, init_state, setup
-from nnxtron.train.step import Reference, batch_sharding, device_batch, make_eval_step, make_train_step, reference_from
+from nnxtron.train.state import TrainState, init_frozen, init_state, setup
+from nnxtron.train.step import (
+    Extras,
+    Reference,
+    batch_sharding,
+    device_batch,
+    make_eval_step,
+    make_train_step,
+    reference_from,
+)
 from nnxtron.train.wandb_logger import require_wandb
 from nnxtron.train.weights import checkpoint_model, load_weights
-
-DPO_REFERENCE_FILE = "dpo_reference.json"  # the checksum of a use_dpo run's reference weights
 
 # (abstract {"params", "rest"}, their shardings) -> the starting (params, model state or None) of an init_from run
 ParamsLoader = Callable[[dict, dict], tuple[Any, Any]]
@@ -126,12 +131,12 @@ class Trainer:
         self.notes: list[str] = []  # lines for the start-up print (checkpoints skipped on resume)
         self.train_step = make_train_step(cfg, self.setup, self.tx, self.schedule)
         self.eval_step = make_eval_step(cfg, self.setup)
-        self.step_args: tuple = ()  # use_dpo: (the reference model,), set when the run starts
+        self.step_args: tuple = ()  # LoRA / use_dpo: (Extras(frozen base, reference model),), set when the run starts
 
     def _data(self, source: BatchSource) -> DataIterator:
         return source.iterator(jax.process_index(), jax.process_count())
 
-    def initial_state(self, ckpt: Checkpointer | None) -> tuple[TrainState, int, dict | None]:
+    def initial_state(self, ckpt: Checkpointer | None, weights: Any = None) -> tuple[TrainState, int, dict | None]:
         """(state, first step, this process's saved data-iterator state or None for a new run).
 
         Resumes from the newest checkpoint that reads back completely; newer unreadable ones
@@ -159,37 +164,44 @@ class Trainer:
                 f"none of the {len(unreadable)} checkpoints in '{ckpt.directory}' reads back (newest: "
                 f"{str(unreadable[0][1]).split('; ')[0]}); repair them or use a new run_name"
             )
-        return self.starting_state(), 0, None
+        return self.starting_state(weights=weights), 0, None
 
-    def starting_state(self, optimizer: bool = True) -> TrainState:
-        """The state of step 0: the init_from / load_parameters_path weights, else a seeded init
-        (``optimizer=False``: its parameters and model state only)."""
-        weights = None  # (params, model state or None: fresh)
+    def read_weights(self) -> tuple[Any, Any] | None:
+        """The starting ``(params, model state or None)`` read from init_from / load_parameters_path
+        (with LoRA: the base model's parameters), or None: a seeded init."""
         abstract = {key: self.setup.abstract_state[key] for key in ("params", "rest")}
         shardings = {key: self.setup.state_shardings[key] for key in ("params", "rest")}
+        if self.cfg.lora_rank:
+            abstract["params"], shardings["params"] = self.setup.abstract_frozen, self.setup.frozen_shardings
         if self.init_params is not None:  # init_from, or a MaxText checkpoint at load_parameters_path (convert/runs.py)
-            weights = self.init_params(abstract, shardings)
-        elif self.cfg.load_parameters_path:
-            weights = load_weights(self.cfg.load_parameters_path, self.cfg, abstract, shardings)
-        return init_state(self.cfg, self.setup, self.tx if optimizer else None, *(weights or ()))
+            return self.init_params(abstract, shardings)
+        if self.cfg.load_parameters_path:
+            return load_weights(self.cfg.load_parameters_path, self.cfg, abstract, shardings)
+        return None
 
-    def dpo_reference(self, state: TrainState, start: int) -> Reference:
+    def starting_state(self, optimizer: bool = True, weights: Any = None) -> TrainState:
+        """The state of step 0: the init_from / load_parameters_path weights (``weights``: as
+        ``read_weights`` returned them, else read now), else a seeded init (``optimizer=False``:
+        its parameters and model state only). With LoRA the parameters are fresh adapters."""
+        weights = self.read_weights() if weights is None else weights
+        params, rest = weights or (None, None)
+        if self.cfg.lora_rank:
+            params = None  # the weights read are the frozen base's (``lora_base``)
+        return init_state(self.cfg, self.setup, self.tx if optimizer else None, params, rest)
+
+    def lora_base(self, weights: Any) -> Any:
+        """LoRA's frozen base parameters, placed on the devices from ``weights`` (``read_weights``)
+        or the seeded init, and checked against the checksum recorded when the run started."""
+        frozen = init_frozen(self.cfg, self.setup.frozen_shardings, weights[0] if weights else None)
+        check_recorded(self.run_dir, LORA_BASE_FILE, frozen, "lora_rank > 0: the frozen base weights", record_step=0)
+        return frozen
+
+    def dpo_reference(self, state: TrainState, start: int, weights: Any = None) -> Reference:
         """DPO's frozen reference model: the run's starting weights (a copy of ``state``'s at step 0;
         read again on resume, and checked against the checksum recorded when the run started)."""
-        reference = reference_from(state if start == 0 else self.starting_state(optimizer=False), self.setup)
-        flat, _ = flatten_with_treedef({"params": reference.params, "rest": reference.rest})
-        digest = hashlib.sha256(json.dumps(sorted(checksums(flat)[0].items())).encode()).hexdigest()[:16]
-        record = self.run_dir / DPO_REFERENCE_FILE
-        if record.is_file():
-            recorded = json.loads(record.read_text()).get("checksum")
-            if recorded != digest:
-                raise CheckpointError(
-                    f"use_dpo=true: the reference weights read now (checksum {digest}) are not the ones run "
-                    f"'{self.run_dir}' started from ({recorded}, {record.name}); restore the weights it was "
-                    "initialised from (init_from / load_parameters_path) or use a new run_name"
-                )
-        elif jax.process_index() == 0:
-            record.write_text(json.dumps({"checksum": digest, "step": start}) + "\n")
+        reference = reference_from(state if start == 0 else self.starting_state(False, weights), self.setup)
+        tree = {"params": reference.params, "rest": reference.rest}
+        check_recorded(self.run_dir, DPO_REFERENCE_FILE, tree, "use_dpo=true: the reference weights", record_step=start)
         return reference
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
@@ -238,8 +250,12 @@ class Trainer:
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
         if ckpt is not None:
             ckpt.check_writable()
-        state, start, data_state = self.initial_state(ckpt)
-        self.step_args = (self.dpo_reference(state, start),) if cfg.use_dpo else ()  # the steps' extra argument
+        weights = self.read_weights() if cfg.lora_rank else None  # read once: the frozen base and the state
+        state, start, data_state = self.initial_state(ckpt, weights)
+        if cfg.lora_rank or cfg.use_dpo:  # the steps' extra argument
+            frozen = self.lora_base(weights) if cfg.lora_rank else None
+            reference = self.dpo_reference(state, start, weights) if cfg.use_dpo else None
+            self.step_args = (Extras(frozen, reference),)
         stored = self.run_dir / "config.yml"  # a resume whose schedule moved says so (train/schedules.py)
         note = schedule_change_note(yaml.safe_load(stored.read_text()), cfg, self.derived, start) if stored.is_file() else None
         if note:

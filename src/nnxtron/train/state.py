@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.layers.lora import FROZEN
 from nnxtron.models.build import abstract_model
 from nnxtron.models.decoder import Decoder
 from nnxtron.models.quant import check_backend
@@ -47,6 +48,8 @@ class ModelSetup:
     abstract_state: TrainState
     compute_shardings: TrainState | None = None
     unsharded_fraction: float = 0.0  # parameter elements split over no model axis (checked against sharding_tolerance)
+    frozen_shardings: dict | None = None  # LoRA: the frozen base parameters (not in the train state)
+    abstract_frozen: dict | None = None
 
     def to_compute(self, state: TrainState) -> TrainState:
         """Inside the step: bring host-offloaded parts of the state into device memory."""
@@ -112,9 +115,20 @@ def _host_offload(cfg: Config, shardings: TrainState) -> tuple[TrainState, Train
     return storage, compute
 
 
+def split_model(model: nnx.Module, cfg: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State | None]:
+    """(graphdef, trained parameters, other state, frozen base parameters or None): with
+    ``lora_rank`` > 0 the trained parameters are the LoRA adapters and the base is frozen."""
+    if not cfg.lora_rank:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return graphdef, params, rest, None
+    graphdef, params, frozen, rest = nnx.split(model, nnx.LoRAParam, FROZEN, ...)
+    return graphdef, params, rest, frozen
+
+
 def model_shardings(cfg: Config, mesh: Mesh) -> tuple[nnx.GraphDef, dict, dict, dict, dict]:
-    """(graphdef, abstract params, abstract other state, their shardings), as pure dicts."""
-    graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
+    """(graphdef, abstract params, abstract other state, their shardings), as pure dicts.
+    With LoRA the params are the adapters (``frozen_shardings``: the base)."""
+    graphdef, params, rest, _ = split_model(abstract_model(cfg), cfg)
     rules = cfg.logical_axis_rules
     pure = nnx.to_pure_dict
     return (
@@ -126,10 +140,17 @@ def model_shardings(cfg: Config, mesh: Mesh) -> tuple[nnx.GraphDef, dict, dict, 
     )
 
 
-def _fresh_state(cfg: Config) -> tuple[dict, dict]:
+def frozen_shardings(cfg: Config, mesh: Mesh) -> tuple[dict, dict]:
+    """LoRA's frozen base: (abstract parameters, their shardings), as pure dicts."""
+    frozen = split_model(abstract_model(cfg), cfg)[3]
+    return nnx.to_pure_dict(frozen), nnx.to_pure_dict(state_shardings(frozen, mesh, cfg.logical_axis_rules))
+
+
+def _fresh_state(cfg: Config) -> tuple[dict, dict, dict | None]:
+    """(trained parameters, other state, LoRA's frozen base or None) of the seeded init."""
     with nnx.use_eager_sharding(False):
-        _, params, rest = nnx.split(Decoder(cfg, nnx.Rngs(cfg.init_weights_seed)), nnx.Param, ...)
-    return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+        _, params, rest, frozen = split_model(Decoder(cfg, nnx.Rngs(cfg.init_weights_seed)), cfg)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(rest), None if frozen is None else nnx.to_pure_dict(frozen)
 
 
 def init_non_params(cfg: Config, rest_shardings: dict) -> dict:
@@ -162,7 +183,11 @@ def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSet
     if cfg.use_qwix_quantization:
         check_backend(cfg)
     graphdef, params, rest, param_sh, rest_sh = model_shardings(cfg, mesh)
-    unsharded = check_unsharded(params, param_sh, mesh, cfg.sharding_tolerance)
+    frozen, frozen_sh = frozen_shardings(cfg, mesh) if cfg.lora_rank else (None, None)
+    # with LoRA the frozen base is the memory that matters: the adapters (rank x (in + out) per
+    # layer against in x out) may stay replicated where their rank axis would have been split
+    checked, checked_sh = (frozen, frozen_sh) if cfg.lora_rank else (params, param_sh)
+    unsharded = check_unsharded(checked, checked_sh, mesh, cfg.sharding_tolerance)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_abstract = jax.eval_shape(tx.init, params)
     shardings = {
@@ -173,7 +198,7 @@ def setup(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> ModelSet
     }
     abstract_state = {"params": params, "rest": rest, "opt_state": opt_abstract, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     storage, compute = _host_offload(cfg, shardings)
-    return ModelSetup(graphdef, mesh, storage, abstract_state, compute, unsharded)
+    return ModelSetup(graphdef, mesh, storage, abstract_state, compute, unsharded, frozen_sh, frozen)
 
 
 def init_state(
@@ -193,7 +218,7 @@ def init_state(
     outputs = ("params", "rest") if tx is None else tuple(shardings)
 
     def init(loaded, loaded_rest):
-        fresh, fresh_rest = _fresh_state(cfg)
+        fresh, fresh_rest, _ = _fresh_state(cfg)
         p = fresh if loaded is None else loaded
         r = fresh_rest if loaded_rest is None else loaded_rest
         if tx is None:
@@ -208,3 +233,11 @@ def init_state(
         out_shardings={key: shardings[key] for key in outputs},
     )
     return jitted(inputs)
+
+
+def init_frozen(cfg: Config, shardings: dict, base: dict | None = None) -> dict:
+    """LoRA's frozen base placed in its shardings: ``base`` (the parameters of the model
+    without adapters, as loaded from init_from / load_parameters_path), else the seeded init."""
+    if base is not None:
+        return jax.device_put(base, shardings)
+    return jax.jit(lambda: _fresh_state(cfg)[2], out_shardings=shardings)()

@@ -62,10 +62,22 @@ class Gradients(NamedTuple):
 
 
 class Reference(NamedTuple):
-    """DPO's frozen reference model: the parameters and model state the run started from."""
+    """DPO's frozen reference model: the parameters and model state the run started from
+    (with LoRA: the starting adapters, on the same frozen base)."""
 
     params: Any
     rest: Any
+
+
+class Extras(NamedTuple):
+    """What the steps take beside the state and the batch, the same for the whole run
+    (``step_extras``): LoRA's frozen base parameters and DPO's reference model."""
+
+    frozen: Any = None
+    reference: Reference | None = None
+
+
+NO_EXTRAS = Extras()
 
 
 def _aux_losses(out: Any) -> dict[str, jax.Array]:
@@ -73,9 +85,10 @@ def _aux_losses(out: Any) -> dict[str, jax.Array]:
     return {name: jnp.asarray(value, jnp.float32) for name, value in dict(aux.get("losses", {})).items()}
 
 
-def _apply(graphdef: nnx.GraphDef, params: Any, rest: Any, batch: Batch):
-    """Run the model on ``batch``. Returns (output, new non-parameter state)."""
-    model = nnx.merge(graphdef, params, rest)
+def _apply(graphdef: nnx.GraphDef, params: Any, rest: Any, batch: Batch, frozen: Any = None):
+    """Run the model on ``batch`` (``frozen``: LoRA's base parameters). Returns (output, new
+    non-parameter state)."""
+    model = nnx.merge(graphdef, params, rest) if frozen is None else nnx.merge(graphdef, params, frozen, rest)
     extra = (batch.get("positions"), batch.get("segment_ids"), batch.get("targets"), batch.get("loss_mask"))
     keys = batch.get("dropout_keys")  # per-row dropout keys: training with dropout only
     out = model(batch["inputs"], *extra) if keys is None else model(batch["inputs"], *extra, dropout_keys=keys)
@@ -90,10 +103,10 @@ class _Objective:
     """The loss of a batch's output in "sum" units: ``(loss sum, count, target tokens, statistic sums)``;
     the batch loss is ``loss sum / count`` (count: target tokens for cross-entropy, pairs for DPO)."""
 
-    def __init__(self, graphdef: nnx.GraphDef, reference: Reference | None, dpo: DPOSettings | None) -> None:
+    def __init__(self, graphdef: nnx.GraphDef, reference: Reference | None, dpo: DPOSettings | None, frozen: Any = None) -> None:
         if (reference is None) != (dpo is None):
             raise ValueError("DPO needs both its settings and the reference model")
-        self.graphdef, self.reference, self.dpo = graphdef, reference, dpo
+        self.graphdef, self.reference, self.dpo, self.frozen = graphdef, reference, dpo, frozen
 
     def count(self, batch: Batch) -> jax.Array:
         """The count of a whole batch (the divisor of the accumulated sums)."""
@@ -108,7 +121,7 @@ class _Objective:
             loss_sum, tokens = cross_entropy_sum(out.logits, batch["targets"], mask)
             return loss_sum, tokens, tokens, {}
         plain = {key: value for key, value in batch.items() if key != "dropout_keys"}  # the reference drops nothing
-        reference_out, _ = _apply(self.graphdef, self.reference.params, self.reference.rest, plain)
+        reference_out, _ = _apply(self.graphdef, self.reference.params, self.reference.rest, plain, self.frozen)
         policy = sequence_logprobs(out.logits, batch["targets"], mask)
         loss_sum, pairs, stats = dpo_sums(policy, sequence_logprobs(reference_out.logits, batch["targets"], mask), self.dpo)
         return loss_sum, pairs, jnp.sum(mask.astype(jnp.float32)), stats
@@ -124,6 +137,7 @@ def compute_gradients(
     grad_shardings: Any | None = None,
     reference: Reference | None = None,
     dpo: DPOSettings | None = None,
+    frozen: Any = None,
 ) -> Gradients:
     """Loss, token count, gradients, new non-parameter state and aux losses of one batch.
 
@@ -137,6 +151,7 @@ def compute_gradients(
 
     With ``dpo`` (and its frozen ``reference``) the loss is DPO's (``train.dpo``): the
     count is the pairs, and each microbatch runs the reference model on its rows too.
+    ``frozen``: LoRA's base parameters (``params`` are then the adapters, the only gradients).
 
     ``grad_shardings``: shardings of the parameters (a tree like ``params``), applied to
     the gradient accumulator. Call inside ``parallel.sharding.activate`` to shard
@@ -145,11 +160,11 @@ def compute_gradients(
     k = int(accumulation_steps)
     if k < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {k}")
-    terms = _Objective(graphdef, reference, dpo)
+    terms = _Objective(graphdef, reference, dpo, frozen)
     if k == 1:
 
         def objective(params):
-            out, new_rest = _apply(graphdef, params, rest, batch)
+            out, new_rest = _apply(graphdef, params, rest, batch, frozen)
             loss_sum, count, tokens, stats = terms(out, batch)
             norm = jnp.maximum(count, 1.0)
             loss = loss_sum / norm
@@ -165,7 +180,7 @@ def compute_gradients(
     norm = jnp.maximum(total_count, 1.0)
 
     def objective(params, rest, mb):
-        out, new_rest = _apply(graphdef, params, rest, mb)
+        out, new_rest = _apply(graphdef, params, rest, mb, frozen)
         loss_sum, count, tokens, stats = terms(out, mb)
         # aux weight in "sum" units: count_i (/ total at the end = the count share), or 1/k if the total is 0
         weight = jnp.where(total_count > 0, count, 1.0 / k)
@@ -176,7 +191,10 @@ def compute_gradients(
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     mb_spec = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], b), micro)
     aux_names, stat_names = jax.eval_shape(
-        lambda p, r, b: (lambda out: (_aux_losses(out), terms(out, b)[3]))(_apply(graphdef, p, r, b)[0]), params, rest, mb_spec
+        lambda p, r, b: (lambda out: (_aux_losses(out), terms(out, b)[3]))(_apply(graphdef, p, r, b, frozen)[0]),
+        params,
+        rest,
+        mb_spec,
     )
 
     def body(carry, mb):
@@ -236,14 +254,14 @@ def make_train_step(
     drop = dropout_active(cfg.dropout_rate, cfg.enable_dropout)
     dpo = dpo_settings(cfg)
 
-    def train_step(state: TrainState, batch: Batch, reference: Reference | None = None):
+    def train_step(state: TrainState, batch: Batch, extras: Extras = NO_EXTRAS):
         state = model_setup.to_compute(state)
         if drop:
             batch = {**batch, "dropout_keys": row_keys(cfg.init_weights_seed, state["step"], batch["inputs"].shape[0])}
         with activate(model_setup.mesh, rules):
             g = compute_gradients(
                 graphdef, state["params"], state["rest"], batch, accumulation, grad_shardings=param_shardings,
-                reference=reference, dpo=dpo,
+                reference=extras.reference, dpo=dpo, frozen=extras.frozen,
             )  # fmt: skip
             # per-stage offload leaves the pipelined stack (and its gradient) in host memory until here
             g = g._replace(grads=model_setup.params_on_device(g.grads))
@@ -276,13 +294,21 @@ def make_train_step(
 
     shardings = model_setup.state_shardings
     replicated = NamedSharding(model_setup.mesh, PartitionSpec())
-    inputs = (shardings, batch_sharding(cfg, model_setup)) + ((reference_shardings(model_setup),) if dpo else ())
+    inputs = (shardings, batch_sharding(cfg, model_setup)) + extras_shardings(cfg, model_setup)
     return jax.jit(train_step, in_shardings=inputs, out_shardings=(shardings, replicated), donate_argnums=(0,))
+
+
+def extras_shardings(cfg: Config, model_setup: ModelSetup) -> tuple[Extras, ...]:
+    """The shardings of the steps' extra argument: ``(Extras(...),)``, or ``()`` when the run
+    has no frozen base (``lora_rank`` = 0) and no reference (``use_dpo=false``)."""
+    if not (cfg.lora_rank or cfg.use_dpo):
+        return ()
+    return (Extras(model_setup.frozen_shardings, reference_shardings(model_setup) if cfg.use_dpo else None),)
 
 
 def dpo_settings(cfg: Config) -> DPOSettings | None:
     """The DPO loss of a ``use_dpo`` config (None: cross-entropy). With it the train and eval
-    steps take a third argument, the frozen :class:`Reference`."""
+    steps' third argument (``Extras``) holds the frozen :class:`Reference`."""
     if not cfg.use_dpo:
         return None
     return DPOSettings(cfg.dpo_beta, cfg.dpo_label_smoothing, jax.process_count())
@@ -299,13 +325,14 @@ def reference_from(state: TrainState, model_setup: ModelSetup) -> Reference:
     return copy(Reference(state["params"], state["rest"]))
 
 
-def abstract_reference(model_setup: ModelSetup) -> Reference:
-    """The reference model's shapes, dtypes and shardings, for tracing the DPO steps ahead of time."""
-    abstract, shardings = model_setup.abstract_state, reference_shardings(model_setup)
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        Reference(abstract["params"], abstract["rest"]),
-        shardings,
+def abstract_extras(cfg: Config, model_setup: ModelSetup) -> tuple[Extras, ...]:
+    """The steps' extra argument as shapes, dtypes and shardings (``extras_shardings``), for
+    tracing the steps ahead of time."""
+    abstract = model_setup.abstract_state
+    values = Extras(model_setup.abstract_frozen, Reference(abstract["params"], abstract["rest"]) if cfg.use_dpo else None)
+    return tuple(
+        jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), values, shardings)
+        for shardings in extras_shardings(cfg, model_setup)
     )
 
 
@@ -324,18 +351,18 @@ def _all_finite(tree: Any) -> jax.Array:
 
 def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
     """``eval(state, batch) -> {"loss_sum", "tokens"}`` (sums so that batches can be pooled; with
-    ``use_dpo`` ``eval(state, batch, reference)``, the DPO loss and statistics summed over pairs,
+    ``use_dpo`` ``eval(state, batch, Extras(..., reference))``, the DPO loss and statistics summed over pairs,
     ``tokens`` = pairs);
     with ``mtp_eval_target_module`` > 0 also ``mtp_accepted`` and ``mtp_predictions``: how
     many of that MTP depth's predictions equal the main head's (the acceptance rate)."""
     graphdef = model_setup.graphdef
     dpo = dpo_settings(cfg)
 
-    def eval_step(state: TrainState, batch: Batch, reference: Reference | None = None):
+    def eval_step(state: TrainState, batch: Batch, extras: Extras = NO_EXTRAS):
         state = model_setup.to_compute(state)
         with activate(model_setup.mesh, cfg.logical_axis_rules):
-            out, _ = _apply(graphdef, state["params"], state["rest"], batch)
-            loss_sum, count, _, stats = _Objective(graphdef, reference, dpo)(out, batch)
+            out, _ = _apply(graphdef, state["params"], state["rest"], batch, extras.frozen)
+            loss_sum, count, _, stats = _Objective(graphdef, extras.reference, dpo, extras.frozen)(out, batch)
         result = {"loss_sum": loss_sum, "tokens": count, **stats}
         if cfg.mtp_eval_target_module:
             result["mtp_accepted"], result["mtp_predictions"] = out.aux["mtp_acceptance"]
@@ -343,9 +370,7 @@ def make_eval_step(cfg: Config, model_setup: ModelSetup) -> Callable[[TrainState
 
     replicated = NamedSharding(model_setup.mesh, PartitionSpec())
     inputs = (model_setup.state_shardings, batch_sharding(cfg, model_setup))
-    return jax.jit(
-        eval_step, in_shardings=inputs + ((reference_shardings(model_setup),) if dpo else ()), out_shardings=replicated
-    )
+    return jax.jit(eval_step, in_shardings=inputs + extras_shardings(cfg, model_setup), out_shardings=replicated)
 
 
 def device_batch(host_batch: dict[str, Any], shardings: dict[str, NamedSharding]) -> Batch:
