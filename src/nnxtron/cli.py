@@ -253,6 +253,8 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     from nnxtron.convert import hf
     from nnxtron.convert.runs import load_model
 
+    if ns.adapter_only and ns.direction != "to-hf":
+        raise UserError(f"--adapter-only is read by `convert to-hf` of a LoRA run, not by {ns.direction}; drop it")
     if ns.direction == "to-maxtext":
         from nnxtron.convert.maxtext import export_maxtext
 
@@ -261,6 +263,12 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
         items = export_maxtext(model, ns.dest, scanned=scanned)
         layout = "scanned" if scanned else "unscanned"
         print(f"wrote MaxText checkpoint ({layout}) to {items} (use: load_parameters_path={items} with MaxText)")
+        return 0
+    if ns.direction == "to-hf" and ns.adapter_only:
+        from nnxtron.convert.lora_adapter import export_adapter
+
+        out = export_adapter(ns.source, ns.dest, ns.overrides, overwrite=ns.overwrite)
+        print(f"wrote the LoRA adapters to {out} (PEFT: adapter_model.safetensors, adapter_config.json)")
         return 0
     if ns.direction == "to-hf":
         model = load_model(ns.source, ns.overrides)
@@ -502,6 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(model_name=... and overrides: a MaxText checkpoint does not carry its config)",
     )  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="to-hf: replace an existing model.safetensors")
+    p.add_argument(
+        "--adapter-only", action="store_true",
+        help="to-hf of a LoRA run: write the adapters alone for HF PEFT (without it: the merged model)",
+    )  # fmt: skip
     p.add_argument("--scanned", action="store_true", default=None, help="to-maxtext: layers stacked (MaxText scan_layers=true)")
     p.add_argument("--unscanned", action="store_false", dest="scanned", help="to-maxtext: one array per layer")
     p.set_defaults(func=_cmd_convert)

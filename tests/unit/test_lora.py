@@ -154,3 +154,26 @@ def test_lora_settings_are_checked():
         tiny_config("llama2-tiny", lora_alpha=32.0)
     with pytest.raises(ConfigError, match="parameter_memory_host_offload=false"):
         tiny_config("llama2-tiny", **LORA, parameter_memory_host_offload=True)
+
+
+def test_plan_reports_lora_against_full_fine_tuning():
+    """`nnxtron plan lora_rank=8`: the trained parameters are the adapters, the frozen base is
+    counted in the state and in the compiled step's arguments, and the full fine-tuning column
+    is the plan of the same config without adapters."""
+    from nnxtron.tools.plan import format_plan, make_plan
+
+    cfg = tiny_config("llama2-tiny", **LORA)
+    lora = make_plan(cfg)
+    full = make_plan(base_config(cfg))
+    rows = {row["label"]: row for row in lora["lora"]["compared"]}
+    adapters = sum(math_prod(s) for s in adapter_paths(cfg).values())
+    assert rows["parameters trained"]["lora"] == lora["params"]["trained"] == adapters
+    assert rows["parameters trained"]["full"] == full["params"]["trained"] == full["params"]["total"]
+    state = lora["state_per_device"]
+    assert state["frozen_base_bytes"] == full["state_per_device"]["params_bytes"]
+    assert rows["compiled step: arguments"]["full"] == full["memory"]["argument_bytes"]
+    assert state["params_bytes"] + state["frozen_base_bytes"] <= lora["memory"]["argument_bytes"]
+    assert rows["  optimizer state"]["lora"] < rows["  optimizer state"]["full"] / 2  # (the adapters shard less)
+    text = format_plan(lora)
+    assert "LoRA: rank 4, alpha 8, adapters on 7 dense layers" in text and "+ the frozen base (LoRA)" in text
+    assert "LoRA" not in format_plan(full)

@@ -130,7 +130,7 @@ class _Mapped:
     stacked: bool  # the variable stacks len(layer_prefixes) layers on its leading axis
 
 
-def _weight_maps(cfg: Config) -> Iterator[_Mapped]:
+def weight_maps(cfg: Config) -> Iterator[_Mapped]:
     """Every variable of the model with an HF counterpart, layer stacks in HF layer order."""
     family = family_for(cfg.decoder_block)
     for wm in family.top_weights(cfg):
@@ -341,7 +341,7 @@ def load_hf_weights(path: str | os.PathLike, cfg: Config) -> Decoder:
             file_keys = {new: old for old, new in renamed.items() if new is not None}
             handles = {new: handles[old] for new, old in file_keys.items()}
         reader = _Reader(root, handles, file_keys)
-        for mapped in _weight_maps(cfg):
+        for mapped in weight_maps(cfg):
             variable = params.get(mapped.path)
             if variable is None:  # a family bug, not a user error
                 raise RuntimeError(f"decoder_block {cfg.decoder_block}: weight map path {mapped.wm.path} is not in the model")
@@ -375,7 +375,7 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
     params = {p: v for p, v in nnx.to_flat_state(nnx.state(model)) if not _is_counter(v)}
     tensors: dict[Any, np.ndarray] = {}
     mapped: set[ParamPath] = set()
-    for m in _weight_maps(cfg):
+    for m in weight_maps(cfg):
         value = np.asarray(params[m.path][...])
         mapped.add(m.path)
         for i, prefix in enumerate(m.layer_prefixes):

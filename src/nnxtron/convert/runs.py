@@ -89,12 +89,16 @@ def _source_model(source: Path, given: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"init_from='{source}' does not exist; pass an HF model directory or an nnxtron run directory")
     _check_run_dir(source)
     stored = run_values(source)
+    _refuse_lora_source(source, stored)
+    return {key: stored[key] for key in (*MODEL_KEYS, "tokenizer_path") if key in stored}
+
+
+def _refuse_lora_source(source: Path, stored: dict[str, Any]) -> None:
     if stored.get("lora_rank"):
         raise ConfigError(
             f"init_from='{source}' is a LoRA run (its checkpoints hold adapters only); export the merged model with "
             f"`nnxtron convert to-hf {source} DIR` and start from DIR"
         )
-    return {key: stored[key] for key in (*MODEL_KEYS, "tokenizer_path") if key in stored}
 
 
 def init_config(file: str | None, overrides: Iterable[str], given: dict[str, Any]) -> Config:
@@ -139,6 +143,9 @@ def init_params(cfg: Config) -> ParamsLoader | None:
             return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
         return from_hf_directory
+
+    _check_run_dir(source)
+    _refuse_lora_source(source, run_values(source))
 
     def from_run(abstract: dict, shardings: dict) -> tuple[Any, Any]:
         return load_weights(source, cfg, abstract, shardings)

@@ -28,6 +28,7 @@ from nnxtron.config.derived import derive
 from nnxtron.config.flops import training_flops_per_token
 from nnxtron.config.schema import Config
 from nnxtron.data.packing import BATCH_KEYS
+from nnxtron.layers.lora import with_adapters
 from nnxtron.models.build import abstract_model
 from nnxtron.models.quant import summary
 from nnxtron.models.stack import CycleBlock
@@ -35,6 +36,7 @@ from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.scan import LayerStack
 from nnxtron.parallel.sharding import unsharded_report, variable_names
 from nnxtron.params import flatten, path_str
+from nnxtron.tools.plan_lora import format_lora, lora_plan
 from nnxtron.tools.plan_pipeline import format_pipeline, pipeline_plan
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import setup
@@ -83,6 +85,10 @@ def _tree_shard_bytes(abstract: Any, shardings: Any) -> int:
     if len(leaves) != len(sh):
         raise ValueError(f"state and shardings differ in structure ({len(leaves)} vs {len(sh)} leaves)")
     return int(sum(_shard_bytes(a.shape, a.dtype, s) for a, s in zip(leaves, sh)))
+
+
+def _tree_count(abstract: Any) -> int:
+    return sum(_size(leaf.shape) for leaf in jax.tree.leaves(abstract))
 
 
 def _tree_bytes(abstract: Any) -> int:
@@ -249,12 +255,16 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
     shardings, abstract = model_setup.state_shardings, model_setup.abstract_state
 
     model = abstract_model(cfg)  # shapes and logical-axis metadata only
-    rows = _param_table(model, shardings["params"])
-    counts = _param_counts(cfg, model, rows)
-    fraction, offenders = unsharded_report(abstract["params"], shardings["params"], mesh)
+    frozen, frozen_sh = model_setup.abstract_frozen, model_setup.frozen_shardings  # LoRA's base (None without)
+    every_sh = shardings["params"] if frozen is None else with_adapters(frozen_sh, shardings["params"])
+    rows = _param_table(model, every_sh)
+    counts = {**_param_counts(cfg, model, rows), "trained": _tree_count(abstract["params"])}
+    checked, checked_sh = (abstract["params"], shardings["params"]) if frozen is None else (frozen, frozen_sh)
+    fraction, offenders = unsharded_report(checked, checked_sh, mesh)
 
     per_device = {
         "params_bytes": _tree_shard_bytes(abstract["params"], shardings["params"]),
+        **({} if frozen is None else {"frozen_base_bytes": _tree_shard_bytes(frozen, frozen_sh)}),
         "optimizer_state_bytes": _tree_shard_bytes(abstract["opt_state"], shardings["opt_state"]),
         "other_state_bytes": _tree_shard_bytes(abstract["rest"], shardings["rest"])
         + _tree_shard_bytes(abstract["step"], shardings["step"]),
@@ -303,6 +313,7 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
         "compile_seconds": None,
     }
     if not compile:
+        plan["lora"] = lora_plan(cfg, plan, lambda full: make_plan(full, device_memory_gib, compile))
         return plan
 
     start = time.perf_counter()
@@ -321,6 +332,7 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
     plan["memory"] = memory
     flops["xla_per_step_per_device"] = _xla_flops(compiled)
     plan["compile_seconds"] = {"lower": lowered_at - start, "compile": compiled_at - lowered_at}
+    plan["lora"] = lora_plan(cfg, plan, lambda full: make_plan(full, device_memory_gib, compile))
     return plan
 
 
@@ -429,6 +441,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"  parameters         {_bytes(s['params_bytes']):>12}   (unsharded total {_bytes(su['params_bytes'])})",
         f"  optimizer state    {_bytes(s['optimizer_state_bytes']):>12}   (unsharded total {_bytes(su['optimizer_state_bytes'])})",
         f"  other state        {_bytes(s['other_state_bytes']):>12}",
+        *([f"  frozen base (LoRA) {_bytes(s['frozen_base_bytes']):>12}"] if "frozen_base_bytes" in s else []),
         f"  total              {_bytes(s['state_bytes']):>12}",
     ]
     if m is not None:
@@ -443,6 +456,7 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"memory per device (XLA memory analysis of the compiled train step, {m['backend']} backend; "
             f"lowered in {c['lower']:.1f} s, compiled in {c['compile']:.1f} s)",
             f"  arguments          {_bytes(m['argument_bytes']):>12}   (train state + batch"
+            f"{' + the frozen base (LoRA)' if plan.get('lora') else ''}"
             f"{' + the DPO reference: parameters and other state again' if plan.get('dpo_reference') else ''})",
             f"  outputs            {_bytes(m['output_bytes']):>12}",
             f"  aliased (donated)  {_bytes(m['alias_bytes']):>12}   (outputs written into donated arguments)",
@@ -459,6 +473,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     else:
         out += ["", "memory per device: this backend reports no memory analysis"]
 
+    out += format_lora(plan.get("lora"), _bytes)
     rows = plan["table"]
     out += ["", f"parameters ({len(rows)} arrays)"]
     table_rows = [

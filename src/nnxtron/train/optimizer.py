@@ -14,6 +14,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from nnxtron.config.derived import Derived
 from nnxtron.config.schema import Config
+from nnxtron.layers.lora import trainable
 from nnxtron.models.build import abstract_model
 from nnxtron.parallel.scan import is_stack_axis
 from nnxtron.parallel.sharding import variable_names
@@ -23,14 +24,15 @@ EXPERT_AXIS = "exp"  # the experts of an MoE weight: independent matrices, like 
 
 
 def _params_tree(cfg: Config, one) -> dict:
-    """``one(variable)`` for every parameter of the abstract model, as a pure dict."""
+    """``one(variable)`` for every trained parameter of the abstract model (with LoRA: the
+    adapters), as a pure dict."""
     values: list = []
 
     def index(variable: nnx.Variable) -> int:
         values.append(one(variable))
         return len(values) - 1
 
-    params = nnx.state(abstract_model(cfg), nnx.Param)
+    params = nnx.state(abstract_model(cfg), trainable(cfg))
     indices = nnx.to_pure_dict(jax.tree.map(index, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     return jax.tree.map(lambda i: values[i], indices)
 
