@@ -341,6 +341,8 @@ MUTATIONS = [
              "return (names[0] is not None) != (names[1] is not None) and not set(names) & set(ADAPTERS)",
              "return (names[0] is not None) != (names[1] is not None)",
              ("tests/unit/test_lora.py::test_with_a_quantized_base_the_adapter_products_stay_float",)),
+    Mutation("lora-dropout-never-acts", "layers/linear.py", "x_in = adapter_input(x, self.lora_dropout, self.lora_site)", "x_in = x",
+             ("tests/unit/test_lora.py::test_adapter_dropout_acts_in_training_only_and_is_checked",)),
     Mutation("harness-scores-the-wrong-window", "infer/harness.py", "window = slice(end - scored, end)",
              "window = slice(end - scored - 1, end - 1)", ("tests/integration/test_harness.py::test_loglikelihoods_equal_hf",)),
     Mutation("harness-greedy-flag-always-true", "infer/harness.py",

@@ -48,6 +48,7 @@ DATA = {"dataset_path": (C["text"],), "eval_split_fraction": 0.3, "max_target_le
 SFT_DATA = {**DATA, "dataset_type": "jsonl", "dataset_path": (C["sft"],)}
 DPO_DATA = {**DATA, "dataset_type": "jsonl", "dataset_path": (C["dpo"],), "packing": "pad", "max_target_length": 64}
 DPO = {**DPO_DATA, "use_dpo": True}
+LORA = {"lora_rank": 4}
 RUN = {
     "dataset_path": (C["text"],), "eval_split_fraction": 0.3, "per_device_batch_size": 1, "max_target_length": 16,
     "base_num_decoder_layers": 1, "steps": 4, "eval_interval": 2, "eval_steps": 1, "checkpoint_period": 2,
@@ -234,6 +235,10 @@ VALUES: dict[str, Flag] = {
     "use_dpo": F(True, "data", D, DPO_DATA),
     "dpo_beta": F(0.3, "train_step", D, DPO),
     "dpo_label_smoothing": F(0.1, "train_step", D, DPO),
+    "lora_rank": F(4, "train_step", D),
+    "lora_alpha": F(32.0, "train_step", D, LORA),
+    "lora_target_modules": F("attention/query$", "train_step", D, LORA),
+    "lora_dropout": F(0.1, "train_step", D, LORA),
     "eval_split_fraction": F(0.5, "data", D, DATA),
     "data_shuffle_seed": F(7, "data", D, DATA),
     "data_num_epochs": F(1, "data", D, DATA),

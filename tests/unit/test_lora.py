@@ -177,3 +177,30 @@ def test_plan_reports_lora_against_full_fine_tuning():
     text = format_plan(lora)
     assert "LoRA: rank 4, alpha 8, adapters on 7 dense layers" in text and "+ the frozen base (LoRA)" in text
     assert "LoRA" not in format_plan(full)
+
+
+def test_adapter_dropout_acts_in_training_only_and_is_checked():
+    """With ``lora_dropout`` the adapters' input is dropped per row (the step's dropout keys):
+    the adapter gradients change, the base path and the eval forward do not."""
+    from nnxtron.parallel.row_keys import row_keys
+
+    cfg = tiny_config("llama2-tiny", **LORA, lora_dropout=0.5)
+    graphdef, adapters, frozen, rest = split(build_model(cfg))
+    adapters = with_random_b(adapters)
+    batch = {key: jnp.asarray(value) for key, value in random_batch(cfg).items()}
+    plain = compute_gradients(graphdef, adapters, rest, batch, frozen=frozen)
+    keyed = {**batch, "dropout_keys": row_keys(0, jnp.int32(0), batch["inputs"].shape[0])}
+    dropped = compute_gradients(graphdef, adapters, rest, keyed, frozen=frozen)
+    again = compute_gradients(graphdef, adapters, rest, keyed, frozen=frozen)
+    diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), plain.grads, dropped.grads)
+    assert all(d > 1e-6 for d in jax.tree.leaves(diff))  # every adapter saw dropped inputs
+    assert float(dropped.loss) != float(plain.loss)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), dropped.grads, again.grads))
+    no_lora_dropout = tiny_config("llama2-tiny", **LORA)
+    assert compute_gradients(*split(build_model(no_lora_dropout))[:1], adapters, rest, keyed, frozen=frozen).loss == plain.loss
+    with pytest.raises(ConfigError, match="lora_dropout > 0 with enable_dropout=false"):
+        tiny_config("llama2-tiny", **LORA, lora_dropout=0.1, enable_dropout=False)
+    with pytest.raises(
+        ConfigError, match="lora_dropout > 0 acts inside the decoder layers, but lora_target_modules also matches logits"
+    ):
+        abstract_model(tiny_config("llama2-tiny", **LORA, lora_dropout=0.1, lora_target_modules="(query|logits)$"))

@@ -154,7 +154,7 @@ def check_dpo(cfg: Config) -> None:
             raise ConfigError(message)
 
 
-LORA_DEFAULTS = {"lora_alpha": 16.0, "lora_target_modules": "/(query|key|value|out|wi_0|wi_1|wi|wo)$"}  # base.yml
+LORA_DEFAULTS = {"lora_alpha": 16.0, "lora_target_modules": "/(query|key|value|out|wi_0|wi_1|wi|wo)$", "lora_dropout": 0.0}
 
 
 def check_lora(cfg: Config) -> None:
@@ -171,6 +171,10 @@ def check_lora(cfg: Config) -> None:
         raise ConfigError(
             f"lora_target_modules={cfg.lora_target_modules!r} is not a regular expression ({err}); fix it"
         ) from None
+    if cfg.lora_dropout and not cfg.enable_dropout:
+        raise ConfigError(
+            "lora_dropout > 0 with enable_dropout=false: no dropout is drawn; set enable_dropout=true or lora_dropout=0"
+        )
     if cfg.parameter_memory_host_offload:
         raise ConfigError(
             "lora_rank > 0 with parameter_memory_host_offload=true: the frozen base stays in device memory and the "

@@ -238,6 +238,7 @@ class Config(BaseModel):
     lora_rank: int = Field(ge=0, le=MAX_SIZE)  # > 0: train LoRA adapters of this rank on a frozen base (layers/lora.py)
     lora_alpha: float = Field(gt=0, le=1e6)  # lora_rank > 0: the adapters' output is scaled by lora_alpha / lora_rank
     lora_target_modules: str  # lora_rank > 0: regex searched in each dense layer's module path (no layer indices)
+    lora_dropout: float = Field(ge=0, lt=1)  # lora_rank > 0: dropout on the adapters' input in training
     eval_split_fraction: float = Field(ge=0, le=0.5)
     data_shuffle_seed: int = Field(ge=0, lt=2**32)
     data_num_epochs: int = Field(ge=-1, le=MAX_STEPS)  # -1 = endless; else training past the last epoch is an error

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxtron.layers.lora import adapters_for, lora_delta
+from nnxtron.layers.lora import adapter_input, adapters_for, lora_delta
 from nnxtron.layers.matmul import contract_last
 
 
@@ -46,7 +46,8 @@ class Linear(nnx.Module):
         adapters = adapters_for(key, self.in_shape, self.out_shape, axes, weight_dtype)
         self.lora_scale = 0.0  # 0: no adapters (none built, or removed by layers.lora.select_targets)
         if adapters is not None:
-            self.lora_a, self.lora_b, self.lora_scale = adapters
+            self.lora_a, self.lora_b, self.lora_scale, self.lora_dropout = adapters
+            self.lora_site = 0  # the adapters' dropout site, set by layers.lora.select_targets
         if use_bias:  # zeros, sharded like the output dims
             self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), out_sharding=tuple(axes[len(self.in_shape) :]))
         self.use_bias = use_bias
@@ -56,5 +57,6 @@ class Linear(nnx.Module):
         x = x.astype(self.dtype)
         y = contract_last(x, self.kernel[...].astype(self.dtype), len(self.in_shape))
         if self.lora_scale:
-            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], self.lora_scale, len(self.in_shape), contract_last)
+            x_in = adapter_input(x, self.lora_dropout, self.lora_site)
+            y = y + lora_delta(x_in, self.lora_a[...], self.lora_b[...], self.lora_scale, len(self.in_shape), contract_last)
         return y + self.bias[...].astype(self.dtype) if self.use_bias else y

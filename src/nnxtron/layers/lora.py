@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import math
 import re
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +34,12 @@ from flax import nnx
 
 from nnxtron.config.checks import LORA_DEFAULTS
 from nnxtron.errors import ConfigError
+from nnxtron.layers.dropout import dropout
+from nnxtron.parallel.row_keys import Keys
 
 ADAPTERS = ("lora_a", "lora_b")
 _A_KEY_SALT = 0x4C6F5241  # folded into the kernel's key for A's draw ("LoRA")
+LORA_SITES = 1 << 20  # dropout site ids of the adapters, within a layer: this + a hash of the last two path parts
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class LoRASettings:
     rank: int
     alpha: float
     target_modules: str  # regex, searched in each Linear's module path without layer indices
+    dropout: float = 0.0  # on the adapters' input, in training (per row, layer and adapted layer)
 
     @property
     def scale(self) -> float:
@@ -53,7 +58,7 @@ def settings_of(cfg: Any) -> LoRASettings | None:
     """The LoRA of a config (None: ``lora_rank`` = 0, no adapters)."""
     if not cfg.lora_rank:
         return None
-    return LoRASettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules)
+    return LoRASettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, cfg.lora_dropout)
 
 
 def base_config(cfg: Any) -> Any:
@@ -84,8 +89,8 @@ def building(settings: LoRASettings | None) -> Iterator[None]:
 
 def adapters_for(
     kernel_key: jax.Array, in_shape: Sequence[int], out_shape: Sequence[int], axes: Sequence[str | None], weight_dtype: Any
-) -> tuple[nnx.LoRAParam, nnx.LoRAParam, float] | None:
-    """``(A, B, scale)`` for a ``Linear`` being built now, or None when no LoRA is being built."""
+) -> tuple[nnx.LoRAParam, nnx.LoRAParam, float, float] | None:
+    """``(A, B, scale, dropout)`` for a ``Linear`` being built now, or None when no LoRA is being built."""
     settings = _building.get()
     if settings is None:
         return None
@@ -94,7 +99,7 @@ def adapters_for(
     a = jax.random.uniform(jax.random.fold_in(kernel_key, _A_KEY_SALT), (*in_shape, r), jnp.float32, -bound, bound)
     lora_a = nnx.LoRAParam(a.astype(weight_dtype), out_sharding=(*axes[:n_in], None))
     lora_b = nnx.LoRAParam(jnp.zeros((r, *out_shape), weight_dtype), out_sharding=(None, *axes[n_in:]))
-    return lora_a, lora_b, settings.scale
+    return lora_a, lora_b, settings.scale, settings.dropout
 
 
 def layout_free_path(path: Sequence[Any]) -> str:
@@ -102,10 +107,12 @@ def layout_free_path(path: Sequence[Any]) -> str:
     return "/".join(str(part) for part in path if not isinstance(part, int) and not str(part).isdigit())
 
 
-def select_targets(model: nnx.Module, settings: LoRASettings | None) -> list[str]:
+def select_targets(model: nnx.Module, settings: LoRASettings | None, layer_parts: tuple[str, ...] = ()) -> list[str]:
     """Keep the adapters of the ``Linear``s whose path matches ``settings.target_modules`` and
     remove the others; the matched paths (without layer indices). A regex that matches no
-    ``Linear`` is a ``ConfigError`` naming the paths it could have matched."""
+    ``Linear`` is a ``ConfigError`` naming the paths it could have matched. With dropout the
+    adapted layers must lie under ``layer_parts`` (the decoder's layer stacks and MTP depths,
+    where the per-row dropout keys are: ``layer_keys``), and each gets its dropout site."""
     if settings is None:
         return []
     pattern = re.compile(settings.target_modules)
@@ -117,6 +124,7 @@ def select_targets(model: nnx.Module, settings: LoRASettings | None) -> list[str
         candidates.add(where)
         if pattern.search(where):
             kept.add(where)
+            node.lora_site = LORA_SITES + zlib.crc32("/".join(where.split("/")[-2:]).encode()) % (1 << 16)
         else:
             del node.lora_a, node.lora_b
             node.lora_scale = 0.0
@@ -125,7 +133,32 @@ def select_targets(model: nnx.Module, settings: LoRASettings | None) -> list[str
         raise ConfigError(
             f"lora_target_modules={settings.target_modules!r} matches no dense layer of this model; the paths are: {shown}"
         )
+    outside = sorted(where for where in kept if where.split("/")[0] not in layer_parts)
+    if settings.dropout and outside:
+        raise ConfigError(
+            f"lora_dropout > 0 acts inside the decoder layers, but lora_target_modules also matches {outside[0]}; "
+            "narrow lora_target_modules or set lora_dropout=0"
+        )
     return sorted(kept)
+
+
+_layer_keys: contextvars.ContextVar[Keys | None] = contextvars.ContextVar("nnxtron_lora_layer_keys", default=None)
+
+
+@contextlib.contextmanager
+def layer_keys(keys: Keys | None) -> Iterator[None]:
+    """While a layer runs: its per-row dropout keys, for the adapters' dropout inside it."""
+    token = _layer_keys.set(keys)
+    try:
+        yield
+    finally:
+        _layer_keys.reset(token)
+
+
+def adapter_input(x: jax.Array, rate: float, site: int) -> jax.Array:
+    """The adapters' input: ``x`` with dropout (one mask element per activation, PEFT's
+    ``nn.Dropout``) when training with ``lora_dropout`` > 0, else ``x``."""
+    return dropout(x, _layer_keys.get(), rate, site, broadcast_dims=())
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: float, n_in: int, product: Any) -> jax.Array:

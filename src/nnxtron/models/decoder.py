@@ -74,7 +74,7 @@ class Decoder(nnx.Module):
         lora = lora_settings(cfg)
         with building_lora(lora):  # every Linear gets adapters; those not targeted are removed next
             self._build(cfg, rngs)
-        select_lora_targets(self, lora)
+        select_lora_targets(self, lora, (*self.stack_names, "mtp"))
 
     def _build(self, cfg: Config, rngs: nnx.Rngs) -> None:
         family = family_for(cfg.decoder_block)
@@ -183,7 +183,7 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
         if segment_ids is None:
             segment_ids = jnp.ones(shape, jnp.int32)
-        if self.config.dropout_rate == 0.0:
+        if self.config.dropout_rate == 0.0 and not self.config.lora_dropout:  # nothing drops: no random ops
             dropout_keys = None
         x = self.embed_scale_and_positions(self.embed(tokens), positions, dropout_keys)
         embedded = x = constrain(x, RESIDUAL)

@@ -28,6 +28,7 @@ from flax import nnx
 from nnxtron.config.schema import Config
 from nnxtron.layers import dropout
 from nnxtron.layers.linear import Linear
+from nnxtron.layers.lora import layer_keys
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.models.loss import cross_entropy_sum
 from nnxtron.parallel.row_keys import Keys, fold
@@ -68,10 +69,11 @@ class MTPDepth(nnx.Module):
         self, hidden: jax.Array, embedded_ahead: jax.Array, positions, segment_ids, dropout_keys: Keys | None = None
     ) -> tuple[jax.Array, Aux]:
         combined = jnp.concatenate([self.embedding_norm(embedded_ahead), self.hidden_norm(hidden)], axis=-1)
-        if dropout_keys is None:
-            out = self.block(self.projection(combined), positions, segment_ids)
-        else:
-            out = self.block(self.projection(combined), positions, segment_ids, dropout_keys=dropout_keys)
+        with layer_keys(dropout_keys):  # LoRA's adapter dropout reads them (layers/lora.py)
+            if dropout_keys is None:
+                out = self.block(self.projection(combined), positions, segment_ids)
+            else:
+                out = self.block(self.projection(combined), positions, segment_ids, dropout_keys=dropout_keys)
         return out if isinstance(out, tuple) else (out, {})
 
 

@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from nnxtron.config.layout import LayerKind, StackLayout
+from nnxtron.layers.lora import layer_keys
 from nnxtron.parallel.row_keys import Keys, fold
 from nnxtron.parallel.scan import sum_aux
 
@@ -28,7 +29,9 @@ class CycleBlock(nnx.Module):
         """``dropout_keys``: the block's per-row keys; layer ``j`` of the cycle gets them folded with ``j``."""
         parts = []
         for j, layer in enumerate(self.cycle):
-            out = layer(x, *args) if dropout_keys is None else layer(x, *args, dropout_keys=fold(dropout_keys, j))
+            keys = None if dropout_keys is None else fold(dropout_keys, j)
+            with layer_keys(keys):  # LoRA's adapter dropout reads them (layers/lora.py)
+                out = layer(x, *args) if keys is None else layer(x, *args, dropout_keys=keys)
             x, aux = out if isinstance(out, tuple) else (out, {})
             parts.append(aux)
         return x, sum_aux(*parts)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxtron.layers.lora import layer_keys
 from nnxtron.parallel.remat import RematSpec, jax_policy
 from nnxtron.parallel.row_keys import Keys, fold
 from nnxtron.parallel.sharding import SHARDING_KEY
@@ -104,7 +105,8 @@ def _apply_layer(
     """Pure application of one layer: its output, aux dict and non-parameter state.
     ``dropout_keys``: the layer's per-row keys (``layers.dropout``); None = no dropout."""
     layer = nnx.merge(graphdef, state)
-    out = layer(x, *args) if dropout_keys is None else layer(x, *args, dropout_keys=dropout_keys)
+    with layer_keys(dropout_keys):  # LoRA's adapter dropout reads them (layers/lora.py)
+        out = layer(x, *args) if dropout_keys is None else layer(x, *args, dropout_keys=dropout_keys)
     y, aux = out if isinstance(out, tuple) else (out, {})
     return y, {name: jnp.asarray(value, jnp.float32) for name, value in aux.items()}, nnx.state(layer, nnx.Not(nnx.Param))
 

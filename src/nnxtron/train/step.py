@@ -251,7 +251,7 @@ def make_train_step(
     # the accumulator lives in device memory (also under host offload)
     param_shardings = model_setup.device_param_shardings() if accumulation > 1 else None
 
-    drop = dropout_active(cfg.dropout_rate, cfg.enable_dropout)
+    drop = dropout_active(cfg.dropout_rate, cfg.enable_dropout) or dropout_active(cfg.lora_dropout, cfg.enable_dropout)
     dpo = dpo_settings(cfg)
 
     def train_step(state: TrainState, batch: Batch, extras: Extras = NO_EXTRAS):
