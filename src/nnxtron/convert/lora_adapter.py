@@ -88,7 +88,7 @@ def export_adapter(
     tensors, modules = peft_tensors(cfg, adapters)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
-        "lora_dropout": 0.0, "bias": "none", "target_modules": modules, "fan_in_fan_out": False, "use_rslora": False,
+        "lora_dropout": cfg.lora_dropout, "bias": "none", "target_modules": modules, "fan_in_fan_out": False, "use_rslora": False,
         "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": cfg.init_from or None,
     }  # fmt: skip
     root.mkdir(parents=True, exist_ok=True)
