@@ -35,7 +35,7 @@ from flax import nnx
 from nnxtron.config.checks import LORA_DEFAULTS
 from nnxtron.errors import ConfigError
 from nnxtron.layers.dropout import dropout
-from nnxtron.parallel.row_keys import Keys
+from nnxtron.parallel.row_keys import current_layer_keys
 
 ADAPTERS = ("lora_a", "lora_b")
 _A_KEY_SALT = 0x4C6F5241  # folded into the kernel's key for A's draw ("LoRA")
@@ -112,7 +112,7 @@ def select_targets(model: nnx.Module, settings: LoRASettings | None, layer_parts
     remove the others; the matched paths (without layer indices). A regex that matches no
     ``Linear`` is a ``ConfigError`` naming the paths it could have matched. With dropout the
     adapted layers must lie under ``layer_parts`` (the decoder's layer stacks and MTP depths,
-    where the per-row dropout keys are: ``layer_keys``), and each gets its dropout site."""
+    where the per-row dropout keys are: ``parallel.row_keys.layer_keys``), and each gets its dropout site."""
     if settings is None:
         return []
     pattern = re.compile(settings.target_modules)
@@ -142,23 +142,10 @@ def select_targets(model: nnx.Module, settings: LoRASettings | None, layer_parts
     return sorted(kept)
 
 
-_layer_keys: contextvars.ContextVar[Keys | None] = contextvars.ContextVar("nnxtron_lora_layer_keys", default=None)
-
-
-@contextlib.contextmanager
-def layer_keys(keys: Keys | None) -> Iterator[None]:
-    """While a layer runs: its per-row dropout keys, for the adapters' dropout inside it."""
-    token = _layer_keys.set(keys)
-    try:
-        yield
-    finally:
-        _layer_keys.reset(token)
-
-
 def adapter_input(x: jax.Array, rate: float, site: int) -> jax.Array:
     """The adapters' input: ``x`` with dropout (one mask element per activation, PEFT's
     ``nn.Dropout``) when training with ``lora_dropout`` > 0, else ``x``."""
-    return dropout(x, _layer_keys.get(), rate, site, broadcast_dims=())
+    return dropout(x, current_layer_keys(), rate, site, broadcast_dims=())
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: float, n_in: int, product: Any) -> jax.Array:

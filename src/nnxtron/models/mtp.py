@@ -28,10 +28,9 @@ from flax import nnx
 from nnxtron.config.schema import Config
 from nnxtron.layers import dropout
 from nnxtron.layers.linear import Linear
-from nnxtron.layers.lora import layer_keys
 from nnxtron.layers.norms import RMSNorm
 from nnxtron.models.loss import cross_entropy_sum
-from nnxtron.parallel.row_keys import Keys, fold
+from nnxtron.parallel.row_keys import Keys, fold, layer_keys
 from nnxtron.parallel.scan import sum_aux
 
 Aux = dict[str, jax.Array]

@@ -13,8 +13,7 @@ import jax
 from flax import nnx
 
 from nnxtron.config.layout import LayerKind, StackLayout
-from nnxtron.layers.lora import layer_keys
-from nnxtron.parallel.row_keys import Keys, fold
+from nnxtron.parallel.row_keys import Keys, fold, layer_keys
 from nnxtron.parallel.scan import sum_aux
 
 

@@ -5,10 +5,15 @@ step number (``row_keys``); the ``[B]`` key array is split, sharded and microbat
 its rows like any per-row input, and whoever draws from it folds in where it is — its stack,
 block, layer and site (``fold``). A draw is then a pure function of (seed, step, row, place),
 the same under every execution strategy and on resume, with no RNG state to store. Used by
-dropout (``layers/dropout.py``).
+dropout (``layers/dropout.py``). While a layer runs, its keys are also ``current_layer_keys()``
+(``layer_keys``), for modules it does not hand them to (LoRA's adapters, ``layers/lora.py``).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -29,3 +34,21 @@ def fold(keys: Keys | None, data: int | jax.Array) -> Keys | None:
     if keys is None:
         return None
     return jax.vmap(lambda key: jax.random.fold_in(key, data))(keys)
+
+
+_layer: contextvars.ContextVar[Keys | None] = contextvars.ContextVar("nnxtron_layer_keys", default=None)
+
+
+@contextlib.contextmanager
+def layer_keys(keys: Keys | None) -> Iterator[None]:
+    """While a layer runs: its per-row keys (None: nothing drops), read by ``current_layer_keys``."""
+    token = _layer.set(keys)
+    try:
+        yield
+    finally:
+        _layer.reset(token)
+
+
+def current_layer_keys() -> Keys | None:
+    """The keys of the layer running now (``layer_keys``), or None outside a layer."""
+    return _layer.get()

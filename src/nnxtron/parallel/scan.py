@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxtron.layers.lora import layer_keys
 from nnxtron.parallel.remat import RematSpec, jax_policy
-from nnxtron.parallel.row_keys import Keys, fold
+from nnxtron.parallel.row_keys import Keys, fold, layer_keys
 from nnxtron.parallel.sharding import SHARDING_KEY
 
 STACK_AXIS = "layers"
