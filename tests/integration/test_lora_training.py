@@ -22,7 +22,7 @@ from nnxtron.train.checkpoint import Checkpointer
 from nnxtron.train.checksum import LORA_BASE_FILE
 from nnxtron.train.loop import Trainer
 from tests.integration.conftest import assert_user_error, run_cli
-from tests.integration.test_dpo_training import dpo_data, dpo_overrides  # noqa: F401 - the fixture
+from tests.integration.test_dpo_training import STRATEGIES, dpo_data, dpo_overrides  # noqa: F401 - the fixture
 from tests.integration.test_sft_training import sft_data, sft_overrides  # noqa: F401 - the fixture
 
 LORA = dict(lora_rank=8, lora_alpha=16.0)
@@ -114,15 +114,6 @@ def test_a_resumed_lora_run_continues_exactly_and_checks_its_base(sft_data, base
         load_model(resumed.run_dir)
     with pytest.raises(ConfigError, match="is a LoRA run .* `nnxtron convert to-hf"):
         init_params(load_config(overrides=sft_overrides(sft_data, str(tmp_path), "again", init_from=str(whole.run_dir))))
-
-
-STRATEGIES = {
-    "fsdp8": {},
-    "tensor2": {"ici_tensor_parallelism": 2},
-    "unrolled_remat_full": {"scan_layers": False, "remat_policy": "full"},
-    "accumulation2_tensor4": {"gradient_accumulation_steps": 2, "ici_tensor_parallelism": 4},
-    "pipeline2": {"ici_pipeline_parallelism": 2},
-}
 
 
 @pytest.mark.parametrize("lora_dropout", [0.0, 0.3])
