@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices (set before jax is imported) and shared helpers."""
 
+import gc
 import os
 
 # 8 fake CPU devices; LLVM optimisation level 0: the tiny test models spend their time in
@@ -90,3 +91,37 @@ def trace_train_step(cfg, devices: int):
 @pytest.fixture
 def tmp_run_base(tmp_path):
     return str(tmp_path / "runs")
+
+
+# Every program XLA compiles for the CPU is JIT-loaded into memory mappings of its own (code,
+# read-only data, data: three per object file), kept while jax's caches hold the executable.
+# A test process that compiles the whole suite's programs passes Linux's default limit of
+# 65,530 mappings per process (vm.max_map_count) and the next compilation segfaults inside
+# XLA (a CI worker did at ~2,000 tests). Past this many mappings the caches are dropped,
+# which frees them; programs still needed are compiled again.
+MAX_MEMORY_MAPPINGS = 30_000
+_MAPS = "/proc/self/maps"
+
+
+def memory_mappings() -> int:
+    """This process's memory mappings (0 where /proc is missing)."""
+    if not os.path.exists(_MAPS):
+        return 0
+    with open(_MAPS, "rb") as maps:
+        return sum(1 for _ in maps)
+
+
+def release_compiled_programs(limit: int = MAX_MEMORY_MAPPINGS) -> bool:
+    """Drop jax's caches (and the executables they hold) when the process has more than
+    ``limit`` memory mappings; True when it did."""
+    if memory_mappings() <= limit:
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_near_the_mapping_limit():
+    yield
+    release_compiled_programs()
