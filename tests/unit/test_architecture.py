@@ -19,7 +19,7 @@ PACKAGE = ROOT / "src" / "nnxtron"
 
 # bottom to top: (layer name, the packages / modules in it). Keep docs/architecture.md in step.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("leaf", ("nnxtron.errors", "nnxtron.params")),
+    ("leaf", ("nnxtron.errors", "nnxtron.params", "nnxtron.scoped")),
     ("config", ("nnxtron.config",)),
     ("services", ("nnxtron.runtime", "nnxtron.data")),
     ("parallel", ("nnxtron.parallel",)),

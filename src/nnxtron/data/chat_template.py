@@ -17,6 +17,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nnxtron.errors import UserError
+from nnxtron.scoped import scoped
 
 __all__ = ["TEMPLATE_FILE", "ChatTemplate", "Span", "find_chat_template"]
 
@@ -88,11 +89,8 @@ class ChatTemplate:
         if any(mark in json.dumps(chat, ensure_ascii=False) for mark in _MARKS):
             raise UserError("chat messages hold the private-use characters U+F0000/U+F0001; remove them")
         if self.marks_generation:
-            marking = _MARKING.set(True)
-            try:
+            with scoped(_MARKING, True):
                 marked = self.render(chat, add_generation_prompt=False, **extra)
-            finally:
-                _MARKING.reset(marking)
             text, spans = _unmark(marked)
             if len(spans) != len(assistants):
                 raise UserError(

@@ -24,7 +24,7 @@ import contextvars
 import math
 import re
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from nnxtron.config.checks import LORA_DEFAULTS
 from nnxtron.errors import ConfigError
 from nnxtron.layers.dropout import dropout
 from nnxtron.parallel.row_keys import current_layer_keys
+from nnxtron.scoped import scoped
 
 ADAPTERS = ("lora_a", "lora_b")
 _A_KEY_SALT = 0x4C6F5241  # folded into the kernel's key for A's draw ("LoRA")
@@ -77,14 +78,9 @@ FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # with LoRA: the base model
 _building: contextvars.ContextVar[LoRASettings | None] = contextvars.ContextVar("nnxtron_lora_building", default=None)
 
 
-@contextlib.contextmanager
-def building(settings: LoRASettings | None) -> Iterator[None]:
+def building(settings: LoRASettings | None) -> contextlib.AbstractContextManager[None]:
     """While a model is built: every ``Linear`` made inside gets adapters of ``settings``."""
-    token = _building.set(settings)
-    try:
-        yield
-    finally:
-        _building.reset(token)
+    return scoped(_building, settings)
 
 
 def adapters_for(

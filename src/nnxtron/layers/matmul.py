@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import string
-from collections.abc import Iterator
 from functools import partial
 
 import jax
@@ -32,21 +31,17 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.parallel.remat import WEIGHT_PRODUCT
+from nnxtron.scoped import scoped
 
 FLOAT32_BACKENDS = ("cpu",)  # where the float32-result path is measured to pay
 LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 _plain = contextvars.ContextVar("nnxtron_plain_products", default=False)
 
 
-@contextlib.contextmanager
-def plain_products(plain: bool = True) -> Iterator[None]:
+def plain_products(plain: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within this context (at trace time) ``einsum`` and ``contract_last`` are the plain products
     when ``plain`` (inside an enclosing plain context they stay plain)."""
-    token = _plain.set(plain or _plain.get())
-    try:
-        yield
-    finally:
-        _plain.reset(token)
+    return scoped(_plain, plain or _plain.get())
 
 
 def _rounded(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+
+from nnxtron.scoped import scoped
 
 STREAM = 0x44524F50  # folded into the seed so row keys never reuse the weight-initialisation key
 
@@ -39,14 +40,9 @@ def fold(keys: Keys | None, data: int | jax.Array) -> Keys | None:
 _layer: contextvars.ContextVar[Keys | None] = contextvars.ContextVar("nnxtron_layer_keys", default=None)
 
 
-@contextlib.contextmanager
-def layer_keys(keys: Keys | None) -> Iterator[None]:
+def layer_keys(keys: Keys | None) -> contextlib.AbstractContextManager[None]:
     """While a layer runs: its per-row keys (None: nothing drops), read by ``current_layer_keys``."""
-    token = _layer.set(keys)
-    try:
-        yield
-    finally:
-        _layer.reset(token)
+    return scoped(_layer, keys)
 
 
 def current_layer_keys() -> Keys | None:

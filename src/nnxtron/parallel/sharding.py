@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxtron.errors import ConfigError
 from nnxtron.params import flatten
+from nnxtron.scoped import scoped
 
 Rules = Sequence[tuple[str, Sequence[str]]]
 SHARDING_KEY = "out_sharding"
@@ -90,29 +91,19 @@ def _path(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path if getattr(k, "name", None) != "value")
 
 
-@contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
+def activate(mesh: Mesh, rules: Rules) -> contextlib.AbstractContextManager[None]:
     """Make ``constrain`` shard activations over ``mesh`` (use around tracing)."""
-    token = _ACTIVE.set((mesh, rules))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return scoped(_ACTIVE, (mesh, rules))
 
 
 _SPMD_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("nnxtron_spmd_axes", default=())
 
 
-@contextlib.contextmanager
-def spmd_axes(*axes: str) -> Iterator[None]:
+def spmd_axes(*axes: str) -> contextlib.AbstractContextManager[None]:
     """Declare mesh axes that a surrounding ``jax.vmap(..., spmd_axis_name=...)`` maps (the
     pipeline's ``stage``): a ``shard_map`` that is manual over only some axes must be
     manual over these too, because vmap adds them to its specs."""
-    token = _SPMD_AXES.set(_SPMD_AXES.get() + axes)
-    try:
-        yield
-    finally:
-        _SPMD_AXES.reset(token)
+    return scoped(_SPMD_AXES, _SPMD_AXES.get() + axes)
 
 
 def vmapped_axes() -> tuple[str, ...]:
