@@ -147,13 +147,15 @@ def test_two_processes_stop_after_the_same_step(corpus, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "how, within, reason",
+    "how, within, reasons",
     [
-        ("SIGKILL", 25, "a collective with another process failed"),  # its connections close: noticed at once
-        ("SIGSTOP", 25, "process 1 of 2 has not been heard from for 10 s (--peer-timeout)"),  # silent: the heartbeat
+        # its connections close: noticed at the next collective, or by the heartbeat when the
+        # survivor is between collectives longer than --peer-timeout (a loaded machine: seen in CI)
+        ("SIGKILL", 25, ("a collective with another process failed", "process 1 of 2 has not been heard from for 10 s")),
+        ("SIGSTOP", 25, ("process 1 of 2 has not been heard from for 10 s (--peer-timeout)",)),  # silent: the heartbeat
     ],
 )
-def test_a_dead_or_silent_peer_stops_the_others_with_one_line(corpus, tmp_path, how, within, reason):
+def test_a_dead_or_silent_peer_stops_the_others_with_one_line(corpus, tmp_path, how, within, reasons):
     """One of two processes is killed, or stopped (a hung process or a host gone without a
     word): the other exits with one error line and status 3 within --peer-timeout (it used to
     print a traceback, wait for JAX's heartbeat timeout, then abort with a C++ stack dump)."""
@@ -175,5 +177,5 @@ def test_a_dead_or_silent_peer_stops_the_others_with_one_line(corpus, tmp_path, 
     assert procs[0].returncode == 3, err
     assert time.monotonic() - started < within
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and reason in errors[0] and "a peer process died or was stopped" in errors[0], err
+    assert len(errors) == 1 and any(r in errors[0] for r in reasons) and "a peer process died or was stopped" in errors[0], err
     assert "Traceback" not in err and "Check failure" not in err

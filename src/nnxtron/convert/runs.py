@@ -3,7 +3,7 @@ sample from, export, or start a fine-tuning run from (``init_from``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +18,13 @@ from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.layers.lora import base_config, merge_adapters, with_adapters
 from nnxtron.models.decoder import Decoder
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.train.checksum import LORA_BASE_FILE, check_recorded
-from nnxtron.train.state import frozen_shardings, init_frozen, init_non_params, model_shardings
-from nnxtron.train.weights import load_weights
+from nnxtron.train.state import frozen_shardings, init_non_params, model_shardings
+from nnxtron.train.weights import ParamsLoader, load_weights, lora_base, starting_weights
 
 __all__ = ["is_hf_directory", "run_config", "load_model", "init_config", "init_params"]
 
 # HF weights are cast on reading: a fine-tuning run chooses its own precision
 FREE_WITH_HF_SOURCE = ("dtype", "weight_dtype")
-
-ParamsLoader = Callable[[dict, dict], tuple[Any, Any]]  # train.loop.ParamsLoader
 
 
 def run_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
@@ -64,15 +61,8 @@ def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:
         return nnx.merge(graphdef, params, rest)
     # a LoRA run's checkpoints hold the adapters: merged into the base it started from
     abstract_base, base_sh = frozen_shardings(cfg, mesh)
-    loader = init_params(cfg)
-    if loader is not None:
-        weights = loader({"params": abstract_base}, {"params": base_sh})
-    elif cfg.load_parameters_path:
-        weights = load_weights(cfg.load_parameters_path, cfg, {"params": abstract_base}, {"params": base_sh})
-    else:
-        weights = None
-    base = init_frozen(cfg, base_sh, weights[0] if weights else None)
-    check_recorded(path, LORA_BASE_FILE, base, f"LoRA run '{path}': the base weights")
+    weights = starting_weights(cfg, init_params(cfg), {"params": abstract_base}, {"params": base_sh})
+    base = lora_base(cfg, path, base_sh, weights, f"LoRA run '{path}': the base weights")
     base_cfg = base_config(cfg)
     base_graphdef = model_shardings(base_cfg, mesh)[0]
     return nnx.merge(base_graphdef, merge_adapters(with_adapters(base, params), cfg.lora_alpha / cfg.lora_rank), rest)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,13 +31,13 @@ from nnxtron.params import flatten_with_treedef
 from nnxtron.runtime.compile_cache import enable_compilation_cache
 from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.train.checkpoint import Checkpointer, UnreadableCheckpoint
-from nnxtron.train.checksum import DPO_REFERENCE_FILE, LORA_BASE_FILE, check_recorded
+from nnxtron.train.checksum import DPO_REFERENCE_FILE, check_recorded
 from nnxtron.train.metrics import MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.preemption import StopRequests
 from nnxtron.train.run_dir import RunDirError, RunLock, make_run_dir, remove_unused_run_dir, resolve_run_dir
 from nnxtron.train.schedules import schedule_change_note
-from nnxtron.train.state import TrainState, init_frozen, init_state, setup
+from nnxtron.train.state import TrainState, init_state, setup
 from nnxtron.train.step import (
     Extras,
     Reference,
@@ -48,10 +48,9 @@ from nnxtron.train.step import (
     reference_from,
 )
 from nnxtron.train.wandb_logger import require_wandb
-from nnxtron.train.weights import checkpoint_model, load_weights
+from nnxtron.train.weights import ParamsLoader, checkpoint_model, lora_base, starting_weights
 
 # (abstract {"params", "rest"}, their shardings) -> the starting (params, model state or None) of an init_from run
-ParamsLoader = Callable[[dict, dict], tuple[Any, Any]]
 
 
 @dataclass
@@ -173,11 +172,7 @@ class Trainer:
         shardings = {key: self.setup.state_shardings[key] for key in ("params", "rest")}
         if self.cfg.lora_rank:
             abstract["params"], shardings["params"] = self.setup.abstract_frozen, self.setup.frozen_shardings
-        if self.init_params is not None:  # init_from, or a MaxText checkpoint at load_parameters_path (convert/runs.py)
-            return self.init_params(abstract, shardings)
-        if self.cfg.load_parameters_path:
-            return load_weights(self.cfg.load_parameters_path, self.cfg, abstract, shardings)
-        return None
+        return starting_weights(self.cfg, self.init_params, abstract, shardings)
 
     def starting_state(self, optimizer: bool = True, weights: Any = None) -> TrainState:
         """The state of step 0: the init_from / load_parameters_path weights (``weights``: as
@@ -192,9 +187,9 @@ class Trainer:
     def lora_base(self, weights: Any) -> Any:
         """LoRA's frozen base parameters, placed on the devices from ``weights`` (``read_weights``)
         or the seeded init, and checked against the checksum recorded when the run started."""
-        frozen = init_frozen(self.cfg, self.setup.frozen_shardings, weights[0] if weights else None)
-        check_recorded(self.run_dir, LORA_BASE_FILE, frozen, "lora_rank > 0: the frozen base weights", record_step=0)
-        return frozen
+        return lora_base(
+            self.cfg, self.run_dir, self.setup.frozen_shardings, weights, "lora_rank > 0: the frozen base weights", record_step=0
+        )
 
     def dpo_reference(self, state: TrainState, start: int, weights: Any = None) -> Reference:
         """DPO's frozen reference model: the run's starting weights (a copy of ``state``'s at step 0;

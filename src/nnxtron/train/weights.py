@@ -9,6 +9,7 @@ The expert-load counters (``ExpertLoad``) are statistics of a run and start at z
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,12 @@ from nnxtron.layers.moe import ExpertLoad
 from nnxtron.models.build import abstract_model
 from nnxtron.params import flatten
 from nnxtron.train.checkpoint import Checkpointer
+from nnxtron.train.checksum import LORA_BASE_FILE, check_recorded
+from nnxtron.train.state import init_frozen
+
+# reads a new run's starting (params, model state) into the given abstract trees and shardings
+# (``{"params": ..., "rest": ...}``): init_from, or a MaxText checkpoint (convert/runs.init_params)
+ParamsLoader = Callable[[dict, dict], tuple[Any, Any]]
 
 
 def checkpoint_model(meta: dict[str, Any]) -> dict[str, Any]:
@@ -94,3 +101,32 @@ def load_weights(path: str | Path, cfg: Config, abstract: dict[str, Any], shardi
 def load_parameters(path: str | Path, cfg: Config, abstract_params: Any, param_shardings: Any) -> Any:
     """The parameters alone of ``load_weights``."""
     return load_weights(path, cfg, {"params": abstract_params}, {"params": param_shardings})[0]
+
+
+def starting_weights(
+    cfg: Config, loader: ParamsLoader | None, abstract: dict[str, Any], shardings: dict[str, Any]
+) -> tuple[Any, Any] | None:
+    """The ``(params, model state or None)`` a run starts from: read by ``loader`` (init_from, a
+    MaxText checkpoint), else the nnxtron checkpoint at ``load_parameters_path``; None: a seeded init."""
+    if loader is not None:
+        return loader(abstract, shardings)
+    if cfg.load_parameters_path:
+        return load_weights(cfg.load_parameters_path, cfg, abstract, shardings)
+    return None
+
+
+def lora_base(
+    cfg: Config,
+    run_dir: str | Path,
+    shardings: Any,
+    weights: tuple[Any, Any] | None,
+    what: str,
+    *,
+    record_step: int | None = None,
+) -> Any:
+    """A LoRA run's frozen base, placed in ``shardings``: the parameters of ``weights``
+    (``starting_weights``), else the seeded init; checked against the checksum ``run_dir``
+    recorded when it started (written now when ``record_step`` is given and there is none)."""
+    base = init_frozen(cfg, shardings, weights[0] if weights else None)
+    check_recorded(run_dir, LORA_BASE_FILE, base, what, record_step=record_step)
+    return base
