@@ -181,6 +181,27 @@ def test_random_hf_directories_load_or_raise_one_user_error(scratch, family, edi
         assert "\n" not in str(err).strip(), str(err)
 
 
+@pytest.mark.parametrize(
+    "family, heads_key", [("llama2", "num_attention_heads"), ("mixtral", "num_attention_heads"), ("gpt2", "n_head")]
+)
+def test_a_zero_head_count_is_one_line(tmp_path, family, heads_key):
+    """The fuzzer's find (a ZeroDivisionError traceback for gpt2's ``n_head: 0``), for each family."""
+    import json
+    import shutil
+
+    model = tmp_path / "hf"
+    shutil.copytree(
+        Path(__file__).resolve().parents[1] / "assets" / "golden" / family,
+        model,
+        ignore=shutil.ignore_patterns("golden*", "fused*", "generate*"),
+    )
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, heads_key: 0}))
+    with pytest.raises(UserError, match="0 for a size or count|invalid value|heads") as err:
+        nnxtron.from_hf(model)
+    assert "\n" not in str(err.value)
+
+
 def test_a_huge_line_and_an_empty_file(tmp_path):
     huge = tmp_path / "huge.jsonl"
     huge.write_text('{"text": "' + "a" * 5_000_000 + '"}\n{"text": "short"}\n')

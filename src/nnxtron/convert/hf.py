@@ -113,6 +113,8 @@ def _map_config(hf: dict[str, Any], origin: Path) -> dict[str, Any]:
         raise CheckpointError(f"'{origin}' lacks key {err}; re-save the config with transformers") from None
     except (TypeError, ValueError, AttributeError, OverflowError) as err:  # a value of the wrong type or range
         raise CheckpointError(f"'{origin}' has an invalid value ({err}); fix config.json") from None
+    except ZeroDivisionError:  # e.g. a head count of 0, divided into the width
+        raise CheckpointError(f"'{origin}' has 0 for a size or count that divides another; fix config.json") from None
 
 
 def hf_config_to_nnxtron(path: str | os.PathLike) -> dict[str, Any]:
