@@ -52,6 +52,8 @@ Regenerate (CPU only, takes well under a minute)::
     pip install -e '.[golden]'          # torch==2.13.0, transformers 5.x
     OMP_NUM_THREADS=1 python scripts/make_goldens.py --out tests/assets/golden
     # or only some cases: ... --cases mixtral qwen3_moe
+    # the adversarial variants (scaled weights, shifted vectors, odd lengths; goldens/adversarial.py):
+    OMP_NUM_THREADS=1 python scripts/make_goldens.py --out tests/assets/golden --adversarial
 
 The script is deterministic (fixed seeds, one thread). After writing, each
 directory is reloaded with ``from_pretrained`` and its logits are asserted to
@@ -81,6 +83,7 @@ if _SCRIPTS not in sys.path:  # `goldens` sits next to this file; also when this
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from goldens import CASES  # noqa: E402
+from goldens.adversarial import adversarial, settings  # noqa: E402
 from goldens.harness import make_case, versions  # noqa: E402
 
 
@@ -88,15 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("tests/assets/golden"))
     parser.add_argument("--cases", nargs="+", choices=list(CASES), help="only these cases (default: all)")
+    parser.add_argument("--adversarial", action="store_true", help="write the adversarial variants to <out>/adversarial")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "versions.json").write_text(json.dumps(versions(CASES.values()), indent=2) + "\n")
+    cases, out = CASES, args.out
+    if args.adversarial:
+        cases, out = {name: adversarial(case) for name, case in CASES.items()}, args.out / "adversarial"
+    out.mkdir(parents=True, exist_ok=True)
+    info = versions(cases.values())
+    if args.adversarial:
+        info["adversarial"] = settings()
+    (out / "versions.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
-    for name, case in CASES.items():
+    for name, case in cases.items():
         if not args.cases or name in args.cases:
-            make_case(case, args.out)
+            make_case(case, out)
     return 0
 
 

@@ -68,7 +68,7 @@ def _route(
 
 
 @torch.no_grad()
-def _router_check(run: Run) -> None:
+def router_check(run: Run) -> None:
     """Re-derive HF's routing; the groups and the correction bias both change the selection and the logits."""
     model, input_ids = run.model, run.input_ids
     cfg = model.config
@@ -167,7 +167,7 @@ CASES = (
             attention_bias=False,
             tie_word_embeddings=False,
         ),
-        checks=(_yarn_check, _router_check, write_and_check_fused),
+        checks=(_yarn_check, router_check, write_and_check_fused),
         moe=True,
     ),
 )

@@ -15,6 +15,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from goldens.harness import (
     EXPERTS_IMPL,
+    MIN_ROUTING_GAP,
     VOCAB,
     Case,
     Run,
@@ -136,6 +137,24 @@ def _check_indexer_margins(model: torch.nn.Module, input_ids: torch.Tensor) -> N
 
 
 @torch.no_grad()
+def check_top_k(run: Run) -> None:
+    """Refuse near-ties at the k-th choice of every top-k: the indexer's and the top-k routers'
+    (``sqrtsoftplus(logits) + e_score_correction_bias``; the hash-routed layer has no choice)."""
+    _check_indexer_margins(run.model, run.input_ids)
+    cfg = run.model.config
+    k = cfg.num_experts_per_tok
+    routers = [(i, layer.mlp.gate) for i, layer in enumerate(run.model.model.layers) if not layer.mlp.is_hash]
+    for i, (_, (rlogits, _, indices)) in sorted(capture(run.model, run.input_ids, routers).items()):
+        gate = run.model.model.layers[i].mlp.gate
+        choice = gate.score_fn(rlogits.float()) + gate.e_score_correction_bias
+        top = choice.topk(k + 1, dim=-1)
+        assert torch.equal(top.indices[:, :k].sort(-1).values, indices.sort(-1).values), "router re-derivation differs"
+        margin = float((top.values[:, k - 1] - top.values[:, k]).min())
+        print(f"  layer {i} router: sqrtsoftplus + bias, top-{k}; min gap k-th vs (k+1)-th {margin:.3e}")
+        assert margin > MIN_ROUTING_GAP, "routing too close to a tie for a float32 parity test"
+
+
+@torch.no_grad()
 def _check(run: Run) -> None:
     cfg = run.model.config
     print(f"  layer_types: {cfg.layer_types}; mlp_layer_types: {cfg.mlp_layer_types}")
@@ -148,7 +167,7 @@ def _check(run: Run) -> None:
     for name, buf in rot.named_buffers():
         if "original" not in name:
             print(f"    rotary {name}: {[f'{x:.4e}' for x in buf.float().tolist()]}")
-    _check_indexer_margins(run.model, run.input_ids)
+    check_top_k(run)
     for name, over in (
         ("index_topk=64 (all entries)", dict(index_topk=64)),
         ("routed_scaling_factor=1.0", dict(routed_scaling_factor=1.0)),

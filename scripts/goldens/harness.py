@@ -56,6 +56,7 @@ class Case:
     seq_len: int = SEQ_LEN
     zero_centered_norms: bool = False  # `x * (1 + w)` norms: w = NORM_STD * randn instead of 1 + 0.1 * randn
     randomize: Callable[[torch.nn.Module], None] | None = None  # extra init after norms / routers
+    perturb: Callable[[torch.nn.Module], None] | None = None  # last init step, after the correction biases
     hub_name: Callable[[str], str] = _same_name  # state_dict key -> key written by save_pretrained
     hub_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert hub names
     versions: dict[str, Any] = field(default_factory=dict)  # extra entries for versions.json
@@ -113,6 +114,8 @@ def build(case: Case) -> torch.nn.Module:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(BIAS_SCALE * torch.randn(b.shape, generator=gen, dtype=torch.float32))
+        if case.perturb is not None:
+            case.perturb(model)
     model.to(torch.float32).eval()
     if case.moe:
         assert model.config._experts_implementation == EXPERTS_IMPL
@@ -250,8 +253,10 @@ def write_and_check_fused(run: Run) -> None:
     print("  fused check: == hub weights (gate_up_proj[e] = cat(gate_e, up_e)), load_state_dict logits bit-identical")
 
 
-def write_golden(path: Path, input_ids: torch.Tensor, out_logits: torch.Tensor) -> None:
-    save_file({"input_ids": input_ids.contiguous(), "logits": out_logits.contiguous()}, str(path))
+def write_golden(path: Path, input_ids: torch.Tensor, out_logits: torch.Tensor, **extra: torch.Tensor) -> None:
+    """``input_ids`` and ``logits``, plus ``extra`` tensors (the adversarial cases' ``logits_float64``)."""
+    tensors = {"input_ids": input_ids, "logits": out_logits, **extra}
+    save_file({key: t.contiguous() for key, t in tensors.items()}, str(path))
 
 
 def reload(case: Case, directory: Path | str) -> torch.nn.Module:
@@ -261,7 +266,7 @@ def reload(case: Case, directory: Path | str) -> torch.nn.Module:
 def assert_reproduces(model: torch.nn.Module, golden: Path, input_ids: torch.Tensor, what: str) -> None:
     """``golden`` holds exactly ``input_ids`` and logits that ``model`` reproduces bit for bit."""
     stored = load_file(str(golden))
-    assert set(stored) == {"input_ids", "logits"}
+    assert set(stored) - {"logits_float64"} == {"input_ids", "logits"}
     assert torch.equal(stored["input_ids"], input_ids)
     relogits = logits(model, stored["input_ids"])
     max_diff = float((relogits - stored["logits"]).abs().max())

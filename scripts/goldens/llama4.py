@@ -14,15 +14,9 @@ from goldens.harness import MIN_ROUTING_GAP, VOCAB, Case, Run, capture, llama3_r
 
 
 @torch.no_grad()
-def _check(run: Run) -> None:
-    model, logits = run.model, run.logits
-    cfg = model.config
-    assert cfg.no_rope_layers == [1, 1, 1, 0] and cfg.moe_layers == [1, 3], (cfg.no_rope_layers, cfg.moe_layers)
-    assert cfg.layer_types == ["chunked_attention"] * 3 + ["full_attention"], cfg.layer_types
-    print(f"  no_rope_layers (1 = uses RoPE): {cfg.no_rope_layers}; moe_layers: {cfg.moe_layers}")
-    print(f"  layer_types: {cfg.layer_types}")
-    llama3_rope_check(run)
-    # Router: top-1 margin between the best and second-best router logit.
+def router_check(run: Run) -> None:
+    """Top-1 routers: the margin between the best and the second-best router logit is no near-tie."""
+    model = run.model
     routers = [(i, layer.feed_forward.router) for i, layer in enumerate(model.model.layers) if layer.is_moe_layer]
     for i, (_, (scores, rlogits)) in sorted(capture(model, run.input_ids, routers).items()):
         top = rlogits.topk(2, dim=-1)
@@ -36,6 +30,18 @@ def _check(run: Run) -> None:
             f"min top1-top2 logit gap {margin:.3e}; tokens per expert {load}"
         )
         assert margin > MIN_ROUTING_GAP
+
+
+@torch.no_grad()
+def _check(run: Run) -> None:
+    model, logits = run.model, run.logits
+    cfg = model.config
+    assert cfg.no_rope_layers == [1, 1, 1, 0] and cfg.moe_layers == [1, 3], (cfg.no_rope_layers, cfg.moe_layers)
+    assert cfg.layer_types == ["chunked_attention"] * 3 + ["full_attention"], cfg.layer_types
+    print(f"  no_rope_layers (1 = uses RoPE): {cfg.no_rope_layers}; moe_layers: {cfg.moe_layers}")
+    print(f"  layer_types: {cfg.layer_types}")
+    llama3_rope_check(run)
+    router_check(run)
     for name, over, first in (
         ("attn_temperature_tuning=False", dict(attn_temperature_tuning=False), 7),
         ("attention_chunk_size=None", dict(attention_chunk_size=None), 8),

@@ -52,7 +52,7 @@ def _mixtral_hub_name(key: str) -> str:
 
 
 @torch.no_grad()
-def _softmax_router_check(run: Run) -> None:
+def softmax_router_check(run: Run) -> None:
     """Mixtral / Qwen3-MoE: re-derive HF's routing (softmax in fp32, top-k, optional renorm)."""
     cfg = run.model.config
     k = cfg.num_experts_per_tok
@@ -102,7 +102,7 @@ CASES = (
             sliding_window=None,
             tie_word_embeddings=False,
         ),
-        checks=(_softmax_router_check, write_and_check_fused),
+        checks=(softmax_router_check, write_and_check_fused),
         moe=True,
         hub_name=_mixtral_hub_name,
         hub_experts=("w1", "w3", "w2"),
@@ -125,7 +125,7 @@ CASES = (
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
         dict(_QWEN3_MOE, norm_topk_prob=True),
-        checks=(_softmax_router_check, write_and_check_fused),
+        checks=(softmax_router_check, write_and_check_fused),
         moe=True,
     ),
     Case(
@@ -133,7 +133,7 @@ CASES = (
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
         dict(_QWEN3_MOE, norm_topk_prob=False),
-        checks=(_softmax_router_check, _norenorm_check, write_and_check_fused),
+        checks=(softmax_router_check, _norenorm_check, write_and_check_fused),
         moe=True,
         seed=1,  # not MODEL_SEED: its weights differ from `qwen3_moe`
     ),

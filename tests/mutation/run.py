@@ -3,7 +3,8 @@
 Each mutation replaces one snippet in one source file, runs the tests that must catch it,
 and restores the file. A mutation that leaves the tests green is reported as SURVIVED,
 the mutation score (killed / total) is printed and the script exits 1 unless every
-mutant is killed. Run: ``.venv/bin/python tests/mutation/run.py [NAME ...]`` (several
+mutant is killed. A mutant with ``spared`` tests must also leave those green: the adversarial-only
+mutants show what the adversarial HF goldens catch that the plain goldens do not. Run: ``.venv/bin/python tests/mutation/run.py [NAME ...]`` (several
 minutes on 2 CPU cores; not part of the CI suite). Later features append mutants.
 """
 
@@ -25,6 +26,15 @@ class Mutation:
     old: str
     new: str
     tests: tuple[str, ...]
+    spared: tuple[str, ...] = ()  # tests that must NOT catch it (what only ``tests`` can see)
+
+
+def _adversarial_only(name: str, file: str, old: str, new: str, case: str) -> Mutation:
+    """A mistake only the adversarial golden of ``case`` catches (both layouts); the plain golden passes."""
+    golden = "tests/parity/test_hf_golden.py::{}[{}-{}]"
+    layouts = ("scan", "unrolled")
+    return Mutation(name, file, old, new, tuple(golden.format("test_adversarial_logits_match_hf", case, s) for s in layouts),
+                    tuple(golden.format("test_logits_match_hf", case, s) for s in layouts))  # fmt: skip
 
 
 MUTATIONS = [
@@ -535,24 +545,38 @@ MUTATIONS = [
              ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[scan_pipeline_repeats]",)),
     Mutation("shuffle-seed-ignored", "data/sources.py", "seed = source_seed(cfg.data_shuffle_seed, i)", "seed = source_seed(0, i)",
              ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[data_shuffle_seed]",)),
+    # Adversarial-only: the plain goldens use the default epsilons, so a value that is not read passes them.
+    _adversarial_only("mla-latent-norms-take-the-config-eps", "layers/mla.py", "norm = dict(eps=LATENT_NORM_EPS,",
+                      "norm = dict(eps=cfg.normalization_layer_epsilon,", "deepseek3"),
+    _adversarial_only("gemma3-eps-not-read", "models/gemma3.py", 'float(hf.get("rms_norm_eps", 1e-6))', "1e-6", "gemma3"),
+    _adversarial_only("gpt2-eps-not-read", "models/gpt3.py", 'float(hf.get("layer_norm_epsilon", 1e-5))', "1e-5", "gpt2"),
+    _adversarial_only("mhc-eps-not-read", "models/deepseek4/hf.py", 'float(hf.get("hc_eps", 1e-6))', "1e-6", "deepseek4"),
+    _adversarial_only("qk-norm-eps-fixed", "layers/attention.py", "norm_eps=cfg.normalization_layer_epsilon,", "norm_eps=1e-6,",
+                      "qwen3"),
 ]  # fmt: skip
 
 
+def _fails(tests: tuple[str, ...]) -> bool:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    return proc.returncode != 0
+
+
 def run(mutation: Mutation) -> bool:
-    """True if the tests caught the mutation."""
+    """True if the tests caught the mutation (and its ``spared`` tests did not)."""
     path = SRC / mutation.file
     original = path.read_text()
     if original.count(mutation.old) != 1:
         raise SystemExit(f"{mutation.name}: snippet not found exactly once in {mutation.file}")
     path.write_text(original.replace(mutation.old, mutation.new))
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests],
-            cwd=ROOT, capture_output=True, text=True,
-        )  # fmt: skip
+        caught = _fails(mutation.tests)
+        if caught and mutation.spared and _fails(mutation.spared):
+            print(f"{mutation.name}: also caught by {mutation.spared}, so not a mutant only {mutation.tests} see", flush=True)
+            return False
     finally:
         path.write_text(original)
-    return proc.returncode != 0
+    return caught
 
 
 def main(names: list[str]) -> int:

@@ -19,6 +19,32 @@ logits from transformers 5.24. Measured max |logits - golden| (float32, CPU, jax
 
 (logits are O(1): max |golden| is 0.66-1.24). TOL below leaves ~5x headroom. The MoE
 cases also load the transformers>=5 fused expert layout (``fused.safetensors``).
+
+The adversarial goldens (``golden/adversarial``, ``scripts/goldens/adversarial.py``) are every
+case again with weights x2-3, every 1-D parameter shifted, new correction biases and hash
+tables, non-default epsilons, odd lengths (37; deepseek4 157) and windows that do not divide
+them. There float32 rounding alone moves HF's own logits by 0.66e-6 (deepseek3) to 2.3e-6
+(gemma3) from the same model run in float64, so the reference is HF's float64 logits and the
+bound is TOL beyond HF's own float32 error on that golden. Measured max |logits - HF float64|,
+scan / unrolled, against HF float32's own error:
+
+    case                 scan     unrolled   HF float32
+    llama2               6.7e-7   6.9e-7     9.3e-7
+    llama31              7.8e-7   6.7e-7     8.2e-7
+    mistral              7.0e-7   8.1e-7     9.8e-7
+    mixtral              6.9e-7   6.6e-7     7.4e-7
+    qwen3                1.0e-6   1.0e-6     1.0e-6
+    qwen3_moe            8.8e-7   8.3e-7     1.4e-6
+    qwen3_moe_norenorm   9.6e-7   8.7e-7     1.1e-6
+    deepseek3            5.8e-7   6.6e-7     6.6e-7
+    gemma3               1.7e-6   2.6e-6     2.3e-6
+    llama4               6.6e-7   6.5e-7     7.4e-7
+    gpt2                 9.7e-7   9.3e-7     9.1e-7
+    deepseek4            1.3e-6   1.4e-6     1.4e-6
+
+nnxtron's float32 forward is about as far from float64 as HF's (TOL 2e-6 alone would fail only
+gemma3 unrolled, at 1.3x); the features these goldens break are listed in the mutation script
+(``adversarial-only`` mutants), which the plain goldens do not catch.
 """
 
 from __future__ import annotations
@@ -35,6 +61,7 @@ from safetensors.numpy import load_file
 from nnxtron.convert.hf import from_hf, hf_config_to_nnxtron, to_hf
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
+ADVERSARIAL = GOLDEN / "adversarial"
 CASES = (
     "llama2",
     "llama31",
@@ -58,13 +85,15 @@ def goldens() -> dict[str, dict[str, np.ndarray]]:
     return {case: load_file(str(GOLDEN / case / "golden.safetensors")) for case in CASES}
 
 
-def _abs_diff(golden: dict[str, np.ndarray], case: str, directory: Path | None = None, **overrides) -> np.ndarray:
-    """|nnxtron logits - golden logits| per element, [B, S, V]."""
+def _abs_diff(
+    golden: dict[str, np.ndarray], case: str, directory: Path | None = None, reference: str = "logits", **overrides
+) -> np.ndarray:
+    """|nnxtron logits - golden[reference]| per element, [B, S, V]."""
     model = from_hf(directory or GOLDEN / case, **overrides)
     with jax.default_matmul_precision("highest"):  # no TF32 on accelerators
         logits = model(jnp.asarray(golden["input_ids"])).logits
-    assert logits.dtype == jnp.float32 and logits.shape == golden["logits"].shape
-    return np.abs(np.asarray(logits) - golden["logits"])
+    assert logits.dtype == jnp.float32 and logits.shape == golden[reference].shape
+    return np.abs(np.asarray(logits, np.float64) - golden[reference])
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
@@ -72,6 +101,38 @@ def _abs_diff(golden: dict[str, np.ndarray], case: str, directory: Path | None =
 def test_logits_match_hf(goldens, case: str, scan: bool) -> None:
     diff = float(_abs_diff(goldens[case], case, scan_layers=scan).max())
     assert diff <= TOL, f"{case} scan_layers={scan}: max |logits - golden| = {diff:.3g} > {TOL}"
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.parametrize("case", CASES)
+def test_adversarial_logits_match_hf(case: str, scan: bool) -> None:
+    """nnxtron's float32 forward is within TOL of the exact function (HF in float64) beyond HF's own float32 error."""
+    golden = load_file(str(ADVERSARIAL / case / "golden.safetensors"))
+    hf_float32_error = float(np.abs(golden["logits"] - golden["logits_float64"]).max())
+    diff = float(_abs_diff(golden, case, ADVERSARIAL / case, "logits_float64", scan_layers=scan).max())
+    bound = TOL + hf_float32_error
+    assert diff <= bound, f"adversarial {case} scan_layers={scan}: max |logits - HF float64| = {diff:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_adversarial_goldens_are_adversarial(case: str) -> None:
+    """Odd length, windows that do not divide it, non-default epsilons, and weights far from the plain init."""
+    import json
+
+    config = json.loads((ADVERSARIAL / case / "config.json").read_text())
+    golden = load_file(str(ADVERSARIAL / case / "golden.safetensors"))
+    length = golden["input_ids"].shape[1]
+    assert length % 2 == 1
+    for key in ("sliding_window", "attention_chunk_size"):
+        if config.get(key):
+            assert length % config[key] and config[key] != json.loads((GOLDEN / case / "config.json").read_text())[key]
+    eps = config.get("rms_norm_eps", config.get("layer_norm_epsilon"))
+    assert eps == 3e-4
+    plain = load_file(str(GOLDEN / case / "model.safetensors"))
+    weights = load_file(str(ADVERSARIAL / case / "model.safetensors"))
+    matrices = [k for k, v in weights.items() if v.ndim >= 2 and v.dtype == np.float32 and k in plain]
+    ratio = np.median([np.std(weights[k]) / np.std(plain[k]) for k in matrices])
+    assert 1.8 < ratio < 3.2, ratio
 
 
 def test_llama3_rope_scaling_is_checked(goldens) -> None:
