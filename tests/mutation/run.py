@@ -545,6 +545,9 @@ MUTATIONS = [
              ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[scan_pipeline_repeats]",)),
     Mutation("shuffle-seed-ignored", "data/sources.py", "seed = source_seed(cfg.data_shuffle_seed, i)", "seed = source_seed(0, i)",
              ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[data_shuffle_seed]",)),
+    Mutation("indexer-ranks-plus-zero-above-minus-zero", "models/deepseek4/compressed.py",
+             "_, picked = top_k(scores, min(self.topk, n))", "_, picked = jax.lax.top_k(scores, min(self.topk, n))",
+             ("tests/unit/test_top_k_ties.py::test_indexer_ties_break_by_window_index",)),
     # Adversarial-only: the plain goldens use the default epsilons, so a value that is not read passes them.
     _adversarial_only("mla-latent-norms-take-the-config-eps", "layers/mla.py", "norm = dict(eps=LATENT_NORM_EPS,",
                       "norm = dict(eps=cfg.normalization_layer_epsilon,", "deepseek3"),

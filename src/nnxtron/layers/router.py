@@ -16,7 +16,12 @@ load-balance loss:
 * ``scales_input`` (Llama 4): top-1 of the raw logits (+ bias); ``w = sigmoid(logit)``
   scales the expert *input*; neither renormalisation nor ``routed_scaling_factor`` apply.
 
-Ties select the lower expert index (as ``jax.lax.top_k``).
+Tie rule of every top-k in the models (``top_k``: the router's experts, the group limit's groups,
+the DeepSeek-V4 indexer's entries): the larger value first; equal values in increasing index order,
+with -0.0 counted equal to +0.0 (normalised before the choice, so a ReLU score times a negative
+weight, -0.0, ties with +0.0); -inf entries (masked groups, invisible entries) come after every
+finite value, in index order; NaN comes last. ``torch.topk`` (HF) leaves the order of ties
+unspecified, so the HF goldens refuse near-ties instead of relying on it.
 
 The load-balance loss (``load_balance_loss``) follows ``load_balance_convention``:
 
@@ -87,11 +92,13 @@ class RouterSpec:
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k`` over the last axis (ties to the lower index) via a stable sort.
+    """The ``k`` largest values over the last axis and their indices, by the tie rule above.
 
-    The sharding partitioner keeps a sort sharded along the token axis, but replicates
-    ``chlo.top_k`` (every device would route every token of the global batch).
+    A stable sort, not ``jax.lax.top_k``: the sharding partitioner keeps a sort sharded along
+    the token axis but replicates ``chlo.top_k`` (every device would route every token of the
+    global batch), and ``lax.top_k`` ranks +0.0 above -0.0 (XLA's total order).
     """
+    x = jnp.where(x == 0, jnp.zeros_like(x), x)  # -0.0 -> +0.0
     idx = jnp.argsort(-x, axis=-1, stable=True)[..., :k]
     return jnp.take_along_axis(x, idx, axis=-1), idx
 

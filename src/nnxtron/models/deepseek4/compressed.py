@@ -46,6 +46,7 @@ from nnxtron.layers.kv_cache import CacheSpec, TokenCache, cache_mask, cache_siz
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm, l2_norm
 from nnxtron.layers.rope import RopeSpec, apply_rope
+from nnxtron.layers.router import top_k
 from nnxtron.parallel.sharding import constrain
 
 NEG_INF = -jnp.inf
@@ -207,7 +208,7 @@ class Indexer(nnx.Module):
         """The ``topk`` best visible entries of each query, boolean ``[B, S, N]``."""
         n = scores.shape[-1]
         scores = jnp.where(visible, scores, NEG_INF)
-        _, picked = jax.lax.top_k(scores, min(self.topk, n))  # [B, S, k]
+        _, picked = top_k(scores, min(self.topk, n))  # [B, S, k]; ties in window order (layers/router.py)
         chosen = jnp.any(picked[..., None] == jnp.arange(n), axis=-2)  # [B, S, N]
         return chosen & visible
 
