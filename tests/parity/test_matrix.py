@@ -200,13 +200,26 @@ def test_moe_strategy_matches_baseline(strategy, moe_baselines):
 # scanned cycle blocks (+ the remainder block for gemma3-tiny's 8 = 6 + 2 layers) under a
 # remat policy, a sharded mesh and gradient accumulation. Sequences of 16 tokens exceed the
 # sliding window / attention chunk (8), so their masks matter.
-FAMILY_MODELS = {"gemma3-tiny": {}, "llama4-tiny": {}, "gpt3-52k": dict(base_num_decoder_layers=3), "deepseek4-test": {}}
+FAMILY_MODELS = {
+    "gemma3-tiny": {},
+    "llama4-tiny": {},
+    "gpt3-52k": dict(base_num_decoder_layers=3),
+    "deepseek4-test": {},
+    "mistral-tiny": {},
+    "qwen3-tiny": {},
+    "mixtral-tiny": {},
+    "qwen3-moe-tiny": dict(load_balance_loss_weight=0.01),  # no accumulation in its row (see above)
+}
 FAMILY_ROWS = [
     ("gemma3-tiny", Strategy(True, "full", "fsdp4_tensor2", 2)),
     ("llama4-tiny", Strategy(True, "save_dot_except_mlp", "data2_fsdp4", 2)),
     ("gpt3-52k", Strategy(True, "minimal", "fsdp2_context4", 2)),
     # DeepSeek-V4: hash-routed prefix block + (HCA, CSA) block + HCA remainder, mHC streams, expert loads
     ("deepseek4-test", Strategy(True, "full", "data2_fsdp4", 2)),
+    ("mistral-tiny", Strategy(True, "minimal", "fsdp4_tensor2", 2)),  # sliding window 8 < 16 tokens
+    ("qwen3-tiny", Strategy(True, "save_dot_except_mlp", "fsdp2_context4", 2)),  # qk-norm under context parallelism
+    ("mixtral-tiny", Strategy(True, "full", "data2_fsdp4", 2)),
+    ("qwen3-moe-tiny", Strategy(True, "none", "fsdp4_tensor2", 1)),
 ]
 
 
@@ -223,6 +236,19 @@ def run_family(model: str, strategy: Strategy) -> GradResult:
 @pytest.mark.parametrize("model, strategy", FAMILY_ROWS, ids=lambda v: v if isinstance(v, str) else v.id)
 def test_family_strategy_matches_baseline(model, strategy):
     assert_grad_parity(run_family(model, strategy), run_family(model, BASELINE), **BOUNDS)
+
+
+def test_every_decoder_block_has_a_golden_and_a_matrix_row():
+    """Each registered ``decoder_block`` is checked against HF (a golden) and across strategies (a row)."""
+    from nnxtron.config.options import DECODER_BLOCKS
+    from nnxtron.convert.hf import hf_config_to_nnxtron
+    from tests.parity.test_hf_golden import CASES as GOLDEN_CASES
+    from tests.parity.test_hf_golden import GOLDEN
+
+    in_matrix = {tiny_config(model).decoder_block for model in ("llama3.1-tiny", "deepseek3-test", *FAMILY_MODELS)}
+    assert in_matrix == set(DECODER_BLOCKS), f"no matrix row: {sorted(set(DECODER_BLOCKS) - in_matrix)}"
+    with_golden = {hf_config_to_nnxtron(GOLDEN / case)["decoder_block"] for case in GOLDEN_CASES}
+    assert with_golden == set(DECODER_BLOCKS), f"no HF golden: {sorted(set(DECODER_BLOCKS) - with_golden)}"
 
 
 def test_matrix_covers_every_axis():
