@@ -53,6 +53,8 @@ TIE_CHECKS: dict[str, tuple[Check, ...]] = {
     "mixtral": (softmax_routing,),
     "qwen3_moe": (softmax_routing,),
     "qwen3_moe_norenorm": (softmax_routing,),
+    "qwen3_moe_dense": (softmax_routing,),
+    "qwen3_moe_prefix": (softmax_routing,),
     "deepseek3": (deepseek3_routing,),
     "llama4": (llama4_routing,),
     "deepseek4": (deepseek4_top_k,),
@@ -102,6 +104,7 @@ def _kwargs(case: Case) -> dict[str, Any]:
 
 def adversarial(case: Case) -> Case:
     """The adversarial variant of ``case`` (same name; written under ``adversarial/``)."""
+    assert not case.moe or case.name in TIE_CHECKS, f"{case.name}: a MoE case needs its near-tie refusal in TIE_CHECKS"
     return dataclasses.replace(
         case,
         kwargs=_kwargs(case),

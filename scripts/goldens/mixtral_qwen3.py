@@ -34,7 +34,7 @@ _QWEN3_MOE = dict(
     _MOE_COMMON,
     rms_norm_eps=1e-6,
     num_hidden_layers=2,
-    intermediate_size=96,  # dense MLP size; unused (every layer is MoE)
+    intermediate_size=96,  # dense MLP size (the layers in mlp_only_layers or off the sparse step)
     moe_intermediate_size=32,
     num_experts=8,
     num_experts_per_tok=2,
@@ -87,6 +87,16 @@ def _norenorm_check(run: Run) -> None:
     assert d > 1e-4, "norm_topk_prob has no effect"
 
 
+@torch.no_grad()
+def _dense_layers_check(run: Run) -> None:
+    """HF's rule: layer i is MoE iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    cfg = run.model.config
+    moe = [hasattr(layer.mlp, "experts") for layer in run.model.model.layers]
+    rule = [i not in cfg.mlp_only_layers and (i + 1) % cfg.decoder_sparse_step == 0 for i in range(len(moe))]
+    print(f"  decoder_sparse_step {cfg.decoder_sparse_step}, mlp_only_layers {cfg.mlp_only_layers}: MoE layers {moe}")
+    assert moe == rule and any(moe) and not all(moe), moe
+
+
 CASES = (
     Case(
         "mixtral",
@@ -136,5 +146,23 @@ CASES = (
         checks=(softmax_router_check, _norenorm_check, write_and_check_fused),
         moe=True,
         seed=1,  # not MODEL_SEED: its weights differ from `qwen3_moe`
+    ),
+    Case(  # dense layers anywhere: layers 0, 2 (sparse step 2) and 3 (mlp_only_layers) -> nnxtron dense_layers
+        "qwen3_moe_dense",
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(_QWEN3_MOE, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True),
+        checks=(softmax_router_check, _dense_layers_check, write_and_check_fused),
+        moe=True,
+        seed=2,
+    ),
+    Case(  # a dense prefix: layer 0 -> nnxtron first_num_dense_layers 1 (a stack of its own)
+        "qwen3_moe_prefix",
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(_QWEN3_MOE, num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=True),
+        checks=(softmax_router_check, _dense_layers_check, write_and_check_fused),
+        moe=True,
+        seed=3,
     ),
 )

@@ -70,13 +70,15 @@ CASES = (
     "qwen3",
     "qwen3_moe",
     "qwen3_moe_norenorm",
+    "qwen3_moe_dense",
+    "qwen3_moe_prefix",
     "deepseek3",
     "gemma3",
     "llama4",
     "gpt2",
     "deepseek4",
 )
-MOE_CASES = ("mixtral", "qwen3_moe", "deepseek3", "deepseek4")
+MOE_CASES = ("mixtral", "qwen3_moe", "qwen3_moe_dense", "qwen3_moe_prefix", "deepseek3", "deepseek4")
 TOL = 2e-6
 
 

@@ -142,6 +142,7 @@ VALUES: dict[str, Flag] = {
     "base_moe_mlp_dim": F(48, family="mixtral-tiny"),
     "shared_experts": F(2, family="deepseek3-test"),
     "first_num_dense_layers": F(2, family="deepseek3-test"),
+    "dense_layers": F((1,), family="mixtral-tiny"),  # layer 1 becomes a dense MLP
     "routed_score_func": F("sigmoid", family="mixtral-tiny"),
     "norm_topk_prob": F(False, family="deepseek3-test"),
     "routed_scaling_factor": F(1.0, family="deepseek3-test"),

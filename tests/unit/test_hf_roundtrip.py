@@ -16,7 +16,10 @@ from nnxtron.convert.hf import from_hf, hf_config_to_nnxtron, read_hf_config, to
 from nnxtron.errors import CheckpointError, ConfigError
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
-CASES = ("llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek3", "gemma3", "llama4", "gpt2", "deepseek4")
+CASES = (
+    "llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "qwen3_moe_dense", "qwen3_moe_prefix", "deepseek3", "gemma3",
+    "llama4", "gpt2", "deepseek4",
+)  # fmt: skip
 
 
 def _params(model) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ import re
 from typing import TYPE_CHECKING
 
 from nnxtron.config import deepseek4, options
+from nnxtron.config.layout import is_moe_layer
 from nnxtron.config.pipeline import check_pipeline_options
 from nnxtron.errors import ConfigError
 
@@ -298,6 +299,17 @@ def check_moe(cfg: Config) -> None:
         raise ConfigError(
             f"first_num_dense_layers={cfg.first_num_dense_layers} leaves no MoE layer out of "
             f"base_num_decoder_layers={cfg.base_num_decoder_layers}"
+        )
+    layers = cfg.base_num_decoder_layers
+    if list(cfg.dense_layers) != sorted(set(cfg.dense_layers)) or not all(0 <= i < layers for i in cfg.dense_layers):
+        raise ConfigError(
+            f"dense_layers={list(cfg.dense_layers)} must list distinct layer indices in increasing order, each in "
+            f"0..{layers - 1} (base_num_decoder_layers={layers})"
+        )
+    if not any(is_moe_layer(cfg, i) for i in range(layers)):
+        raise ConfigError(
+            f"first_num_dense_layers, dense_layers and interleave_moe_layer_step leave no MoE layer out of "
+            f"base_num_decoder_layers={layers}; use num_experts=1 for a dense model"
         )
 
 

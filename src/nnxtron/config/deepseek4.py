@@ -100,8 +100,8 @@ def check(cfg: Config) -> None:
         raise ConfigError("decoder_block=deepseek4 has MoE layers only; set num_experts > 1")
     if cfg.first_num_hash_layers > layers:
         raise ConfigError(f"first_num_hash_layers={cfg.first_num_hash_layers} exceeds base_num_decoder_layers={layers}")
-    if cfg.first_num_dense_layers:
-        raise ConfigError("decoder_block=deepseek4 has no dense layers; set first_num_dense_layers=0")
+    if cfg.first_num_dense_layers or cfg.dense_layers:
+        raise ConfigError("decoder_block=deepseek4 has no dense layers; set first_num_dense_layers=0 and dense_layers=[]")
     if cfg.mtp_num_layers:
         raise ConfigError("mtp_num_layers > 0 is not supported with decoder_block=deepseek4 (HF drops its MTP layer)")
     if cfg.qk_rope_head_dim > cfg.resolved_head_dim or cfg.qk_rope_head_dim > cfg.indexer_head_dim:

@@ -15,8 +15,9 @@ shorter block; no layer is ever dropped.
 
 Layer ``i`` (0-based) of a config:
 
-* MoE iff ``num_experts > 1``, ``i >= first_num_dense_layers`` and
-  ``(i + 1) % interleave_moe_layer_step == 0``;
+* MoE iff ``num_experts > 1``, ``i >= first_num_dense_layers``, ``i`` not in ``dense_layers``
+  and ``(i + 1) % interleave_moe_layer_step == 0`` (HF Qwen3-MoE's rule, with ``dense_layers`` its
+  ``mlp_only_layers`` and the step its ``decoder_sparse_step``);
 * no RoPE (NoPE) iff ``nope_layer_interval > 0`` and ``(i + 1) % nope_layer_interval == 0``;
 * attention: DeepSeek-V4 (``compress_ratios``): ``sliding`` (0), ``csa`` or ``hca`` by the
   layer's ratio, and hash-routed MoE iff ``i < first_num_hash_layers``; with ``sliding_window_pattern`` P > 0, ``global`` iff ``(i + 1) % P == 0``
@@ -55,9 +56,19 @@ class LayerKind:
 PLAIN = LayerKind()  # dense feed-forward, global attention, RoPE
 
 
+def is_moe_layer(cfg: Config, i: int) -> bool:
+    """Whether layer ``i`` (0-based) has the routed MoE feed-forward; see the module docstring."""
+    return (
+        cfg.num_experts > 1
+        and i >= cfg.first_num_dense_layers
+        and i not in cfg.dense_layers
+        and (i + 1) % cfg.interleave_moe_layer_step == 0
+    )
+
+
 def layer_kind(cfg: Config, i: int) -> LayerKind:
     """The kind of layer ``i`` (0-based); see the module docstring."""
-    moe = cfg.num_experts > 1 and i >= cfg.first_num_dense_layers and (i + 1) % cfg.interleave_moe_layer_step == 0
+    moe = is_moe_layer(cfg, i)
     rope = not (cfg.nope_layer_interval and (i + 1) % cfg.nope_layer_interval == 0)
     if cfg.compress_ratios:  # DeepSeek-V4
         return LayerKind(moe=moe, attention=deepseek4.attention_kind(cfg, i), hash=deepseek4.hash_routed(cfg, i))

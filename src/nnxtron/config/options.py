@@ -144,6 +144,7 @@ MOE_OPTIONS_OFF: dict[str, Any] = {
     "num_experts_per_tok": 1,
     "shared_experts": 0,
     "first_num_dense_layers": 0,
+    "dense_layers": (),
     "routed_scaling_factor": 1.0,
     "routed_bias": False,
     "routed_bias_update_rate": 0.0,

@@ -134,6 +134,7 @@ class Config(BaseModel):
     base_moe_mlp_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # hidden size of each routed (and shared) expert
     shared_experts: Model[int] = Field(ge=0, le=MAX_COUNT)  # always-on experts: one MLP of shared_experts x base_moe_mlp_dim
     first_num_dense_layers: Model[int] = Field(ge=0, le=MAX_COUNT)  # leading dense layers (their own scanned stack)
+    dense_layers: Model[tuple[int, ...]]  # 0-based layers anywhere that keep the dense MLP (HF Qwen3-MoE mlp_only_layers)
     routed_score_func: Model[Literal[options.ROUTER_SCORE_FUNCS]]
     norm_topk_prob: Model[bool]  # renormalise the selected experts' weights to sum to 1
     routed_scaling_factor: Model[float] = Field(gt=0)  # multiplies the combine weights (DeepSeek)
@@ -377,6 +378,8 @@ class Config(BaseModel):
         periods = [self.sliding_window_pattern or 1, self.nope_layer_interval or 1]
         if self.num_experts > 1:
             periods.append(self.interleave_moe_layer_step)
+            if self.dense_layers:  # any set of layers: no shorter period in general
+                periods.append(self.base_num_decoder_layers)
         if self.compress_ratios:
             periods.append(deepseek4.period(self))
         return math.lcm(*periods)

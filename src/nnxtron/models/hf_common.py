@@ -174,13 +174,18 @@ PATTERN_FIELDS = (
 )
 
 
-def check_exportable(cfg: Config, family: str, *, moe: bool = False, qk_norm: bool = False, mla: bool = False) -> None:
-    """Raise when ``cfg`` uses a feature the HF class of ``family`` lacks (a Llama-style one)."""
+def check_exportable(
+    cfg: Config, family: str, *, moe: bool = False, qk_norm: bool = False, mla: bool = False, dense_layers: bool = False
+) -> None:
+    """Raise when ``cfg`` uses a feature the HF class of ``family`` lacks (a Llama-style one);
+    ``dense_layers``: the class has dense layers among its MoE layers (Qwen3-MoE)."""
     for name in PATTERN_FIELDS:
         if getattr(cfg, name):
             raise ConfigError(f"{name} has no HF {family} equivalent; export needs {name}=0/false (or a family that has it)")
-    if cfg.interleave_moe_layer_step != 1:
+    if cfg.interleave_moe_layer_step != 1 and not dense_layers:
         raise ConfigError(f"interleave_moe_layer_step has no HF {family} equivalent; export needs 1")
+    if cfg.dense_layers and not dense_layers:
+        raise ConfigError(f"dense_layers has no HF {family} equivalent; export needs dense_layers=[]")
     if cfg.rope_type == "linear":
         raise ConfigError(f"rope_type=linear is not exported for HF {family}; use default, llama3 or yarn")
     if cfg.num_experts > 1 and not moe:

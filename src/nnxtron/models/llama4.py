@@ -108,10 +108,16 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     if cfg.attention_type != "global" or cfg.sliding_window_size or cfg.sliding_window_pattern or not cfg.rope_interleave:
         raise ConfigError("HF Llama 4 needs attention_type=global, no sliding window and rope_interleave=true")
     moe = cfg.num_experts > 1
-    if moe and (not cfg.router_scales_expert_input or cfg.shared_experts != 1 or cfg.first_num_dense_layers or cfg.routed_bias):
+    if moe and (
+        not cfg.router_scales_expert_input
+        or cfg.shared_experts != 1
+        or cfg.first_num_dense_layers
+        or cfg.dense_layers
+        or cfg.routed_bias
+    ):
         raise ConfigError(
             "HF Llama 4 MoE is top-1 sigmoid routing scaling the expert input (router_scales_expert_input=true) "
-            "with shared_experts=1, no dense prefix and no router bias"
+            "with shared_experts=1, no dense prefix or dense_layers and no router bias"
         )
     if cfg.rope_type not in ("default", "llama3"):
         raise ConfigError("HF Llama 4 needs rope_type default or llama3")

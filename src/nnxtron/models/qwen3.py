@@ -2,9 +2,12 @@
 
 HF ``Qwen3ForCausalLM`` (``decoder_block=qwen3``) and ``Qwen3MoeForCausalLM``
 (``decoder_block=qwen3_moe``: softmax top-k routing, renormalised when
-``norm_topk_prob``; every layer is MoE — ``decoder_sparse_step`` 1, no
-``mlp_only_layers``). Experts load from the hub layout (``mlp.experts.{e}.*_proj``) or
-the transformers >= 5 fused one; export writes the hub layout.
+``norm_topk_prob``). Qwen3-MoE's dense layers (HF: layer ``i`` is MoE iff ``i`` is not in
+``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; the others are dense MLPs of
+``intermediate_size``) map to ``interleave_moe_layer_step`` = ``decoder_sparse_step`` and
+``dense_layers`` = ``mlp_only_layers``, or ``first_num_dense_layers`` when they are a prefix and
+the step is 1 (a scanned stack of their own). Experts load from the hub layout
+(``mlp.experts.{e}.*_proj``) or the transformers >= 5 fused one; export writes the hub layout.
 """
 
 from __future__ import annotations
@@ -47,8 +50,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     values = common_config_from_hf(hf, "qwen3_moe" if moe else "qwen3")
     values.update(use_qk_norm=True, sliding_window_size=0)
     if moe:
-        if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
-            raise ConfigError("HF Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported")
+        values.update(_dense_layers_from_hf(hf))
         values.update(
             num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),  # 5.24 saves num_local_experts
             num_experts_per_tok=int(hf["num_experts_per_tok"]),
@@ -59,23 +61,33 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def _dense_layers_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """``decoder_sparse_step`` and ``mlp_only_layers`` as nnxtron's layer-pattern keys."""
+    step = int(hf.get("decoder_sparse_step") or 1)
+    layers = int(hf["num_hidden_layers"])
+    dense = sorted({int(i) for i in hf.get("mlp_only_layers") or ()} & set(range(layers)))  # HF ignores other indices
+    if step == 1 and dense == list(range(len(dense))):
+        return {"interleave_moe_layer_step": 1, "first_num_dense_layers": len(dense), "dense_layers": ()}
+    return {"interleave_moe_layer_step": step, "first_num_dense_layers": 0, "dense_layers": tuple(dense)}
+
+
 def config_to_hf(cfg: Config) -> dict[str, Any]:
-    check_exportable(cfg, "qwen3", moe=cfg.decoder_block == "qwen3_moe", qk_norm=True)
+    moe = cfg.decoder_block == "qwen3_moe"
+    check_exportable(cfg, "qwen3", moe=moe, qk_norm=True, dense_layers=moe)
     if not cfg.use_qk_norm or cfg.rope_interleave or cfg.sliding_window_size:
         raise ConfigError("HF Qwen3 needs use_qk_norm=true, rope_interleave=false and sliding_window_size=0")
-    moe = cfg.decoder_block == "qwen3_moe"
     hf = common_config_to_hf(cfg, "qwen3_moe" if moe else "qwen3", "Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM")
     hf.update(use_sliding_window=False, sliding_window=None)
     if moe:
-        if cfg.routed_score_func != "softmax" or cfg.shared_experts or cfg.first_num_dense_layers:
-            raise ConfigError("HF Qwen3-MoE routes by softmax top-k, without shared experts or dense layers")
+        if cfg.routed_score_func != "softmax" or cfg.shared_experts:
+            raise ConfigError("HF Qwen3-MoE routes by softmax top-k, without shared experts")
         hf.update(
             num_experts=cfg.num_experts,
             num_experts_per_tok=cfg.num_experts_per_tok,
             moe_intermediate_size=cfg.base_moe_mlp_dim,
             norm_topk_prob=cfg.norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
+            decoder_sparse_step=cfg.interleave_moe_layer_step,
+            mlp_only_layers=sorted(set(range(cfg.first_num_dense_layers)) | set(cfg.dense_layers)),
             router_aux_loss_coef=cfg.load_balance_loss_weight,
         )
     return hf
