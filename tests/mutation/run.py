@@ -162,8 +162,10 @@ MUTATIONS = [
              ("tests/parity/test_hf_golden.py",)),
     Mutation("qk-norm-skipped", "layers/attention.py", "q, k = self.query_norm(q), self.key_norm(k)", "q, k = q, k",
              ("tests/parity/test_hf_golden.py",)),
-    Mutation("dense-prefix-uses-moe", "config/layout.py", "moe = cfg.num_experts > 1 and i >= cfg.first_num_dense_layers and", "moe = cfg.num_experts > 1 and",
+    Mutation("dense-prefix-uses-moe", "config/layout.py", "and i >= cfg.first_num_dense_layers\n", "\n",
              ("tests/parity/test_hf_golden.py",)),
+    Mutation("dense-layers-use-moe", "config/layout.py", "and i not in cfg.dense_layers\n", "\n",
+             ("tests/parity/test_hf_golden.py::test_logits_match_hf[qwen3_moe_dense-scan]",)),
     # layer patterns (Gemma 3, Llama 4, GPT-3)
     Mutation("swap-local-global", "config/layout.py", 'attention = "global" if (i + 1) % cfg.sliding_window_pattern == 0 else "sliding"',
              'attention = "sliding" if (i + 1) % cfg.sliding_window_pattern == 0 else "global"', ("tests/parity/test_hf_golden.py::test_logits_match_hf[gemma3-scan]",)),
