@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 CASES = (
     "llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "qwen3_moe_norenorm", "deepseek3", "gemma3", "llama4", "gpt2",
-    "deepseek4", "qwen3_moe_dense", "qwen3_moe_prefix",
+    "deepseek4", "qwen3_moe_dense", "qwen3_moe_prefix", "deepseek3_mtp",
 )  # fmt: skip
 MOE_CASES = (
     "mixtral",
@@ -43,6 +43,7 @@ MOE_CASES = (
     "deepseek4",
     "qwen3_moe_dense",
     "qwen3_moe_prefix",
+    "deepseek3_mtp",
 )
 PROMPT, NEW = 12, 24
 MIN_MARGIN = 1e-5  # nnxtron matches the HF logits to <= 8e-7 (test_hf_golden.py): a 1e-5 margin cannot flip

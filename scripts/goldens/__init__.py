@@ -10,7 +10,7 @@ import importlib
 
 from goldens.harness import Case
 
-FAMILIES = ("llama", "mixtral_qwen3", "deepseek3", "gemma3", "llama4", "deepseek4", "gpt2")
+FAMILIES = ("llama", "mixtral_qwen3", "deepseek3", "deepseek3_mtp", "gemma3", "llama4", "deepseek4", "gpt2")
 
 
 def _registry() -> dict[str, Case]:

@@ -56,6 +56,7 @@ TIE_CHECKS: dict[str, tuple[Check, ...]] = {
     "qwen3_moe_dense": (softmax_routing,),
     "qwen3_moe_prefix": (softmax_routing,),
     "deepseek3": (deepseek3_routing,),
+    "deepseek3_mtp": (deepseek3_routing,),  # no MTP layer: the file transformers itself saves (mtp_num_layers 0)
     "llama4": (llama4_routing,),
     "deepseek4": (deepseek4_top_k,),
 }

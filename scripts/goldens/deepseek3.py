@@ -125,48 +125,52 @@ def router_check(run: Run) -> None:
     assert d_bias > 1e-4
 
 
+# Shared with the MTP case (goldens/deepseek3_mtp.py).
+DEEPSEEK3_KWARGS = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,  # layer 0 dense, layers 1-2 MoE
+    intermediate_size=96,  # dense-layer MLP
+    moe_intermediate_size=32,  # routed and shared experts
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=163840,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    rope_interleave=True,
+    attention_bias=False,
+    tie_word_embeddings=False,
+)
+
+
 CASES = (
     Case(
         "deepseek3",
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
-        dict(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            num_hidden_layers=3,
-            first_k_dense_replace=1,  # layer 0 dense, layers 1-2 MoE
-            intermediate_size=96,  # dense-layer MLP
-            moe_intermediate_size=32,  # routed and shared experts
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            routed_scaling_factor=2.5,
-            n_group=4,
-            topk_group=2,
-            norm_topk_prob=True,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=163840,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 40.0,
-                "original_max_position_embeddings": 4096,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
-            rope_interleave=True,
-            attention_bias=False,
-            tie_word_embeddings=False,
-        ),
+        DEEPSEEK3_KWARGS,
         checks=(_yarn_check, router_check, write_and_check_fused),
         moe=True,
     ),

@@ -254,7 +254,7 @@ def write_and_check_fused(run: Run) -> None:
 
 
 def write_golden(path: Path, input_ids: torch.Tensor, out_logits: torch.Tensor, **extra: torch.Tensor) -> None:
-    """``input_ids`` and ``logits``, plus ``extra`` tensors (the adversarial cases' ``logits_float64``)."""
+    """``input_ids`` and ``logits``, plus ``extra`` tensors (``logits_float64``, ``mtp_logits``)."""
     tensors = {"input_ids": input_ids, "logits": out_logits, **extra}
     save_file({key: t.contiguous() for key, t in tensors.items()}, str(path))
 
@@ -266,7 +266,7 @@ def reload(case: Case, directory: Path | str) -> torch.nn.Module:
 def assert_reproduces(model: torch.nn.Module, golden: Path, input_ids: torch.Tensor, what: str) -> None:
     """``golden`` holds exactly ``input_ids`` and logits that ``model`` reproduces bit for bit."""
     stored = load_file(str(golden))
-    assert set(stored) - {"logits_float64"} == {"input_ids", "logits"}
+    assert set(stored) - {"logits_float64", "mtp_logits"} == {"input_ids", "logits"}
     assert torch.equal(stored["input_ids"], input_ids)
     relogits = logits(model, stored["input_ids"])
     max_diff = float((relogits - stored["logits"]).abs().max())

@@ -73,6 +73,7 @@ CASES = (
     "qwen3_moe_dense",
     "qwen3_moe_prefix",
     "deepseek3",
+    "deepseek3_mtp",
     "gemma3",
     "llama4",
     "gpt2",
@@ -135,6 +136,75 @@ def test_adversarial_goldens_are_adversarial(case: str) -> None:
     matrices = [k for k, v in weights.items() if v.ndim >= 2 and v.dtype == np.float32 and k in plain]
     ratio = np.median([np.std(weights[k]) / np.std(plain[k]) for k in matrices])
     assert 1.8 < ratio < 3.2, ratio
+
+
+def _mtp_logits(model, golden: dict[str, np.ndarray]) -> tuple[np.ndarray, float]:
+    """Depth-1 MTP logits [B, S, V] and nnxtron's MTP loss, the last position without a target."""
+    ids = jnp.asarray(golden["input_ids"])
+    targets = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+    loss_mask = jnp.ones(ids.shape, jnp.float32).at[:, -1].set(0.0)
+    seen = []
+    head = model.output_head
+    model.output_head = lambda x: seen.append(head(x)) or seen[-1]  # the MTP depths call the shared head
+    with jax.default_matmul_precision("highest"):
+        out = model(ids, targets=targets, loss_mask=loss_mask)
+    return np.asarray(seen[-1]), float(out.aux["mtp_loss"])
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_deepseek3_mtp_layer_matches_the_reference(goldens, scan: bool) -> None:
+    """The hub layout's MTP layer (``model.layers.3``) imports as one MTP depth whose logits and loss
+    match the reference built from HF's modules (scripts/goldens/deepseek3_mtp.py); measured 3.0e-7."""
+    golden = goldens["deepseek3_mtp"]
+    model = from_hf(GOLDEN / "deepseek3_mtp", scan_layers=scan)
+    assert model.config.mtp_num_layers == 1
+    logits, loss = _mtp_logits(model, golden)
+    seq = golden["input_ids"].shape[1]
+    diff = float(np.abs(logits[:, : seq - 1] - golden["mtp_logits"]).max())
+    assert diff <= TOL, f"MTP logits: max |nnxtron - reference| = {diff:.3g}"
+    reference = golden["mtp_logits"][:, : seq - 2].astype(np.float64)  # the positions with a target two ahead
+    log_z = np.log(np.exp(reference - reference.max(-1, keepdims=True)).sum(-1)) + reference.max(-1)
+    picked = np.take_along_axis(reference, golden["input_ids"][:, 2:, None].astype(np.int64), -1)[..., 0]
+    assert abs(loss - float((log_z - picked).mean())) <= TOL * 10
+
+
+def test_deepseek3_without_mtp_weights_imports_without_mtp(tmp_path: Path) -> None:
+    """transformers' save_pretrained drops the MTP layer but keeps num_nextn_predict_layers 1: nnxtron
+    then builds no MTP depth (as transformers does), and the export says so."""
+    import json
+
+    assert json.loads((GOLDEN / "deepseek3" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    model = from_hf(GOLDEN / "deepseek3")
+    assert model.config.mtp_num_layers == 0
+    assert json.loads((to_hf(model, tmp_path / "out") / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_an_mtp_layer_with_its_own_head_is_refused(tmp_path: Path) -> None:
+    """nnxtron's MTP shares the model's embedding and head; a checkpoint whose MTP layer has another is one line."""
+    from safetensors.numpy import save_file
+
+    from nnxtron.errors import CheckpointError
+
+    shutil.copy(GOLDEN / "deepseek3_mtp" / "config.json", tmp_path / "config.json")
+    weights = load_file(str(GOLDEN / "deepseek3_mtp" / "model.safetensors"))
+    weights["model.layers.3.shared_head.head.weight"] = weights["model.layers.3.shared_head.head.weight"] + 1.0
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="shared_head.head.weight' .* differs from 'lm_head.weight'") as err:
+        from_hf(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_mtp_import_and_export_need_a_family_with_hf_mtp(tmp_path: Path) -> None:
+    from nnxtron.errors import ConfigError
+    from nnxtron.models.build import build_model
+    from tests.conftest import tiny_config
+
+    match = "mtp_num_layers=1: HF LlamaForCausalLM has no multi-token prediction"
+    with pytest.raises(ConfigError, match=match):
+        from_hf(GOLDEN / "llama2", mtp_num_layers=1)
+    with pytest.raises(ConfigError, match=match):
+        to_hf(build_model(tiny_config("llama2-tiny", mtp_num_layers=1)), tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_llama3_rope_scaling_is_checked(goldens) -> None:

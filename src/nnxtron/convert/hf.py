@@ -24,17 +24,18 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from nnxtron.config.layout import layer_kinds
 from nnxtron.config.loader import load_config
 from nnxtron.config.schema import Config
 from nnxtron.config.stacks import layer_stacks
 from nnxtron.data.sources import BYTE_MODEL_VOCAB_LIMIT, tokenizer_for
 from nnxtron.data.tokenizer import ByteTokenizer, Tokenizer
 from nnxtron.data.tokenizer_files import tokenizer_values, write_hf_tokenizer
-from nnxtron.errors import CheckpointError
+from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.layers.moe import ExpertLoad
 from nnxtron.models.build import abstract_model
 from nnxtron.models.decoder import Decoder
-from nnxtron.models.family import WeightMap
+from nnxtron.models.family import Family, WeightMap
 from nnxtron.models.registry import family_for, family_for_hf
 
 __all__ = ["from_hf", "to_hf", "hf_config", "load_hf_weights", "read_hf_config", "hf_config_to_nnxtron"]
@@ -108,13 +109,32 @@ def _map_config(hf: dict[str, Any], origin: Path) -> dict[str, Any]:
     hf = _text_config(hf)
     _, family = family_for_hf(str(hf["model_type"]))  # ConfigError naming unsupported types
     try:
-        return family.config_from_hf(hf)
+        values = family.config_from_hf(hf)
+        if values.get("mtp_num_layers") and not _holds_mtp_layers(origin.parent, family, values["base_num_decoder_layers"]):
+            values["mtp_num_layers"] = 0  # transformers' save_pretrained drops the MTP layers its config counts
+        return values
     except KeyError as err:
         raise CheckpointError(f"'{origin}' lacks key {err}; re-save the config with transformers") from None
     except (TypeError, ValueError, AttributeError, OverflowError) as err:  # a value of the wrong type or range
         raise CheckpointError(f"'{origin}' has an invalid value ({err}); fix config.json") from None
     except ZeroDivisionError:  # e.g. a head count of 0, divided into the width
         raise CheckpointError(f"'{origin}' has 0 for a size or count that divides another; fix config.json") from None
+
+
+def _holds_mtp_layers(root: Path, family: Family, layers: int) -> bool:
+    """Whether the weights in ``root`` hold the first multi-token-prediction layer (True
+    without weight files: the config alone describes the model)."""
+    if not family.mtp_weights:
+        return True  # weight_maps refuses mtp_num_layers for this family, naming the key
+    key = family.hf_layer_prefix.format(i=layers) + family.mtp_weights[0].hf_key
+    try:
+        files = _weight_files(root)
+    except CheckpointError:
+        return True
+    if len(files) > 1:
+        return key in json.loads((root / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
+    with safe_open(str(files[0]), "numpy") as handle:
+        return key in handle.keys()
 
 
 def hf_config_to_nnxtron(path: str | os.PathLike) -> dict[str, Any]:
@@ -149,6 +169,28 @@ def weight_maps(cfg: Config) -> Iterator[_Mapped]:
                 else:
                     for i, prefix in enumerate(prefixes):
                         yield _Mapped((stack.name, "layers", i, *sub), (prefix,), wm, False)
+    if cfg.mtp_num_layers:
+        if not family.mtp_weights:
+            raise ConfigError(
+                f"mtp_num_layers={cfg.mtp_num_layers}: HF {family.hf_architecture} has no multi-token prediction "
+                "layers; set mtp_num_layers=0 to import or export it"
+            )
+        last = layer_kinds(cfg)[-1]  # an MTP depth's block is of the last layer's kind (models/mtp.py)
+        for depth, prefix in enumerate(mtp_prefixes(cfg, family)):
+            for wm in family.mtp_weights:
+                yield _Mapped(("mtp", "depths", depth, *wm.path.split("/")), (prefix,), wm, False)
+            for wm in family.layer_weights(cfg, last):
+                yield _Mapped(("mtp", "depths", depth, "block", *wm.path.split("/")), (prefix,), wm, False)
+
+
+def mtp_prefixes(cfg: Config, family: Family) -> list[str]:
+    """The HF key prefix of each multi-token-prediction depth: the layers after the decoder's."""
+    return [family.hf_layer_prefix.format(i=cfg.base_num_decoder_layers + d) for d in range(cfg.mtp_num_layers)]
+
+
+def _mtp_copy_source(cfg: Config, top_key: str) -> str:
+    """The top-level HF key an MTP layer's copy repeats (a tied head repeats the embedding)."""
+    return "model.embed_tokens.weight" if top_key == "lm_head.weight" and cfg.logits_via_embedding else top_key
 
 
 def _check_covered(params: dict[ParamPath, Any], mapped: set[ParamPath], family: str) -> None:
@@ -352,6 +394,7 @@ def load_hf_weights(path: str | os.PathLike, cfg: Config) -> Decoder:
             dtype = weight_dtype if isinstance(variable, nnx.Param) else variable.dtype
             parts = [reader.read(prefix, mapped.wm, shape, dtype) for prefix in mapped.layer_prefixes]
             filled[mapped.path] = variable.replace(jnp.asarray(np.stack(parts) if mapped.stacked else parts[0]))
+        _check_mtp_copies(reader, cfg)
         ignored = {"lm_head.weight"} if cfg.logits_via_embedding else set()  # HF ties it to the embedding
         extra = sorted(k for k in handles if k not in reader.used and k not in ignored and not k.endswith(IGNORED_SUFFIXES))
     if extra:
@@ -359,6 +402,21 @@ def load_hf_weights(path: str | os.PathLike, cfg: Config) -> Decoder:
         raise CheckpointError(f"'{root}' holds tensors this config does not use: {shown}; check config.json matches the weights")
     _check_covered(params, set(filled), cfg.decoder_block)
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+def _check_mtp_copies(reader: _Reader, cfg: Config) -> None:
+    """An MTP layer's copies of the embedding and head must equal them: nnxtron shares them."""
+    family = family_for(cfg.decoder_block)
+    for prefix in mtp_prefixes(cfg, family) if family.mtp_weights else ():
+        for own, top in family.mtp_copies:
+            key, source = prefix + own, _mtp_copy_source(cfg, top)
+            if key in reader.handles and source in reader.handles:
+                main = reader.handles[source].get_tensor(reader.file_keys.get(source, source))
+                if not np.array_equal(reader._get(key, tuple(main.shape), main.dtype), main):
+                    raise CheckpointError(
+                        f"tensor '{key}' in '{reader.root}' differs from '{source}'; nnxtron's multi-token prediction "
+                        "shares the model's embedding and head (set mtp_num_layers=0 to import without it)"
+                    )
 
 
 def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -384,6 +442,9 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
             tensors.update(_hf_tensors(value[i] if m.stacked else value, prefix, m.wm))
     _check_covered(params, mapped, cfg.decoder_block)
     tensors = _join_split(tensors)
+    family = family_for(cfg.decoder_block)
+    for prefix in mtp_prefixes(cfg, family):  # the hub layout repeats the embedding and head in each MTP layer
+        tensors.update({prefix + own: tensors[_mtp_copy_source(cfg, top)] for own, top in family.mtp_copies})
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -5,8 +5,15 @@ gated MLP (``base_mlp_dim``) and form the ``dense_layers`` stack; the rest form
 ``moe_layers``: sigmoid scores + correction bias (``mlp.gate.e_score_correction_bias``,
 a non-trainable ``RouterBias``), group-limited top-k, weights renormalised and scaled by
 ``routed_scaling_factor``, plus the shared experts. Attention is MLA with YaRN RoPE on
-the interleaved rope dims. Multi-token prediction (``mtp_num_layers``) is nnxtron's own
-(HF's class has no MTP layer; the hub checkpoint's ``model.layers.61`` is not read).
+the interleaved rope dims.
+
+Multi-token prediction: the hub checkpoint stores ``num_nextn_predict_layers`` MTP layers after
+the decoder's (``model.layers.61`` for the 61-layer model): ``enorm`` / ``hnorm`` (the
+embedding's and the hidden state's norms), ``eh_proj`` (``[D, 2D]``: the embedding half
+first), a decoder layer of the last layer's kind, ``shared_head.norm`` and copies of the
+embedding and output head. They map to ``mtp_num_layers`` depths (``models/mtp.py``);
+transformers' ``DeepseekV3ForCausalLM`` has no MTP and its ``save_pretrained`` drops them, so
+a directory without them imports with ``mtp_num_layers=0`` (``convert/hf.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +64,15 @@ def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
     return maps
 
 
+MTP_WEIGHTS = (
+    WeightMap("embedding_norm/scale", "enorm.weight"),
+    WeightMap("hidden_norm/scale", "hnorm.weight"),
+    WeightMap("projection/kernel", "eh_proj.weight", 1),
+    WeightMap("final_norm/scale", "shared_head.norm.weight"),
+)
+MTP_COPIES = (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", "lm_head.weight"))
+
+
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     values = common_config_from_hf(hf, "deepseek")
     if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
@@ -84,6 +100,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         # one group kept of one is plain top-k
         n_routing_groups=groups if groups > 1 else -1,
         topk_routing_group=keep if groups > 1 else -1,
+        mtp_num_layers=int(hf.get("num_nextn_predict_layers") or 0),
     )
     return values
 
@@ -112,8 +129,20 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
         topk_group=max(cfg.topk_routing_group, 1),
         topk_method="noaux_tc",
         scoring_func="sigmoid",
+        num_nextn_predict_layers=cfg.mtp_num_layers,
     )
     return hf
 
 
-FAMILIES = (pre_norm_family("deepseek", "deepseek_v3", "DeepseekV3ForCausalLM", layer_weights, config_from_hf, config_to_hf),)
+FAMILIES = (
+    pre_norm_family(
+        "deepseek",
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        layer_weights,
+        config_from_hf,
+        config_to_hf,
+        mtp_weights=MTP_WEIGHTS,
+        mtp_copies=MTP_COPIES,
+    ),
+)

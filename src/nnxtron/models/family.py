@@ -68,7 +68,10 @@ class Family:
     streams: the decoder calls the module's ``expand`` on the embeddings and the module
     itself to collapse the streams before the final norm (DeepSeek-V4 hyper-connections);
     ``block_takes_tokens``: blocks are called with the token ids as a fourth argument
-    (DeepSeek-V4 hash routing).
+    (DeepSeek-V4 hash routing). ``mtp_weights``, when set, maps a multi-token-prediction
+    depth's own weights (``models/mtp.MTPDepth``; its block uses ``layer_weights``) to the HF
+    layer after the decoder's last (DeepSeek-V3's ``model.layers.61``); ``mtp_copies`` lists
+    (key in that layer, top-level key) pairs the HF layer repeats (its embedding and head).
     """
 
     name: str
@@ -84,3 +87,5 @@ class Family:
     scale_embeddings: bool = False
     make_stream_head: Callable[[Config, nnx.Rngs], nnx.Module] | None = None
     block_takes_tokens: bool = False
+    mtp_weights: tuple[WeightMap, ...] = ()
+    mtp_copies: tuple[tuple[str, str], ...] = ()

@@ -80,8 +80,10 @@ def pre_norm_family(
     config_from_hf: Callable[[dict[str, Any]], dict[str, Any]],
     config_to_hf: Callable[[Config], dict[str, Any]],
     make_block: Callable[[Config, nnx.Rngs, LayerKind], nnx.Module] = PreNormBlock,
+    **extra: Any,
 ) -> Family:
-    """The ``Family`` of a family built from ``PreNormBlock`` with the Llama top-level weights."""
+    """The ``Family`` of a family built from ``PreNormBlock`` with the Llama top-level weights
+    (``extra``: further ``Family`` fields)."""
     return Family(
         name=name,
         hf_model_type=hf_model_type,
@@ -91,4 +93,5 @@ def pre_norm_family(
         top_weights=top_weights,
         config_from_hf=config_from_hf,
         config_to_hf=config_to_hf,
+        **extra,
     )
