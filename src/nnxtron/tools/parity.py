@@ -145,6 +145,30 @@ def _norm(x: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(x, np.float64).ravel()))
 
 
+LARGE_LEAF = 0.01  # grad_differences: a leaf holding this share of the total gradient norm is "large"
+
+
+def grad_differences(a: GradResult, b: GradResult) -> dict[str, float]:
+    """How far ``a`` is from the reference ``b``, without bounds (to measure bounds from): relative
+    loss and aux-loss error, input-cotangent and aggregate gradient relative L2 errors, the worst
+    ``||g_a - g_b|| / ||g_b||`` among the leaves holding at least ``LARGE_LEAF`` of the total
+    gradient norm (``leaf_rel``: what the per-leaf bound's ``rel`` must cover) and the worst
+    leaf's error as a fraction of the total norm (``leaf_of_total``: ``abs_frac``, which covers
+    the small leaves)."""
+    loss = max(abs(x - y) / max(abs(y), 1e-12) for x, y in [(a.loss, b.loss), *((a.aux[k], v) for k, v in b.aux.items())])
+    total = np.sqrt(sum(_norm(g) ** 2 for g in b.param_grads.values()))
+    errors = {key: _norm(a.param_grads[key] - g) for key, g in b.param_grads.items()}
+    return {
+        "loss": loss,
+        "input": _norm(a.input_grad - b.input_grad) / max(_norm(b.input_grad), 1e-30),
+        "aggregate": float(np.sqrt(sum(e**2 for e in errors.values()))) / max(total, 1e-30),
+        "leaf_rel": max(
+            (errors[key] / _norm(g) for key, g in b.param_grads.items() if _norm(g) >= LARGE_LEAF * total), default=0.0
+        ),
+        "leaf_of_total": max(errors.values()) / max(total, 1e-30),
+    }
+
+
 def assert_grad_parity(
     a: GradResult,
     b: GradResult,
