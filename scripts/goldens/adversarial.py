@@ -34,7 +34,7 @@ import torch
 
 from goldens.deepseek3 import router_check as deepseek3_routing
 from goldens.deepseek4 import check_top_k as deepseek4_top_k
-from goldens.harness import Case, Check, Run, write_golden
+from goldens.harness import Case, Check, Run, redraw_hash_table, write_golden
 from goldens.llama4 import router_check as llama4_routing
 from goldens.mixtral_qwen3 import softmax_router_check as softmax_routing
 
@@ -76,9 +76,7 @@ def perturb(model: torch.nn.Module) -> None:
         if name.endswith("e_score_correction_bias"):
             b.copy_(TABLE_SCALE * torch.randn(b.shape, generator=gen, dtype=b.dtype))
         elif name.endswith("tid2eid"):  # [V, k] token -> k distinct experts
-            n_exp = model.config.n_routed_experts
-            rows = [torch.randperm(n_exp, generator=gen)[: b.shape[1]] for _ in range(b.shape[0])]
-            b.copy_(torch.stack(rows).to(b.dtype))
+            redraw_hash_table(b, model.config.n_routed_experts, gen)
 
 
 @torch.no_grad()

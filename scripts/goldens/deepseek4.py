@@ -24,6 +24,7 @@ from goldens.harness import (
     diff_by_position,
     first_diff,
     logits,
+    redraw_hash_table,
     reload,
     save_fused,
     variant,
@@ -107,9 +108,7 @@ def _randomize(model: torch.nn.Module) -> None:
             p.copy_(1.0 + 0.1 * randn(p))
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):  # [V, k] token -> k distinct experts
-            n_exp = model.config.n_routed_experts
-            rows = [torch.randperm(n_exp, generator=gen)[: b.shape[1]] for _ in range(b.shape[0])]
-            b.copy_(torch.stack(rows).to(b.dtype))
+            redraw_hash_table(b, model.config.n_routed_experts, gen)
 
 
 @torch.no_grad()

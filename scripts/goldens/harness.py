@@ -94,6 +94,12 @@ class Run:
     dir: Path
 
 
+def redraw_hash_table(table: torch.Tensor, experts: int, gen: torch.Generator) -> None:
+    """Fill a DeepSeek-V4 ``tid2eid`` table [V, k] with k distinct random experts per token."""
+    rows = [torch.randperm(experts, generator=gen)[: table.shape[1]] for _ in range(table.shape[0])]
+    table.copy_(torch.stack(rows).to(table.dtype))
+
+
 def build(case: Case) -> torch.nn.Module:
     """Default HF init from the case seed, then non-trivial norms, routers, extras and correction biases."""
     config = case.config()

@@ -232,10 +232,14 @@ class _Reader:
         self.file_keys = file_keys or {}  # key -> its name in the file, where they differ (multimodal wrappers)
         self.used: set[str] = set()
 
+    def raw(self, key: str) -> np.ndarray:
+        """The tensor ``key`` as stored, unchecked."""
+        return self.handles[key].get_tensor(self.file_keys.get(key, key))
+
     def _get(self, key: str, want: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """The tensor ``key``: of shape ``want``, of ``dtype``'s kind (floating or integer) and,
         for floating weights, finite."""
-        tensor = self.handles[key].get_tensor(self.file_keys.get(key, key))
+        tensor = self.raw(key)
         if tuple(tensor.shape) != want:
             raise CheckpointError(
                 f"tensor '{key}' in '{self.root}' has shape {list(tensor.shape)}, expected {list(want)} from "
@@ -407,11 +411,11 @@ def load_hf_weights(path: str | os.PathLike, cfg: Config) -> Decoder:
 def _check_mtp_copies(reader: _Reader, cfg: Config) -> None:
     """An MTP layer's copies of the embedding and head must equal them: nnxtron shares them."""
     family = family_for(cfg.decoder_block)
-    for prefix in mtp_prefixes(cfg, family) if family.mtp_weights else ():
+    for prefix in mtp_prefixes(cfg, family):  # none unless the family has MTP weights (weight_maps refuses)
         for own, top in family.mtp_copies:
             key, source = prefix + own, _mtp_copy_source(cfg, top)
             if key in reader.handles and source in reader.handles:
-                main = reader.handles[source].get_tensor(reader.file_keys.get(source, source))
+                main = reader.raw(source)
                 if not np.array_equal(reader._get(key, tuple(main.shape), main.dtype), main):
                     raise CheckpointError(
                         f"tensor '{key}' in '{reader.root}' differs from '{source}'; nnxtron's multi-token prediction "

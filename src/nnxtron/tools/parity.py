@@ -148,6 +148,26 @@ def _norm(x: np.ndarray) -> float:
 LARGE_LEAF = 0.01  # grad_differences: a leaf holding this share of the total gradient norm is "large"
 
 
+def _leaf_errors(a: GradResult, b: GradResult) -> tuple[float, dict[str, float]]:
+    """The reference ``b``'s total gradient norm and each leaf's ``||g_a - g_b||``."""
+    total = float(np.sqrt(sum(_norm(g) ** 2 for g in b.param_grads.values())))
+    return total, {key: _norm(a.param_grads[key] - g) for key, g in b.param_grads.items()}
+
+
+def _loss_error(a: GradResult, b: GradResult) -> float:
+    """The worst relative error of the loss and the aux losses."""
+    pairs = [(a.loss, b.loss), *((a.aux[k], v) for k, v in b.aux.items())]
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in pairs)
+
+
+def _input_error(a: GradResult, b: GradResult) -> float:
+    return _norm(a.input_grad - b.input_grad) / max(_norm(b.input_grad), 1e-30)
+
+
+def _aggregate_error(total: float, errors: dict[str, float]) -> float:
+    return float(np.sqrt(sum(e**2 for e in errors.values()))) / max(total, 1e-30)
+
+
 def grad_differences(a: GradResult, b: GradResult) -> dict[str, float]:
     """How far ``a`` is from the reference ``b``, without bounds (to measure bounds from): relative
     loss and aux-loss error, input-cotangent and aggregate gradient relative L2 errors, the worst
@@ -155,13 +175,11 @@ def grad_differences(a: GradResult, b: GradResult) -> dict[str, float]:
     gradient norm (``leaf_rel``: what the per-leaf bound's ``rel`` must cover) and the worst
     leaf's error as a fraction of the total norm (``leaf_of_total``: ``abs_frac``, which covers
     the small leaves)."""
-    loss = max(abs(x - y) / max(abs(y), 1e-12) for x, y in [(a.loss, b.loss), *((a.aux[k], v) for k, v in b.aux.items())])
-    total = np.sqrt(sum(_norm(g) ** 2 for g in b.param_grads.values()))
-    errors = {key: _norm(a.param_grads[key] - g) for key, g in b.param_grads.items()}
+    total, errors = _leaf_errors(a, b)
     return {
-        "loss": loss,
-        "input": _norm(a.input_grad - b.input_grad) / max(_norm(b.input_grad), 1e-30),
-        "aggregate": float(np.sqrt(sum(e**2 for e in errors.values()))) / max(total, 1e-30),
+        "loss": _loss_error(a, b),
+        "input": _input_error(a, b),
+        "aggregate": _aggregate_error(total, errors),
         "leaf_rel": max(
             (errors[key] / _norm(g) for key, g in b.param_grads.items() if _norm(g) >= LARGE_LEAF * total), default=0.0
         ),
@@ -192,25 +210,22 @@ def assert_grad_parity(
     for name, value in b.aux.items():
         aux_err = abs(a.aux[name] - value) / max(abs(value), 1e-12)
         assert aux_err <= loss_rtol, f"aux loss {name} {a.aux[name]} vs {value}: rel err {aux_err:.3e} > {loss_rtol}"
-        loss_err = max(loss_err, aux_err)
+    for key, gb in b.param_grads.items():
+        assert a.param_grads[key].shape == gb.shape, f"{key}: shape {a.param_grads[key].shape} vs {gb.shape}"
 
-    in_err = _norm(a.input_grad - b.input_grad) / max(_norm(b.input_grad), 1e-30)
+    in_err = _input_error(a, b)
     assert in_err <= aggregate_rel, f"input cotangent rel err {in_err:.3e} > {aggregate_rel}"
-
-    total = np.sqrt(sum(_norm(g) ** 2 for g in b.param_grads.values()))
-    diff_total = np.sqrt(sum(_norm(a.param_grads[k] - g) ** 2 for k, g in b.param_grads.items()))
-    agg_err = diff_total / max(total, 1e-30)
+    total, errors = _leaf_errors(a, b)
+    agg_err = _aggregate_error(total, errors)
     assert agg_err <= aggregate_rel, f"aggregate gradient rel err {agg_err:.3e} > {aggregate_rel}"
 
     worst = 0.0
     for key, gb in b.param_grads.items():
-        ga = a.param_grads[key]
-        assert ga.shape == gb.shape, f"{key}: shape {ga.shape} vs {gb.shape}"
         bound = rel * _norm(gb) + abs_frac * total
-        err = _norm(ga - gb)
+        err = errors[key]
         assert err <= bound, f"{key}: ||ga-gb||={err:.3e} > bound {bound:.3e} (||gb||={_norm(gb):.3e})"
         worst = max(worst, err / max(bound, 1e-30))
-    return {"loss": loss_err, "input": in_err, "aggregate": agg_err, "worst_leaf_fraction_of_bound": worst}
+    return {"loss": _loss_error(a, b), "input": in_err, "aggregate": agg_err, "worst_leaf_fraction_of_bound": worst}
 
 
 def max_abs_diff(a, b) -> float:
