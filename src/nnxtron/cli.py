@@ -353,12 +353,17 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
                 f"devices={devices}: plan over at most {MAX_PLAN_DEVICES} fake CPU devices (XLA's CPU backend fails beyond "
                 "that, and the compile grows with the count: 27 s for llama3.1-8b on 2048); plan the largest slice that fits"
             )
+    if ns.search:
+        return _plan_search(ns, args, devices)
+    _refuse_search_flags(ns)
     if devices is not None:
         if "jax" in sys.modules:
             if not _jax_has_cpu_devices(devices):
                 return _rerun_plan_with_devices(ns, devices)
         else:
-            os.environ.update(_fake_device_env(devices))
+            from nnxtron.runtime.fake_devices import fake_device_env
+
+            os.environ.update(fake_device_env(devices))
 
     from nnxtron.config import load_config
     from nnxtron.tools.plan import format_plan, make_plan, to_json_ready
@@ -371,13 +376,49 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _fake_device_env(devices: int) -> dict[str, str]:
-    """XLA_FLAGS / JAX_PLATFORMS for ``devices`` fake CPU devices (other XLA flags kept)."""
-    import os
+SEARCH_FLAGS = ("device", "top", "time_budget", "workers")
 
-    flag = "--xla_force_host_platform_device_count"
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
-    return {"XLA_FLAGS": " ".join([*kept, f"{flag}={devices}"]), "JAX_PLATFORMS": "cpu"}
+
+def _refuse_search_flags(ns: argparse.Namespace) -> None:
+    given = [f"--{f.replace('_', '-')}" for f in SEARCH_FLAGS if getattr(ns, f) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} only apply to plan --search; add --search or drop them")
+
+
+def _plan_search(ns: argparse.Namespace, args: list[str], devices: int | None) -> int:
+    """``plan --search``: rank the parallel configurations of ``devices`` devices (tools/search.py)."""
+    if devices is None:
+        raise UserError("plan --search needs devices=N: the number of devices to plan for, e.g. devices=64")
+    for name, value in (("--top", ns.top), ("--time-budget", ns.time_budget), ("--workers", ns.workers)):
+        if value is not None and value <= 0:
+            raise UserError(f"{name} must be positive, got {value}")
+    if ns.device_memory_gib is not None and ns.device_memory_gib <= 0:
+        raise UserError(f"--device-memory-gib must be positive, got {ns.device_memory_gib}")
+    if "jax" not in sys.modules:  # the cpu preset's probes run on the same fake devices as the compiles
+        import os
+
+        from nnxtron.runtime.fake_devices import fake_device_env
+
+        os.environ.update(fake_device_env(devices))
+    from nnxtron.tools.search import SearchRequest, search
+    from nnxtron.tools.search_format import format_search
+    from nnxtron.tools.search_presets import preset, with_memory
+
+    try:
+        device = with_memory(preset(ns.device or "h100", devices), ns.device_memory_gib)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    file, overrides = _split_file_and_overrides(args)
+    request = SearchRequest(
+        file, overrides, devices, device, top=ns.top or 5, budget_seconds=ns.time_budget or 600.0, workers=ns.workers or 2
+    )
+    if device.name == "cpu":  # fake devices share the cores: nothing overlaps
+        request.overlap = 0.0
+    result = search(request)
+    from nnxtron.tools.plan import to_json_ready
+
+    print(json.dumps(to_json_ready(result), indent=1) if ns.json else format_search(result).rstrip("\n"))
+    return 0
 
 
 def _jax_has_cpu_devices(devices: int) -> bool:
@@ -401,13 +442,11 @@ def _rerun_plan_with_devices(ns: argparse.Namespace, devices: int) -> int:
     import os
     import subprocess
 
-    import nnxtron
+    from nnxtron.runtime.fake_devices import child_env
 
     if os.environ.get("NNXTRON_PLAN_CHILD"):  # the child must never recurse
         raise UserError(f"could not start jax with {devices} fake CPU devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
-    env = {**os.environ, **_fake_device_env(devices), "NNXTRON_PLAN_CHILD": "1"}
-    src = str(Path(nnxtron.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**child_env(devices), "NNXTRON_PLAN_CHILD": "1"}
     argv = [sys.executable, "-m", "nnxtron", "plan", *ns.args]
     if ns.json:
         argv.append("--json")
@@ -540,6 +579,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", help=file_help + "; devices=N plans over N fake CPU devices")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--device-memory-gib", type=float, default=None, help="say whether the peak fits in this much device memory")
+    p.add_argument(
+        "--search", action="store_true",
+        help="search the mesh, remat, accumulation, pipeline and offload settings that fit and run fastest (docs/plan.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", default=None, help="--search: accelerator preset (h100, h200, b200, tpu-v5e, tpu-v5p, tpu-v6e, cpu)"
+    )
+    p.add_argument("--top", type=int, default=None, help="--search: how many configurations to print (default 5)")
+    p.add_argument("--time-budget", type=float, default=None, help="--search: seconds for the whole search (default 600)")
+    p.add_argument("--workers", type=int, default=None, help="--search: parallel compile processes (default 2)")
     p.set_defaults(func=_cmd_plan)
     return parser
 

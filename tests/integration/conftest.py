@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from nnxtron.cli import _fake_device_env, main
+from nnxtron.cli import main
+from nnxtron.runtime.fake_devices import fake_device_env
 
 PARAGRAPH = (
     "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "
@@ -50,7 +51,7 @@ def train_overrides(corpus: str, base: str, run: str, **extra) -> list[str]:
 def cli_train(corpus: str, base: str, run: str, timeout: int = 300, **extra) -> subprocess.CompletedProcess:
     """`nnxtron train` in a child process on 4 fake CPU devices (the test process has 8)."""
     args = train_overrides(corpus, base, run, eval_interval=-1, enable_tensorboard=False, log_period=1, **extra)
-    env = {**os.environ, **_fake_device_env(4)}
+    env = {**os.environ, **fake_device_env(4)}
     proc = subprocess.run(
         [sys.executable, "-m", "nnxtron", "train", *args, "--no-progress"],
         capture_output=True, text=True, env=env, timeout=timeout, check=False,

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from jax._src import compilation_cache
 
-from nnxtron.cli import _fake_device_env, main
+from nnxtron.cli import main
 from nnxtron.config import load_config
 from nnxtron.errors import ConfigError
 from nnxtron.runtime.compile_cache import count_cache_events, enable_compilation_cache
+from nnxtron.runtime.fake_devices import fake_device_env
 from tests.conftest import tiny_config
 
 # A launch of a tiny training run in a fresh process, reporting which modules the persistent
@@ -72,7 +73,7 @@ def jax_cache_restored():
 
 
 def test_a_restarted_run_loads_its_train_step_from_the_cache(tmp_path):
-    env = {**os.environ, **_fake_device_env(2)}
+    env = {**os.environ, **fake_device_env(2)}
     cache = tmp_path / "cache"
     first, log = _launch(tmp_path, "first", str(cache), env)
     assert f"compilation cache: {cache} (compiles of 0 s or more are kept)" in log

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nnxtron.cli import _fake_device_env
+from nnxtron.runtime.fake_devices import fake_device_env
 from tests.integration.conftest import train_overrides
 from tests.integration.test_preemption import _assert_same_params
 
@@ -40,7 +40,7 @@ def _train(base: Path, run: str, steps: int = STEPS) -> subprocess.CompletedProc
     args = train_overrides("", str(base), run, steps=steps, checkpoint_period=1, eval_interval=-1, enable_tensorboard=False,
                            dataset_type="synthetic", dataset_path="[]", eval_split_fraction=0.0, sample_after_training=0,
                            learning_rate_schedule_steps=STEPS)  # fmt: skip
-    env = {**os.environ, **_fake_device_env(1)}
+    env = {**os.environ, **fake_device_env(1)}
     command = [sys.executable, "-m", "nnxtron", "train", *args, "--no-progress"]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, check=False)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nnxtron.cli import _fake_device_env
 from nnxtron.config import load_config
 from nnxtron.params import flatten
+from nnxtron.runtime.fake_devices import fake_device_env
 from nnxtron.train.checkpoint import Checkpointer
 from nnxtron.train.loop import Trainer
 from tests.integration.conftest import train_overrides
@@ -36,7 +36,7 @@ def _env(cache: Path) -> dict[str, str]:
     """4 fake devices, and a compilation cache shared by every launch (restarts stay cheap)."""
     return {
         **os.environ,
-        **_fake_device_env(4),
+        **fake_device_env(4),
         "JAX_COMPILATION_CACHE_DIR": str(cache),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",

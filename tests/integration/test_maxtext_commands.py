@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from nnxtron.cli import _fake_device_env
 from nnxtron.config.loader import load_config_report
+from nnxtron.runtime.fake_devices import fake_device_env
 from tests.integration.conftest import assert_user_error, metric_records, run_cli
 from tests.unit.test_maxtext_config import BASE, REFERENCE
 
@@ -44,7 +44,7 @@ def maxtext_command(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess,
     """``nnxtron train base.yml base_output_directory=OUT run_name=nnx_mtp REFERENCE... EXTRA...``
     in a child process on one CPU device: (the finished process, its wall time in seconds)."""
     args = ["train", str(BASE), f"base_output_directory={tmp_path}", "run_name=nnx_mtp", *REFERENCE, *extra]
-    env = {**os.environ, **_fake_device_env(1)}
+    env = {**os.environ, **fake_device_env(1)}
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if f != NO_BACKEND_OPTIMIZATION)
     start = time.perf_counter()
     proc = subprocess.run(

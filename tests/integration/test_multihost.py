@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nnxtron.cli import _fake_device_env
 from nnxtron.config import load_config
 from nnxtron.params import flatten
+from nnxtron.runtime.fake_devices import fake_device_env
 from nnxtron.train.checkpoint import Checkpointer
 from nnxtron.train.loop import Trainer
 from tests.integration.conftest import train_overrides
@@ -43,7 +43,7 @@ def _command(args: list[str]) -> list[str]:
 
 def _two_processes(args: list[str]) -> list[subprocess.CompletedProcess]:
     port = _free_port()
-    env = {**os.environ, **_fake_device_env(2)}
+    env = {**os.environ, **fake_device_env(2)}
     procs = [
         subprocess.Popen(
             _command(args) + ["--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
@@ -100,7 +100,7 @@ def test_two_processes_train_checkpoint_resume_and_match_one(corpus, tmp_path):
 
     single = subprocess.run(
         _command(_args(corpus, base, "single", STEPS)), capture_output=True, text=True, timeout=400, check=False,
-        env={**os.environ, **_fake_device_env(4)},
+        env={**os.environ, **fake_device_env(4)},
     )  # fmt: skip
     assert single.returncode == 0, single.stderr
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnxtron.cli import _fake_device_env
 from nnxtron.convert.runs import load_model
 from nnxtron.params import flatten
+from nnxtron.runtime.fake_devices import fake_device_env
 from tests.integration.conftest import train_overrides
 from tests.integration.test_multihost import _free_port
 
@@ -32,7 +32,7 @@ def _args(corpus: str, base: Path, run: str, **extra) -> list[str]:
 
 
 def _start(args: list[str], devices: int = 4, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    env = {**os.environ, **_fake_device_env(devices)}
+    env = {**os.environ, **fake_device_env(devices)}
     command = [sys.executable, "-m", "nnxtron", "train", *args, *extra]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

@@ -19,9 +19,10 @@ import pytest
 import yaml
 from flax import nnx
 
-from nnxtron.cli import _fake_device_env, main
+from nnxtron.cli import main
 from nnxtron.convert.runs import load_model
 from nnxtron.params import flatten
+from nnxtron.runtime.fake_devices import fake_device_env
 from nnxtron.train.run_dir import LOCK_FILE, RunLock
 from tests.integration.conftest import assert_user_error, metric_records, run_cli, train_overrides
 
@@ -144,7 +145,7 @@ def test_rerun_without_checkpoints_does_not_rewrite_history_unless_asked(corpus,
 
 
 def _child(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, **_fake_device_env(4)}
+    env = {**os.environ, **fake_device_env(4)}
     return subprocess.Popen(
         [sys.executable, "-m", "nnxtron", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxtron.config.derived import derive
 from nnxtron.config.flops import training_flops_per_token
@@ -79,7 +79,7 @@ def _shard_bytes(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) ->
     return _size(sharding.shard_shape(tuple(shape))) * jnp.dtype(dtype).itemsize
 
 
-def _tree_shard_bytes(abstract: Any, shardings: Any) -> int:
+def tree_shard_bytes(abstract: Any, shardings: Any) -> int:
     leaves = jax.tree.leaves(abstract)
     sh = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
     if len(leaves) != len(sh):
@@ -197,7 +197,17 @@ def trace_train_step(cfg: Config, model_setup: Any, tx: Any, schedule: Any, deri
     return step.trace(state, batch, *abstract_extras(cfg, model_setup))
 
 
-def _memory_stats(compiled: Any) -> dict[str, int] | None:
+def prepare_train_step(cfg: Config) -> tuple[Any, Mesh, Any, Any, Any]:
+    """What lowering ``cfg``'s train step on ``jax.devices()`` needs: ``(derived, mesh,
+    optimizer, schedule, model_setup)``; ``setup`` raises ConfigError on an indivisible or
+    unsharded layout."""
+    derived = derive(cfg, jax.device_count())
+    mesh = make_mesh(cfg)
+    tx, schedule = make_optimizer(cfg, derived)
+    return derived, mesh, tx, schedule, setup(cfg, mesh, tx)
+
+
+def memory_stats(compiled: Any) -> dict[str, int] | None:
     stats = compiled.memory_analysis()
     if stats is None:
         return None
@@ -248,10 +258,7 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
     ``ShapeDtypeStruct`` leaves to read XLA's per-device memory and FLOP estimates.
     """
     num_devices = jax.device_count()
-    derived = derive(cfg, num_devices)
-    mesh = make_mesh(cfg)
-    tx, schedule = make_optimizer(cfg, derived)
-    model_setup = setup(cfg, mesh, tx)  # raises ConfigError on an indivisible or unsharded layout
+    derived, mesh, tx, schedule, model_setup = prepare_train_step(cfg)
     shardings, abstract = model_setup.state_shardings, model_setup.abstract_state
 
     model = abstract_model(cfg)  # shapes and logical-axis metadata only
@@ -263,11 +270,11 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
     fraction, offenders = unsharded_report(checked, checked_sh, mesh)
 
     per_device = {
-        "params_bytes": _tree_shard_bytes(abstract["params"], shardings["params"]),
-        **({} if frozen is None else {"frozen_base_bytes": _tree_shard_bytes(frozen, frozen_sh)}),
-        "optimizer_state_bytes": _tree_shard_bytes(abstract["opt_state"], shardings["opt_state"]),
-        "other_state_bytes": _tree_shard_bytes(abstract["rest"], shardings["rest"])
-        + _tree_shard_bytes(abstract["step"], shardings["step"]),
+        "params_bytes": tree_shard_bytes(abstract["params"], shardings["params"]),
+        **({} if frozen is None else {"frozen_base_bytes": tree_shard_bytes(frozen, frozen_sh)}),
+        "optimizer_state_bytes": tree_shard_bytes(abstract["opt_state"], shardings["opt_state"]),
+        "other_state_bytes": tree_shard_bytes(abstract["rest"], shardings["rest"])
+        + tree_shard_bytes(abstract["step"], shardings["step"]),
     }
     per_device["state_bytes"] = sum(per_device.values())
     unsharded_totals = {
@@ -322,7 +329,7 @@ def make_plan(cfg: Config, device_memory_gib: float | None = None, compile: bool
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
 
-    memory = _memory_stats(compiled)
+    memory = memory_stats(compiled)
     if memory is not None:
         limit, source = _device_memory_bytes(device_memory_gib)
         memory["device_memory_bytes"] = limit
@@ -360,7 +367,7 @@ def _spec_text(entries: list) -> str:
     return "P(" + ", ".join(parts) + ")"
 
 
-def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+def text_table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
@@ -412,7 +419,7 @@ def format_plan(plan: dict[str, Any]) -> str:
             ]
         )
     count_rows.append(["other (final norm, MTP)", _count(p["other"]), f"{100 * p['other'] / total:.1f}%"])
-    out += ["  " + line for line in _table(["group", "parameters", "share"], count_rows, {1, 2})[2:]]
+    out += ["  " + line for line in text_table(["group", "parameters", "share"], count_rows, {1, 2})[2:]]
 
     u = plan["unsharded"]
     largest = "; ".join(f"{o['path']} {tuple(o['shape'])} {o['spec']}" for o in u["largest"][:3])
@@ -430,7 +437,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     ]
     if f["xla_per_step_per_device"] is not None:
         flop_rows.append(["per step, per device (XLA cost analysis)", f"{f['xla_per_step_per_device']:.4g}"])
-    out += ["  " + line for line in _table(["", ""], flop_rows, {1})[2:]]
+    out += ["  " + line for line in text_table(["", ""], flop_rows, {1})[2:]]
     if f["xla_per_step_per_device"] is not None:
         out.append(f"  note: {f['xla_note']}")
 
@@ -489,7 +496,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         for r in rows
     ]
     headers = ["path", "shape", "dtype", "logical axes", "spec", "shard shape", "bytes/device"]
-    out += ["  " + line for line in _table(headers, table_rows, {6})]
+    out += ["  " + line for line in text_table(headers, table_rows, {6})]
     return "\n".join(out) + "\n"
 
 

@@ -1,0 +1,74 @@
+"""A worker process of `nnxtron plan --search`: compiles candidates on fake CPU devices.
+
+``python -m nnxtron.tools.search_worker`` reads one JSON job per line on stdin
+(``{"id", "file", "overrides", "devices_per_node"}``), compiles the real train step of that
+config ahead of time on the process's devices (``tools.plan``'s lowering: nothing is
+allocated), and writes one JSON line per job on stdout: the XLA memory analysis, the
+train state per device, and every collective of the compiled program
+(``search_hlo.collectives``). A job that cannot be set up or compiled answers with its
+error instead. The parent starts it with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+and replaces it after a few jobs, so the memory mappings of compiled programs never pile
+up in one process (Linux allows 65,530).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from typing import Any
+
+import jax
+
+from nnxtron.config import load_config
+from nnxtron.errors import ConfigError
+from nnxtron.tools.plan import lower_train_step, memory_stats, prepare_train_step, tree_shard_bytes
+from nnxtron.tools.search_hlo import collectives
+
+
+def compile_candidate(cfg: Any, devices_per_node: int) -> dict[str, Any]:
+    """Memory, state and collectives of ``cfg``'s compiled train step on ``jax.devices()``."""
+    start = time.perf_counter()
+    derived, mesh, tx, schedule, model_setup = prepare_train_step(cfg)
+    compiled = lower_train_step(cfg, model_setup, tx, schedule, derived).compile()
+    memory = memory_stats(compiled) or {}
+    state, shardings = model_setup.abstract_state, model_setup.state_shardings
+    result = {
+        "peak_bytes": memory.get("peak_bytes"),
+        "temp_bytes": memory.get("temp_bytes"),
+        "host_bytes": memory.get("host_argument_bytes", 0) + memory.get("host_temp_bytes", 0),
+        "state_bytes": sum(tree_shard_bytes(state[k], shardings[k]) for k in state),
+        "collectives": [
+            {**dataclasses.asdict(c), "axes": list(c.axes)}
+            for c in collectives(compiled.as_text(), dict(mesh.shape), devices_per_node)
+        ],
+        "compile_seconds": time.perf_counter() - start,
+    }
+    if model_setup.abstract_frozen is not None:  # LoRA: the frozen base lives on the devices too
+        result["state_bytes"] += tree_shard_bytes(model_setup.abstract_frozen, model_setup.frozen_shardings)
+    return result
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    try:
+        cfg = load_config(job.get("file"), job["overrides"])
+        out = compile_candidate(cfg, job["devices_per_node"])
+    except (ConfigError, ValueError) as err:
+        out = {"error": " ".join(str(err).split())}
+    except Exception as err:  # noqa: BLE001 - an XLA failure is this candidate's result, not the search's
+        out = {"error": f"{type(err).__name__}: {' '.join(str(err).split())[:500]}"}
+    finally:
+        jax.clear_caches()
+    return {"id": job["id"], **out}
+
+
+def main() -> int:
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(run_job(json.loads(line))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""`nnxtron plan --search` without compiling: the space, the cheap rules, the cost model."""
+
+import math
+from collections import Counter
+
+import pytest
+
+from nnxtron.config.derived import MESH_AXES
+from nnxtron.config.flops import training_flops_per_token
+from nnxtron.errors import UserError
+from nnxtron.tools.search import STATE_REASON, Search, SearchRequest, state_totals
+from nnxtron.tools.search_cost import (
+    _group_flops,
+    _spans_nodes,
+    analytic_collectives,
+    matmul_roofline,
+    recompute_flops_per_token,
+    step_cost,
+)
+from nnxtron.tools.search_hlo import Collective
+from nnxtron.tools.search_presets import PRESETS, DevicePreset, preset, with_memory
+from nnxtron.tools.search_space import AXIS_KEYS, axis_problem, candidate, check, meshes, pinned_values
+from tests.conftest import tiny_config
+
+# a device whose roofline never binds: compute time is flops / (peak x efficiency)
+FLAT = DevicePreset("flat", 1e12, 80e9, 1e18, 100e9, 10e9, 1e9, 4)
+
+
+def _mesh(**sizes):
+    return {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+
+
+def test_meshes_factor_the_devices_over_the_axes_the_model_can_split():
+    cfg = tiny_config("llama3.1-8b")  # 32 query heads, 8 kv heads, MLP 14336, dense
+    found = list(meshes(cfg, 64, devices_per_node=8, pinned={}))
+    assert found and all(math.prod(m.values()) == 64 for m in found)
+    assert all(m["expert"] == 1 for m in found)  # a dense model has no expert axis
+    assert all(m["context"] == 1 for m in found)  # 128 tokens: no shard reaches MIN_CONTEXT_SHARD
+    assert {m["tensor"] for m in found} == {1, 2, 4, 8}  # within the 8-device node
+    assert all(m["stage"] <= 16 for m in found)  # at least two layers per stage
+    assert len(found) == len({tuple(m.values()) for m in found})
+    pinned = list(meshes(cfg, 64, devices_per_node=8, pinned={"tensor": 4, "stage": 2}))
+    assert pinned and all(m["tensor"] == 4 and m["stage"] == 2 for m in pinned)
+
+
+def test_expert_and_context_axes_appear_only_where_the_model_allows():
+    moe = tiny_config("mixtral-8x7b", max_target_length=8192)
+    found = list(meshes(moe, 16, devices_per_node=8, pinned={}))
+    assert {m["expert"] for m in found} == {1, 2, 4, 8}  # divides the 8 experts
+    assert {m["context"] for m in found} == {1, 2, 4}  # 8192 / 4 = 2048 tokens per shard, the least allowed
+
+
+def test_axis_problem_names_the_axis_and_what_it_cannot_divide():
+    cfg = tiny_config("llama3.1-8b")
+    assert "ici_tensor_parallelism=3 does not divide the 32 query heads" in axis_problem(cfg, "tensor", 3, 3, 8)
+    assert "would leave a node of 8 devices" in axis_problem(cfg, "tensor", 16, 16, 8)
+    assert "does not divide the model's 1 experts" in axis_problem(cfg, "expert", 2, 8, 8)
+    assert "does not divide 8 devices" in axis_problem(cfg, "fsdp", 3, 8, 8)
+    assert axis_problem(cfg, "fsdp", 8, 8, 8) is None
+
+
+def test_candidate_overrides_select_it_and_leave_out_what_the_base_has():
+    base = tiny_config()
+    schedule = {"gradient_accumulation_steps": 2, "num_pipeline_microbatches": -1, "num_layers_per_pipeline_stage": 1}
+    cand = candidate(_mesh(fsdp=4, tensor=2), schedule, "minimal", (False, True))
+    args = cand.args(base)
+    assert "ici_tensor_parallelism=2" in args and "remat_policy=minimal" in args
+    assert "optimizer_memory_host_offload=true" in args and "gradient_accumulation_steps=2" in args
+    assert not any(a.startswith("parameter_memory_host_offload") for a in args)  # base's value: left out
+    cfg = tiny_config(**dict(cand.overrides))
+    assert check(cfg, 8) is None
+    assert cand.mesh == _mesh(fsdp=4, tensor=2)
+
+
+def test_check_reports_a_batch_that_does_not_divide():
+    cfg = tiny_config(per_device_batch_size=0.25, ici_fsdp_parallelism=8, ici_data_parallelism=1)
+    assert "does not divide over the stage x data x fsdp x expert" in check(cfg, 8)
+
+
+def test_pinned_values_are_the_searched_keys_given_on_the_command_line():
+    cfg = tiny_config(ici_tensor_parallelism=2, remat_policy="minimal")
+    pinned = pinned_values(cfg, ["ici_tensor_parallelism=2", "remat_policy=minimal", "steps=3"])
+    assert pinned == {"tensor": 2, "remat_policy": "minimal"}
+    assert pinned_values(cfg, ["ici_fsdp_parallelism=-1"]) == {}  # -1 = fill: searched
+
+
+def test_remat_recompute_follows_what_each_policy_saves():
+    cfg = tiny_config("llama3.1-8b", max_target_length=4096)
+    groups = _group_flops(cfg)
+    forward = sum(groups.values())
+    # the matmul groups add up to the forward third of the model formula, less the output head
+    head = 2 * cfg.base_emb_dim * cfg.vocab_size
+    assert forward == pytest.approx(training_flops_per_token(cfg) / 3 - head, rel=1e-9)
+    by_policy = {
+        p: recompute_flops_per_token(cfg.model_copy(update={"remat_policy": p}))
+        for p in ("none", "minimal", "save_dot_except_mlp", "full")
+    }
+    assert by_policy["none"] == 0
+    assert by_policy["minimal"] == groups["scores"]
+    assert by_policy["save_dot_except_mlp"] == pytest.approx(groups["scores"] + groups["mlpwi"] + groups["mlpwo"])
+    assert by_policy["full"] == pytest.approx(forward)
+    assert by_policy["none"] < by_policy["minimal"] < by_policy["save_dot_except_mlp"] < by_policy["full"]
+
+
+def test_step_cost_compute_is_model_flops_plus_recompute_at_peak_times_efficiency():
+    cfg = tiny_config("llama3.1-8b", remat_policy="full")
+    mesh = _mesh(fsdp=8)
+    cost = step_cost(cfg, mesh, FLAT, [], efficiency=0.5)
+    tokens = cfg.per_device_batch_size * 8 * cfg.max_target_length
+    flops = (training_flops_per_token(cfg) + recompute_flops_per_token(cfg)) * tokens / 8
+    assert cost.compute_s == pytest.approx(flops / 0.5e12)
+    assert cost.step_s == cost.compute_s and cost.exposed_comm_s == 0
+    assert cost.mfu == pytest.approx(training_flops_per_token(cfg) * tokens / 8 / cost.step_s / 1e12)
+
+
+def test_collectives_over_data_and_fsdp_hide_behind_compute_and_tensor_ones_do_not():
+    cfg = tiny_config("llama3.1-8b")
+    mesh = _mesh(fsdp=4, tensor=2)
+    compute = step_cost(cfg, mesh, FLAT, []).compute_s
+    gather = Collective("all-gather", int(compute * 100e9 * 2), 4, 1, ("fsdp",), False)  # 2x compute on the wire
+    tensor = Collective("all-reduce", int(compute * 100e9), 2, 1, ("tensor",), False)
+    cost = step_cost(cfg, mesh, FLAT, [gather], overlap=0.8)
+    wire = 3 / 4 * gather.array_bytes / 100e9 + 10e-6
+    assert cost.hidden_comm_s == pytest.approx(0.8 * compute)
+    assert cost.exposed_comm_s == pytest.approx(wire - 0.8 * compute)
+    cost = step_cost(cfg, mesh, FLAT, [tensor], overlap=0.8)
+    assert cost.hidden_comm_s == 0 and cost.exposed_comm_s == pytest.approx(tensor.wire_bytes / 100e9 + 10e-6)
+    inter = Collective("all-reduce", tensor.array_bytes, 2, 3, ("tensor",), True)  # leaves the node: the slow links
+    assert step_cost(cfg, mesh, FLAT, [inter]).exposed_comm_s == pytest.approx(3 * (inter.wire_bytes / 10e9 + 10e-6))
+
+
+def test_pipeline_bubble_and_offload_add_to_the_step():
+    cfg = tiny_config("llama3.1-8b", ici_pipeline_parallelism=2, num_pipeline_microbatches=2, ici_fsdp_parallelism=4)
+    mesh = _mesh(stage=2, fsdp=4)
+    cost = step_cost(cfg, mesh, FLAT, [], offloaded_bytes=10**9)
+    assert cost.bubble_fraction == pytest.approx(1 / 33)  # (S - 1) / (R M + S - 1): 16 repeats x 2 microbatches
+    plain = step_cost(cfg.model_copy(update={"ici_pipeline_parallelism": 1, "ici_fsdp_parallelism": 8}), _mesh(fsdp=8), FLAT, [])
+    assert cost.compute_s == pytest.approx(plain.compute_s / (1 - 1 / 33))
+    assert cost.offload_s == pytest.approx(2 * 10**9 / 1e9)
+    assert cost.step_s == pytest.approx(cost.compute_s + cost.offload_s)
+
+
+def test_roofline_slows_a_thin_microbatch():
+    cfg = tiny_config("llama3.1-8b", per_device_batch_size=1, max_target_length=4096)
+    h100 = PRESETS["h100"]
+    assert matmul_roofline(cfg, _mesh(fsdp=8), h100) == 1.0  # 4096 tokens: compute-bound
+    thin = cfg.model_copy(update={"max_target_length": 64})
+    assert matmul_roofline(thin, _mesh(fsdp=8), h100) < 0.3  # 64 tokens x 4096 x 14336: bound by the weights
+
+
+def test_analytic_collectives_follow_the_mesh():
+    cfg = tiny_config("llama3.1-8b", gradient_accumulation_steps=2)
+    kinds = {(c.kind, c.axes) for c in analytic_collectives(cfg, _mesh(data=2, fsdp=4), 10**9, FLAT)}
+    assert kinds == {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-reduce", ("data",))}
+    gathers = [c for c in analytic_collectives(cfg, _mesh(data=2, fsdp=4), 10**9, FLAT) if c.kind == "all-gather"]
+    assert gathers[0].count == 4  # forward + backward, per accumulation step
+    assert analytic_collectives(cfg, _mesh(fsdp=8), 10**9, FLAT)[0].spans_nodes  # 8 devices, nodes of 4
+    tensor = analytic_collectives(cfg, _mesh(fsdp=4, tensor=2), 10**9, FLAT)
+    assert any(c.axes == ("tensor",) and not c.spans_nodes for c in tensor)
+
+
+def test_a_group_spans_nodes_when_its_devices_are_further_apart_than_a_node():
+    mesh = _mesh(data=2, fsdp=4, tensor=2)  # row-major: tensor innermost
+    assert not _spans_nodes(mesh, "tensor", 8) and not _spans_nodes(mesh, "fsdp", 8)
+    assert _spans_nodes(mesh, "data", 8) and _spans_nodes(mesh, "fsdp", 4)
+
+
+def test_presets_hold_vendor_figures_and_unknown_names_are_refused():
+    assert set(PRESETS) == {"h100", "h200", "b200", "tpu-v5e", "tpu-v5p", "tpu-v6e"}
+    for p in PRESETS.values():
+        assert p.peak_flops > 1e14 and p.memory_bytes > 1e10 and p.intra_node_bytes_per_s > p.inter_node_bytes_per_s
+    assert PRESETS["h200"].memory_bytes == 141e9 and PRESETS["tpu-v5p"].peak_flops == 459e12
+    with pytest.raises(ValueError, match="--device 'a100' is not a known preset; choose one of h100"):
+        preset("a100")
+    assert with_memory(PRESETS["h100"], 40).memory_bytes == 40 * 1024**3
+    assert preset("H100") is PRESETS["h100"]
+
+
+def test_axis_keys_name_every_mesh_axis():
+    assert list(AXIS_KEYS) == list(MESH_AXES)
+
+
+def _search(memory_gib: float, *overrides: str) -> Search:
+    request = SearchRequest(None, ["model_name=llama2-tiny", *overrides], 8, with_memory(PRESETS["h100"], memory_gib))
+    s = Search(request)
+    s.totals = state_totals(None, request.overrides)
+    s.enumerate()
+    return s
+
+
+def _queued(s: Search, **values) -> list:
+    return [q for q in s.queue if all(q.candidate.values[k] == v for k, v in values.items())]
+
+
+def test_enumeration_queues_one_base_candidate_per_mesh_and_schedule():
+    s = _search(80.0)
+    assert s.queue and all(q.candidate.values["remat_policy"] == "full" for q in s.queue)
+    assert all(q.candidate.values["gradient_accumulation_steps"] == 1 for q in s.queue)
+    assert len({q.candidate for q in s.queue}) == len(s.queue)
+    meshes_seen = {tuple(q.candidate.mesh.values()) for q in s.queue}
+    assert (1, 1, 8, 1, 1, 1) in meshes_seen and (1, 8, 1, 1, 1, 1) in meshes_seen and (1, 1, 4, 1, 1, 2) in meshes_seen
+    pinned = _search(80.0, "ici_tensor_parallelism=2", "remat_policy=minimal")
+    assert all(q.candidate.mesh["tensor"] == 2 and q.candidate.values["remat_policy"] == "minimal" for q in pinned.queue)
+
+
+def test_a_candidate_that_fits_tries_lighter_remat_and_one_that_does_not_tries_smaller_microbatches():
+    s = _search(80.0, "per_device_batch_size=2")
+    (item,) = _queued(s, ici_data_parallelism=8)
+    s.queue.clear()
+    s._expand(item.candidate, item.cfg, True, [])
+    assert [q.candidate.values["remat_policy"] for q in s.queue] == ["save_dot_except_mlp"]
+    s.queue.clear()
+    s._expand(item.candidate, item.cfg, False, [])
+    assert [(q.candidate.values["gradient_accumulation_steps"], q.candidate.values["remat_policy"]) for q in s.queue] == [
+        (2, "full")
+    ]
+    # 16 rows over 8 batch shards: 4 accumulation steps cannot split them; the optimizer state goes to the host
+    big = s.queue.pop().candidate
+    s._expand(big, s._config(big), False, [])
+    (offloaded,) = s.queue
+    assert (
+        offloaded.candidate.values["optimizer_memory_host_offload"]
+        and not offloaded.candidate.values["parameter_memory_host_offload"]
+    )
+    assert offloaded.candidate.values["gradient_accumulation_steps"] == 2
+    assert any("gradient_accumulation_steps=4 does not divide" in reason for reason in s.pruned)
+    s.queue.clear()
+    s._expand(offloaded.candidate, offloaded.cfg, False, [])
+    assert [q.candidate.values["parameter_memory_host_offload"] for q in s.queue] == [True]
+
+
+def test_the_state_lower_bound_offloads_before_it_prunes_and_says_what_is_short():
+    s = _search(80.0, "per_device_batch_size=2")
+    assert all(not q.candidate.values["optimizer_memory_host_offload"] for q in s.queue)
+    total = s.totals.on_device((False, False))
+    assert total == 2 * s.totals.params + s.totals.optimizer + s.totals.other  # the gradients are a parameter tree
+    tight = _search(total / 8 / 1024**3 * 0.99, "per_device_batch_size=2")  # fsdp 8 no longer fits on device
+    assert tight.queue and all(q.candidate.values["optimizer_memory_host_offload"] for q in tight.queue)
+    hopeless = _search(1e-9)
+    assert not hopeless.queue and hopeless.pruned[STATE_REASON] > 0
+    with pytest.raises(UserError, match=r"does not fit 8 x 0.0 GiB: its train state and gradients alone need at least"):
+        raise UserError(hopeless._nothing_valid(1))
+
+
+def test_candidates_expected_to_fit_are_compiled_first_and_the_estimate_is_calibrated():
+    s = _search(80.0)
+    first = s._pop()
+    assert first.priority == min(q.priority for q in [first, *s.queue])
+    s.memory = first.estimated_peak * 1.01  # only candidates at most this large are expected to fit
+    expected = [q for q in s.queue if q.estimated_peak <= s.memory]
+    assert s._pop() in expected or not expected
+    s.results.append({"peak_bytes": 1e12, "estimated_peak_bytes": 1.0, "mesh": first.candidate.mesh})  # far above the estimate
+    s.results.append({"peak_bytes": 3.0, "estimated_peak_bytes": 1.0, "mesh": {**first.candidate.mesh, "stage": 2}})
+    assert s._calibration(first.candidate.mesh) == 1e12  # meshes of its kind (no pipeline, no context axis)
+    assert s._calibration({**first.candidate.mesh, "stage": 4}) == 3.0  # pipelines
+    assert s._calibration({**first.candidate.mesh, "context": 2}) == 1e12  # none of its kind yet: the median of all
+    s.results.pop()
+    nxt = s._pop()
+    assert nxt.priority == min(q.priority for q in [nxt, *s.queue])  # now nothing is expected to fit: fastest first
+
+
+def test_a_compiled_candidate_over_the_memory_is_recorded_as_not_fitting():
+    s = _search(1 / 1024)  # 1 MiB
+    item = s._pop()
+    result = {
+        "peak_bytes": 2 * 1024**2,
+        "temp_bytes": 0,
+        "host_bytes": 0,
+        "state_bytes": 1,
+        "collectives": [],
+        "compile_seconds": 1.0,
+    }
+    stats = Counter()
+    s._record(item, {"id": 0, **result}, stats)
+    (entry,) = s.results
+    assert not entry["fits"] and entry["headroom_bytes"] == -(1024**2) and stats["compiled"] == 1
+    s._record(s._pop(), {"id": 1, "error": "boom"}, stats)
+    assert s.results[-1]["error"] == "boom" and stats["compile failed"] == 1
