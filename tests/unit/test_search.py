@@ -16,6 +16,7 @@ from nnxtron.tools.search_cost import (
     matmul_roofline,
     recompute_flops_per_token,
     step_cost,
+    update_bytes,
 )
 from nnxtron.tools.search_hlo import Collective
 from nnxtron.tools.search_presets import PRESETS, DevicePreset, preset, with_memory
@@ -138,6 +139,9 @@ def test_pipeline_bubble_and_offload_add_to_the_step():
     assert cost.compute_s == pytest.approx(plain.compute_s / (1 - 1 / 33))
     assert cost.offload_s == pytest.approx(2 * 10**9 / 1e9)
     assert cost.step_s == pytest.approx(cost.compute_s + cost.offload_s)
+    with_update = step_cost(cfg, mesh, FLAT, [], update_bytes=update_bytes(3e9, 1e9))
+    assert with_update.update_s == pytest.approx(7e9 / FLAT.memory_bytes_per_s)  # read state + gradients, write state
+    assert with_update.step_s == pytest.approx(cost.compute_s + with_update.update_s)
 
 
 def test_roofline_slows_a_thin_microbatch():
@@ -267,6 +271,7 @@ def test_a_compiled_candidate_over_the_memory_is_recorded_as_not_fitting():
         "temp_bytes": 0,
         "host_bytes": 0,
         "state_bytes": 1,
+        "param_bytes": 1,
         "collectives": [],
         "compile_seconds": 1.0,
     }

@@ -33,7 +33,14 @@ from nnxtron.config.derived import MESH_AXES, derive
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError, UserError
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.tools.search_cost import EFFICIENCY, OVERLAP, analytic_collectives, estimate_peak_bytes, step_cost
+from nnxtron.tools.search_cost import (
+    EFFICIENCY,
+    OVERLAP,
+    analytic_collectives,
+    estimate_peak_bytes,
+    step_cost,
+    update_bytes,
+)
 from nnxtron.tools.search_hlo import Collective
 from nnxtron.tools.search_pool import WorkerPool
 from nnxtron.tools.search_presets import DevicePreset
@@ -143,9 +150,17 @@ class Search:
             return str(err)
         return check(cfg, self.req.devices) or cfg
 
-    def _cost(self, cfg: Config, cand: Candidate, collectives: list[Collective], offloaded: int = 0):
+    def _cost(self, cfg: Config, cand: Candidate, collectives: list[Collective], compiled: dict[str, Any] | None = None):
+        """The predicted step: with ``compiled`` (a worker's result) its offloaded bytes and
+        per-device state; before compiling, the state's lower bound."""
         r = self.req
-        return step_cost(cfg, cand.mesh, r.device, collectives, offloaded, r.efficiency, r.overlap)
+        if compiled is None:
+            shards = self.req.devices // cand.mesh["data"]
+            t = self.totals
+            state, params, offloaded = (t.params + t.optimizer + t.other) / shards, t.params / shards, 0
+        else:
+            state, params, offloaded = compiled["state_bytes"], compiled["param_bytes"], compiled["host_bytes"]
+        return step_cost(cfg, cand.mesh, r.device, collectives, offloaded, r.efficiency, r.overlap, update_bytes(state, params))
 
     def _state_lower_bound(self, mesh: dict[str, int], offload: tuple[bool, bool]) -> int:
         """No axis but ``data`` shards the state more than its size: a lower bound per device."""
@@ -168,7 +183,8 @@ class Search:
 
     def _pop(self) -> _Queued:
         """The next candidate to compile: those expected to fit first, fastest first."""
-        scales = {_kind(q.candidate.mesh): self._calibration(q.candidate.mesh) for q in self.queue}
+        kinds = {_kind(q.candidate.mesh): q.candidate.mesh for q in self.queue}
+        scales = {kind: self._calibration(mesh) for kind, mesh in kinds.items()}
 
         def key(q: _Queued) -> tuple[bool, float, int]:
             return (q.estimated_peak * scales[_kind(q.candidate.mesh)] > self.memory, q.priority, q.order)
@@ -294,7 +310,7 @@ class Search:
             return
         stats["compiled"] += 1
         collectives = [Collective(**{**c, "axes": tuple(c["axes"])}) for c in result["collectives"]]
-        cost = self._cost(item.cfg, cand, collectives, result["host_bytes"])
+        cost = self._cost(item.cfg, cand, collectives, result)
         peak = result["peak_bytes"]
         fits = peak is not None and peak <= self.memory
         self.results.append(

@@ -1,7 +1,7 @@
 """The cost model of `nnxtron plan --search`: a predicted step time from a compiled candidate.
 
 ``step_time`` = compute x pipeline-bubble factor + exposed communication + host offload
-traffic, per device:
+traffic + the optimizer update, per device:
 
 - **compute**: the model's FLOPs per step (``config.flops.training_flops_per_token``: 6 x
   active matmul parameters + causal attention) plus the forward work remat recomputes
@@ -23,6 +23,8 @@ traffic, per device:
 - **offload**: offloaded parameters and optimizer state go to the device and back each
   step, offloaded activations likewise (the compiled step's host temporaries), over the
   host link, not overlapped.
+- **optimizer update**: reads the state and the gradients and writes the state, at the
+  device's memory bandwidth (``update_bytes``), after the backward pass.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class StepCost:
     exposed_comm_s: float
     hidden_comm_s: float
     offload_s: float
+    update_s: float
     step_s: float
     mfu: float
     comm_by_axes: dict[str, float]
@@ -136,6 +139,13 @@ def _count(mesh: dict[str, int]) -> int:
     return n
 
 
+def update_bytes(state_bytes: float, param_bytes: float) -> float:
+    """Memory traffic of the optimizer update on one device: it reads the train state and
+    the gradients (a parameter-sized tree) and writes the state back. Elementwise and
+    bandwidth-bound; replicated state (``data``) is updated on every replica."""
+    return 2.0 * state_bytes + param_bytes
+
+
 def collective_seconds(c: Collective, device: DevicePreset) -> float:
     bandwidth = device.inter_node_bytes_per_s if c.spans_nodes else device.intra_node_bytes_per_s
     return c.count * (c.wire_bytes / bandwidth + device.collective_latency_s)
@@ -149,9 +159,11 @@ def step_cost(
     offloaded_bytes: int = 0,
     efficiency: float = EFFICIENCY,
     overlap: float = OVERLAP,
+    update_bytes: float = 0.0,
 ) -> StepCost:
     """The predicted step of ``cfg`` on ``mesh`` (see the module docstring).
-    ``offloaded_bytes``: per-device bytes that live in host memory (state and activations)."""
+    ``offloaded_bytes``: per-device bytes that live in host memory (state and activations);
+    ``update_bytes``: per-device bytes the optimizer update reads and writes."""
     n = _count(mesh)
     tokens = derive(cfg, n).tokens_per_step
     model_flops = training_flops_per_token(cfg) * tokens / n
@@ -172,13 +184,15 @@ def step_cost(
     hidden = min(hidden_candidates, overlap * compute)
     exposed += hidden_candidates - hidden
     offload = 2.0 * offloaded_bytes / device.host_bytes_per_s
-    step = compute + exposed + offload
+    update = update_bytes / device.memory_bytes_per_s
+    step = compute + exposed + offload + update
     return StepCost(
         compute_s=compute,
         bubble_fraction=bubble,
         exposed_comm_s=exposed,
         hidden_comm_s=hidden,
         offload_s=offload,
+        update_s=update,
         step_s=step,
         mfu=model_flops / (step * device.peak_flops),
         comm_by_axes=by_axes,

@@ -39,6 +39,7 @@ def compile_candidate(cfg: Any, devices_per_node: int) -> dict[str, Any]:
         "temp_bytes": memory.get("temp_bytes"),
         "host_bytes": memory.get("host_argument_bytes", 0) + memory.get("host_temp_bytes", 0),
         "state_bytes": sum(tree_shard_bytes(state[k], shardings[k]) for k in state),
+        "param_bytes": tree_shard_bytes(state["params"], shardings["params"]),
         "collectives": [
             {**dataclasses.asdict(c), "axes": list(c.axes)}
             for c in collectives(compiled.as_text(), dict(mesh.shape), devices_per_node)
