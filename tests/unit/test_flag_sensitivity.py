@@ -116,6 +116,7 @@ VALUES: dict[str, Flag] = {
     "trainable_position_size": F(1024, family="gpt3-52k"),
     "attention_type": F("global", family="deepseek3-test"),
     "attention": F("dot_product"),
+    "attention_query_block": F(8),  # TRACE: 16 tokens, two blocks of queries (lax.map) in the train step
     "use_qk_norm": F(True),
     "q_lora_rank": F(0, family="deepseek3-test"),
     "kv_lora_rank": F(32, family="deepseek3-test"),
@@ -155,6 +156,7 @@ VALUES: dict[str, Flag] = {
     "capacity_scope": F("sequence", family="mixtral-tiny", base={"capacity_factor": 1.0}),
     "moe_compute": F("dense", family="mixtral-tiny"),
     "grouped_matmul": F("ragged_dot", family="mixtral-tiny"),
+    "moe_token_chunks": F(2, family="mixtral-tiny"),  # the experts' lax.map over token pieces in the train step
     "load_balance_loss_weight": F(0.01, family="mixtral-tiny"),
     "load_balance_convention": F("maxtext", family="mixtral-tiny", base={"load_balance_loss_weight": 0.01}),
     # --- multi-token prediction and the head

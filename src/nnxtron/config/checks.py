@@ -286,6 +286,8 @@ def check_moe(cfg: Config) -> None:
         raise ConfigError(f"capacity_scope={cfg.capacity_scope} needs capacity_factor > 0 (the experts are dropless)")
     if cfg.routed_bias_update_rate > 0 and not cfg.routed_bias:
         raise ConfigError("routed_bias_update_rate > 0 needs routed_bias=true (the bias it updates)")
+    if cfg.moe_token_chunks > 1 and cfg.moe_compute != "grouped":
+        raise ConfigError(f"moe_token_chunks={cfg.moe_token_chunks} applies to moe_compute=grouped only; set it to 1")
     if cfg.grouped_matmul != "auto" and cfg.moe_compute != "grouped":
         raise ConfigError(f"grouped_matmul={cfg.grouped_matmul} applies to moe_compute=grouped only; leave it at auto")
     if cfg.grouped_matmul == "blocked" and cfg.use_qwix_quantization:
@@ -345,6 +347,7 @@ def check_attention(cfg: Config) -> None:
             "attention=dot_product cannot run as ring attention (context_parallel_strategy=ring, ici_context_parallelism "
             "> 1); use attention=auto or xla (ring attention has xla's numerics), or context_parallel_strategy=all_gather"
         )
+    check_query_block(cfg)
     if cfg.attention == "cudnn":
         reason = cudnn_unsupported(
             cfg.dtype,
@@ -354,6 +357,34 @@ def check_attention(cfg: Config) -> None:
         )
         if reason is not None:
             raise ConfigError(f"attention=cudnn {reason}; use attention=auto, dot_product or xla")
+
+
+def check_query_block(cfg: Config) -> None:
+    """``attention_query_block`` blocks the gathered (non-ring) xla/dot_product attention."""
+    block = cfg.attention_query_block
+    if not block:
+        return
+    if cfg.attention_type == "compressed":
+        raise ConfigError("attention_query_block does not apply to attention_type=compressed (DeepSeek-V4); set it to 0")
+    if cfg.attention == "cudnn":
+        raise ConfigError(
+            "attention_query_block applies to attention=xla or dot_product (cuDNN flash attention is blockwise); set it to 0"
+        )
+    context = cfg.ici_context_parallelism
+    if context != 1 and cfg.context_parallel_strategy == "ring":
+        raise ConfigError(
+            "attention_query_block does not apply to ring attention (context_parallel_strategy=ring already works in "
+            "blocks); set it to 0 or use context_parallel_strategy=all_gather"
+        )
+    if cfg.max_target_length % block:
+        raise ConfigError(
+            f"attention_query_block={block} does not divide max_target_length={cfg.max_target_length}; use a divisor"
+        )
+    if context > 1 and block % context:
+        raise ConfigError(
+            f"attention_query_block={block} is not a multiple of ici_context_parallelism={context} "
+            "(each block holds queries of every context shard); use a multiple"
+        )
 
 
 def cudnn_unsupported(

@@ -154,6 +154,7 @@ MOE_OPTIONS_OFF: dict[str, Any] = {
     "capacity_factor": -1.0,
     "capacity_scope": "call",
     "grouped_matmul": "auto",
+    "moe_token_chunks": 1,
     "load_balance_loss_weight": 0.0,
 }
 

@@ -99,6 +99,9 @@ class Config(BaseModel):
     attention_type: Model[Literal[options.ATTENTION_TYPES]]  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
     # implementation of attention_type=global (docs/attention.md); auto: cudnn on a CUDA GPU where it runs, else xla
     attention: Literal[options.ATTENTION_CHOICES]
+    # > 0: attention (xla, dot_product; global and mla) over blocks of this many queries, each
+    # recomputed in the backward pass: scores of one block alive at a time; the same values
+    attention_query_block: int = Field(ge=0, le=MAX_SIZE)
     use_qk_norm: Model[
         bool
     ]  # q/k norm over head_dim: RMSNorm before RoPE (Qwen3, Gemma 3 (1+w)); weightless L2 after RoPE (Llama 4)
@@ -147,6 +150,9 @@ class Config(BaseModel):
     capacity_scope: Model[Literal[options.CAPACITY_SCOPES]]  # capacity_factor > 0: the tokens counted (layers/moe.py)
     moe_compute: Literal[options.MOE_COMPUTES]  # grouped (routed tokens only) | dense (all experts, einsums): the same function
     grouped_matmul: Literal[options.GROUPED_MATMULS]  # moe_compute=grouped: ragged_dot | blocked (padded blocks) | auto
+    # moe_compute=grouped: each device's routed tokens in this many pieces, one after another, each
+    # recomputed in the backward pass: 1/chunks of the grouped rows alive at a time; the same values
+    moe_token_chunks: int = Field(ge=1, le=MAX_COUNT)
     load_balance_loss_weight: float = Field(ge=0)  # 0 = off
     load_balance_convention: Literal[options.LOAD_BALANCE_CONVENTIONS]  # maxtext: per sequence, mean over layers (docs/moe.md)
 

@@ -104,6 +104,7 @@ def attend(
     dtype: jnp.dtype,
     chunk_size: int = 0,
     implementation: str = "xla",
+    query_block: int = 0,
 ) -> jax.Array:
     """Masked softmax attention; queries share key/value heads in groups.
 
@@ -116,12 +117,20 @@ def attend(
       logits in float32 (same result in float32, rounding differences in bfloat16);
     * ``cudnn``: cuDNN flash attention: causal and sliding window as kernel masks, the
       packed segments as a [B, 1, S, S] mask (no chunks).
+
+    ``query_block > 0`` (``xla`` and ``dot_product``) computes the queries in blocks of
+    that many (``query_blocks``): the same values, with one block's scores alive at a time.
     """
+    if query_block and implementation == "cudnn":
+        raise ConfigError(
+            "attention_query_block applies to attention=xla or dot_product; cuDNN flash attention is already blockwise"
+        )
     if implementation == "xla":
-        return masked_attention(q, k, v, attention_mask(segment_ids, sliding_window, chunk_size), scale=scale, dtype=dtype)
+        rows = lambda q, mask: masked_attention(q, k, v, mask, scale=scale, dtype=dtype)  # noqa: E731
+        return query_blocks(rows, q, attention_mask(segment_ids, sliding_window, chunk_size), query_block)
     if implementation == "dot_product":
-        mask = attention_mask(segment_ids, sliding_window, chunk_size)[:, None]  # [B, 1, S, S], broadcast over heads
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
+        rows = lambda q, mask: jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="xla")  # noqa: E731
+        return query_blocks(rows, q, attention_mask(segment_ids, sliding_window, chunk_size), query_block)
     if implementation == "cudnn":
         if chunk_size:
             raise ConfigError("attention=cudnn cannot express chunked attention; use attention=auto, dot_product or xla")
@@ -131,6 +140,29 @@ def attend(
             q, k, v, mask=same_segment, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
         )
     raise ConfigError(f"attention implementation {implementation!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}")
+
+
+def query_blocks(rows, q: jax.Array, mask: jax.Array, block: int) -> jax.Array:
+    """``rows(q, mask)`` (attention of queries ``q [B, S, N, d]`` under ``mask [B, S, T]``)
+    over blocks of ``block`` queries, one after another, each recomputed in the backward
+    pass: one block's ``[.., block, T]`` scores alive instead of ``[.., S, T]``.
+
+    Block ``i`` holds the strided positions ``i, i + S/block, ...``, so a sequence sharded
+    in contiguous pieces over the context axis stays sharded inside each block. Every query
+    row is computed by the same operations as without blocks. ``block`` 0, or at least
+    ``S``, is one block (``rows`` runs once on everything)."""
+    batch, seq = q.shape[:2]
+    if not block or block >= seq:
+        return rows(q, mask)
+    if seq % block:
+        raise ConfigError(f"attention_query_block={block} does not divide the sequence length {seq}; use a divisor of it")
+    blocks = seq // block
+
+    def split(a: jax.Array) -> jax.Array:  # [B, S, ...] -> [blocks, B, block, ...]
+        return jnp.moveaxis(a.reshape(batch, block, blocks, *a.shape[2:]), 2, 0)
+
+    out = jax.lax.map(jax.checkpoint(lambda args: rows(*args)), (split(q), split(mask)))  # [blocks, B, block, N, dv]
+    return jnp.moveaxis(out, 0, 2).reshape(batch, seq, *out.shape[3:])
 
 
 def attend_sharded(
@@ -163,7 +195,17 @@ def attend_sharded(
         out = ring_attention(q, k, v, segment_ids, scale=scale, dtype=dtype, load_balance=context.load_balance, **window)
     else:
         k, v = constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
-        out = attend(q, k, v, segment_ids, scale=scale, dtype=dtype, implementation=implementation, **window)
+        out = attend(
+            q,
+            k,
+            v,
+            segment_ids,
+            scale=scale,
+            dtype=dtype,
+            implementation=implementation,
+            query_block=context.query_block,
+            **window,
+        )
     return constrain(out, QUERY)
 
 

@@ -110,6 +110,7 @@ class MoE(nnx.Module):
         self.limit = cfg.mlp_activations_limit
         self.capacity_factor, self.capacity_scope = cfg.capacity_factor, cfg.capacity_scope
         self.compute = cfg.moe_compute
+        self.token_chunks = cfg.moe_token_chunks
         self.grouped_matmul = resolve_grouped_matmul(cfg.grouped_matmul, jax.default_backend(), cfg.use_qwix_quantization)
         self.lb_weight = load_balance_weight(cfg, hash_routed)  # / the MoE layers under load_balance_convention=maxtext
         self.router = Linear([dim], [experts], ("embed", None), dtype=jnp.float32, weight_dtype=weight_dtype, rngs=rngs)
@@ -169,6 +170,7 @@ class MoE(nnx.Module):
         routed = dispatch(
             x, indices, combine, keep, in_scale, self.wi_0[...], self.wi_1[...], self.wo[...],
             glu=glu(self.activation, self.limit), compute=self.compute, method=self.grouped_matmul,
+            token_chunks=self.token_chunks,
         )  # fmt: skip
         y = constrain(routed.astype(self.dtype), TOKENS)
         if hasattr(self, "shared"):

@@ -43,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from nnxtron.config.options import MOE_COMPUTES
+from nnxtron.errors import ConfigError
 from nnxtron.parallel.grouped_matmul import group_rows, permute_rows
 from nnxtron.parallel.sharding import active_mesh, logical_to_spec, spec_axes
 
@@ -100,6 +101,35 @@ def expert_ffn(
     return jnp.einsum("tkd,tk->td", out, weights)
 
 
+def expert_ffn_in_chunks(
+    chunks: int,
+    x: jax.Array,
+    indices: jax.Array,
+    combine: jax.Array,
+    keep: jax.Array,
+    in_scale: jax.Array | None,
+    wi_0: jax.Array,
+    wi_1: jax.Array,
+    wo: jax.Array,
+    **kw,
+) -> jax.Array:
+    """``expert_ffn`` over ``chunks`` equal pieces of the ``T`` tokens, one after another,
+    each recomputed in the backward pass (``moe_token_chunks``): the same values, with one
+    chunk's grouped rows (``T k / chunks``, padded) alive instead of all ``T k``."""
+    if chunks == 1:
+        return expert_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, **kw)
+    tokens = x.shape[0]
+    if tokens % chunks:
+        raise ConfigError(f"moe_token_chunks={chunks} does not divide the {tokens} tokens a device routes; use a divisor")
+    split = lambda a: None if a is None else a.reshape(chunks, tokens // chunks, *a.shape[1:])  # noqa: E731
+
+    def one(args):
+        return expert_ffn(*args, wi_0, wi_1, wo, **kw)
+
+    out = jax.lax.map(jax.checkpoint(one), tuple(map(split, (x, indices, combine, keep, in_scale))))
+    return out.reshape(tokens, -1)
+
+
 def dense_ffn(
     x: jax.Array,
     indices: jax.Array,
@@ -148,11 +178,14 @@ def dispatch(
     glu: Callable[[jax.Array, jax.Array], jax.Array],
     compute: str,
     method: str,
+    token_chunks: int = 1,
 ) -> jax.Array:
     """Routed output ``[B, S, D]`` float32 for ``x [B, S, D]`` and routing ``[B, S, k]``;
     ``glu(gate, up)`` is the gated activation (``nnxtron.layers.mlp.glu``); ``compute`` is
     ``moe_compute`` (``grouped``: ``expert_ffn``, sharded by hand; ``dense``: ``dense_ffn``);
-    ``method`` the grouped matmul of ``expert_ffn`` (``ragged_dot`` or ``blocked``)."""
+    ``method`` the grouped matmul of ``expert_ffn`` (``ragged_dot`` or ``blocked``);
+    ``token_chunks`` runs it over that many pieces of each device's tokens
+    (``expert_ffn_in_chunks``)."""
     if compute == "dense":
         return dense_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, glu=glu)
     if compute != "grouped":
@@ -162,7 +195,9 @@ def dispatch(
     if active is None:
         batch, seq, dim = x.shape
         flat = lambda a: None if a is None else a.reshape(batch * seq, -1)  # noqa: E731
-        y = expert_ffn(x.reshape(batch * seq, dim), *map(flat, (indices, combine, keep, in_scale)), wi_0, wi_1, wo, **kw)
+        y = expert_ffn_in_chunks(
+            token_chunks, x.reshape(batch * seq, dim), *map(flat, (indices, combine, keep, in_scale)), wi_0, wi_1, wo, **kw
+        )
         return y.reshape(batch, seq, dim)
     mesh, rules = active
     token_spec = logical_to_spec((*TOKEN_NAMES, None), rules, mesh)
@@ -190,9 +225,10 @@ def dispatch(
         batch, seq, dim = x.shape
         indices, combine, keep, *scale = (a.reshape(batch * seq, -1) for a in routing)
         local_scale = scale[0] if scale else None
-        y = expert_ffn(
-            x.reshape(batch * seq, dim), indices, combine, keep, local_scale, wi_0, wi_1, wo, expert_offset=offset, **kw
-        )
+        y = expert_ffn_in_chunks(
+            token_chunks, x.reshape(batch * seq, dim), indices, combine, keep, local_scale, wi_0, wi_1, wo,
+            expert_offset=offset, **kw,
+        )  # fmt: skip
         y = y.reshape(batch, seq, dim)
         if mlp_name is not None:
             y = jax.lax.psum(y, mlp_name)

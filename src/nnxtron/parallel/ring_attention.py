@@ -53,12 +53,15 @@ NEG = float(jnp.finfo(jnp.float32).min)  # the masked logit, as in masked_attent
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """How attention runs with the sequence sharded: ``strategy`` ``ring`` or
-    ``all_gather`` (``context_parallel_strategy``); ``load_balance`` (the zig-zag order,
-    ``context_parallel_load_balance``) is read by the ring."""
+    """How attention runs along the sequence: with the sequence sharded, ``strategy``
+    ``ring`` or ``all_gather`` (``context_parallel_strategy``) and ``load_balance`` (the
+    zig-zag order, ``context_parallel_load_balance``, read by the ring); ``query_block``
+    (``attention_query_block``, > 0) runs the gathered attention over blocks of that many
+    queries (``layers.attention.attend``)."""
 
     strategy: str = "all_gather"
     load_balance: bool = False
+    query_block: int = 0
 
     def __post_init__(self):
         if self.strategy not in CONTEXT_PARALLEL_STRATEGIES:
@@ -66,7 +69,7 @@ class ContextParallel:
 
     @classmethod
     def from_config(cls, cfg) -> ContextParallel:
-        return cls(cfg.context_parallel_strategy, cfg.context_parallel_load_balance)
+        return cls(cfg.context_parallel_strategy, cfg.context_parallel_load_balance, cfg.attention_query_block)
 
 
 def visible(q_idx: jax.Array, k_idx: jax.Array, sliding_window: int = 0, chunk_size: int = 0) -> jax.Array:
