@@ -13,6 +13,7 @@ from nnxtron.tools.search_cost import (
     _group_flops,
     _spans_nodes,
     analytic_collectives,
+    estimate_peak_bytes,
     matmul_roofline,
     recompute_flops_per_token,
     step_cost,
@@ -20,7 +21,17 @@ from nnxtron.tools.search_cost import (
 )
 from nnxtron.tools.search_hlo import Collective
 from nnxtron.tools.search_presets import PRESETS, DevicePreset, preset, with_memory
-from nnxtron.tools.search_space import AXIS_KEYS, axis_problem, candidate, check, meshes, pinned_values
+from nnxtron.tools.search_space import (
+    AXIS_KEYS,
+    QUERY_BLOCK,
+    TOKEN_CHUNKS,
+    axis_problem,
+    candidate,
+    check,
+    memory_saving,
+    meshes,
+    pinned_values,
+)
 from tests.conftest import tiny_config
 
 # a device whose roofline never binds: compute time is flops / (peak x efficiency)
@@ -63,7 +74,7 @@ def test_axis_problem_names_the_axis_and_what_it_cannot_divide():
 def test_candidate_overrides_select_it_and_leave_out_what_the_base_has():
     base = tiny_config()
     schedule = {"gradient_accumulation_steps": 2, "num_pipeline_microbatches": -1, "num_layers_per_pipeline_stage": 1}
-    cand = candidate(_mesh(fsdp=4, tensor=2), schedule, "minimal", (False, True))
+    cand = candidate(_mesh(fsdp=4, tensor=2), schedule, "minimal", (False, True), (0, 1))
     args = cand.args(base)
     assert "ici_tensor_parallelism=2" in args and "remat_policy=minimal" in args
     assert "optimizer_memory_host_offload=true" in args and "gradient_accumulation_steps=2" in args
@@ -101,6 +112,30 @@ def test_remat_recompute_follows_what_each_policy_saves():
     assert by_policy["save_dot_except_mlp"] == pytest.approx(groups["scores"] + groups["mlpwi"] + groups["mlpwo"])
     assert by_policy["full"] == pytest.approx(forward)
     assert by_policy["none"] < by_policy["minimal"] < by_policy["save_dot_except_mlp"] < by_policy["full"]
+
+
+def test_memory_knobs_recompute_the_scores_and_the_moe_feed_forward_whatever_the_policy():
+    cfg = tiny_config("mixtral-8x7b", max_target_length=4096)
+    groups = _group_flops(cfg)
+    for policy in ("none", "full"):
+        plain = cfg.model_copy(update={"remat_policy": policy})
+        base = recompute_flops_per_token(plain)
+        blocked = recompute_flops_per_token(plain.model_copy(update={"attention_query_block": 512}))
+        assert blocked - base == pytest.approx(groups["scores"])
+        chunked = recompute_flops_per_token(plain.model_copy(update={"moe_token_chunks": 8}))
+        assert chunked - base == pytest.approx(groups["mlpwi"] + groups["mlpwo"])  # every mixtral layer is MoE
+
+
+def test_memory_saving_sets_the_knobs_that_apply():
+    moe = tiny_config("mixtral-8x7b", max_target_length=4096)
+    assert memory_saving(moe, _mesh(fsdp=8), 4096) == {"attention_query_block": QUERY_BLOCK, "moe_token_chunks": TOKEN_CHUNKS}
+    assert memory_saving(moe, _mesh(fsdp=8), 4092) == {"attention_query_block": QUERY_BLOCK}  # pieces would not divide
+    ring = moe.model_copy(update={"context_parallel_strategy": "ring"})
+    assert "attention_query_block" not in memory_saving(ring, _mesh(fsdp=4, context=2), 4096)
+    assert memory_saving(tiny_config("llama3.1-8b", max_target_length=512), _mesh(fsdp=8), 512) == {}  # one block, dense
+    assert memory_saving(tiny_config("deepseek4-test", max_target_length=1024), _mesh(fsdp=8), 1024) == {
+        "moe_token_chunks": TOKEN_CHUNKS
+    }  # compressed attention has no query blocks
 
 
 def test_step_cost_compute_is_model_flops_plus_recompute_at_peak_times_efficiency():
@@ -231,6 +266,48 @@ def test_a_candidate_that_fits_tries_lighter_remat_and_one_that_does_not_tries_s
     s.queue.clear()
     s._expand(offloaded.candidate, offloaded.cfg, False, [])
     assert [q.candidate.values["parameter_memory_host_offload"] for q in s.queue] == [True]
+
+
+def test_the_peak_estimate_sees_what_the_memory_knobs_save():
+    cfg = tiny_config("deepseek3-671b", max_target_length=4096, dtype="bfloat16", per_device_batch_size=1)
+    mesh = _mesh(fsdp=8, expert=32)
+    plain = estimate_peak_bytes(cfg, mesh, 0)
+    blocked = estimate_peak_bytes(cfg.model_copy(update={"attention_query_block": 512}), mesh, 0)
+    both = estimate_peak_bytes(cfg.model_copy(update={"attention_query_block": 512, "moe_token_chunks": 8}), mesh, 0)
+    # 3 copies of one sequence's [128, 4096, 4096] float32 scores, then of 512 queries' worth
+    assert plain - blocked == pytest.approx(3 * 128 * (4096 - 512) * 4096 * 4)
+    # the expert group's 32 x 4096 tokens, 8 slots each, 7168 wide, bf16 + 8 bytes: 7/8 of it saved
+    assert blocked - both == pytest.approx(32 * 4096 * 8 * 7168 * 10 * 7 / 8)
+
+
+def test_enumeration_also_queues_the_memory_knobs_where_the_estimate_does_not_fit():
+    s = _search(0.1, "model_name=mixtral-tiny", "max_target_length=1024", "per_device_batch_size=2")  # estimates 111-135 MiB
+    knobbed = [q for q in s.queue if q.candidate.values["moe_token_chunks"] == 8]
+    assert knobbed and all(q.candidate.values["attention_query_block"] == 512 for q in knobbed)
+    assert all(q.candidate.with_values(attention_query_block=0, moe_token_chunks=1) in s.seen for q in knobbed)
+    assert not [
+        q
+        for q in _search(80.0, "model_name=mixtral-tiny", "max_target_length=1024").queue
+        if q.candidate.values["moe_token_chunks"] > 1
+    ]
+
+
+def test_a_candidate_that_does_not_fit_tries_the_memory_knobs_first_unless_they_are_pinned():
+    s = _search(80.0, "model_name=mixtral-tiny", "max_target_length=1024", "per_device_batch_size=2")
+    (item,) = _queued(s, ici_data_parallelism=8)
+    s.queue.clear()
+    s._expand(item.candidate, item.cfg, False, [])
+    (knobs,) = s.queue
+    assert (knobs.candidate.values["attention_query_block"], knobs.candidate.values["moe_token_chunks"]) == (512, 8)
+    assert knobs.cfg.attention_query_block == 512 and knobs.candidate.values["gradient_accumulation_steps"] == 1
+    s.queue.clear()
+    s._expand(knobs.candidate, knobs.cfg, False, [])  # set once: next comes accumulation
+    assert [q.candidate.values["gradient_accumulation_steps"] for q in s.queue] == [2]
+    pinned = _search(80.0, "model_name=mixtral-tiny", "max_target_length=1024", "per_device_batch_size=2", "moe_token_chunks=1")
+    (item,) = _queued(pinned, ici_data_parallelism=8)
+    pinned.queue.clear()
+    pinned._expand(item.candidate, item.cfg, False, [])
+    assert [q.candidate.values["moe_token_chunks"] for q in pinned.queue] == [1]
 
 
 def test_the_state_lower_bound_offloads_before_it_prunes_and_says_what_is_short():

@@ -11,7 +11,9 @@
    (``search_pool``) until the time budget is spent: each result gives the XLA memory
    peak and the compiled program's collectives, so its prediction uses the real
    communication. A candidate that fits spawns the next lighter remat policy; one that
-   does not spawns more gradient-accumulation steps, then host offload. A candidate whose
+   does not spawns the memory knobs (``search_space.memory_saving``: attention in query
+   blocks, the experts in token pieces), then more gradient-accumulation steps, then host
+   offload. A candidate whose
    compute alone is slower than the best prediction so far is not compiled.
 5. **Report** the top K that fit: predicted step time, MFU, memory headroom, the overrides.
 """
@@ -38,6 +40,7 @@ from nnxtron.tools.search_cost import (
     OVERLAP,
     analytic_collectives,
     estimate_peak_bytes,
+    microbatch_tokens_per_device,
     step_cost,
     update_bytes,
 )
@@ -47,6 +50,7 @@ from nnxtron.tools.search_presets import DevicePreset
 from nnxtron.tools.search_space import (
     ACCUMULATION_STEPS,
     AXIS_KEYS,
+    MEMORY_KEYS,
     OFFLOAD_KEYS,
     OFFLOADS,
     REMAT_POLICIES,
@@ -54,6 +58,7 @@ from nnxtron.tools.search_space import (
     axis_problem,
     candidate,
     check,
+    memory_saving,
     meshes,
     pinned_values,
     schedule_variants,
@@ -166,11 +171,14 @@ class Search:
         """No axis but ``data`` shards the state more than its size: a lower bound per device."""
         return self.totals.on_device(offload) // (self.req.devices // mesh["data"])
 
+    def _estimated_peak(self, cand: Candidate, cfg: Config) -> float:
+        state = self.totals.on_device(_offload(cand)) / (self.req.devices // cand.mesh["data"])
+        return estimate_peak_bytes(cfg, cand.mesh, state)
+
     def _push(self, cand: Candidate, cfg: Config, priority: float) -> None:
         if cand not in self.seen:
             self.seen.add(cand)
-            state = self.totals.on_device(_offload(cand)) / (self.req.devices // cand.mesh["data"])
-            self.queue.append(_Queued(priority, next(self.order), cand, cfg, estimate_peak_bytes(cfg, cand.mesh, state)))
+            self.queue.append(_Queued(priority, next(self.order), cand, cfg, self._estimated_peak(cand, cfg)))
 
     def _calibration(self, mesh: dict[str, int] | None = None) -> float:
         """Median of compiled peak / estimated peak so far, over the compiled meshes of the
@@ -197,12 +205,13 @@ class Search:
         """Queue the base candidate of every mesh and schedule; return how many were considered."""
         considered = 0
         remat = self.pinned.get("remat_policy", "full")
+        memory = (self.base.attention_query_block, self.base.moe_token_chunks)
         offloads = [tuple(self.pinned.get(k, v) for k, v in zip(OFFLOAD_KEYS, o)) for o in OFFLOADS]
         offloads = list(dict.fromkeys(offloads))
         for mesh in meshes(self.base, self.req.devices, self.req.device.devices_per_node, self.pinned):
             for schedule in schedule_variants(self.base, mesh, self.pinned):
                 considered += 1
-                cfg = self._config(candidate(mesh, schedule, remat, offloads[0]))
+                cfg = self._config(candidate(mesh, schedule, remat, offloads[0], memory))
                 if isinstance(cfg, str):
                     self.pruned[_reason(cfg)] += 1
                     continue
@@ -210,10 +219,13 @@ class Search:
                 if state_ok is None:
                     need = self._state_lower_bound(mesh, offloads[-1])
                     if self.smallest_state is None or need < self.smallest_state[0]:
-                        self.smallest_state = (need, " ".join(candidate(mesh, schedule, remat, offloads[-1]).args(self.base)))
+                        self.smallest_state = (
+                            need,
+                            " ".join(candidate(mesh, schedule, remat, offloads[-1], memory).args(self.base)),
+                        )
                     self.pruned[STATE_REASON] += 1
                     continue
-                cand = candidate(mesh, schedule, remat, state_ok)
+                cand = candidate(mesh, schedule, remat, state_ok, memory)
                 if state_ok != offloads[0]:
                     cfg = self._config(cand)
                     if isinstance(cfg, str):
@@ -221,17 +233,39 @@ class Search:
                         continue
                 estimate = self._cost(cfg, cand, analytic_collectives(cfg, cand.mesh, self.totals.param_count, self.req.device))
                 self._push(cand, cfg, estimate.step_s)
+                self._push_memory_knobs(cand, cfg)
         return considered
+
+    def _push_memory_knobs(self, cand: Candidate, cfg: Config) -> None:
+        """Also queue ``cand`` with the memory knobs set when its rough peak does not fit and
+        they apply (and are not pinned): the estimate sees what they save, so it can be tried first."""
+        if any(k in self.pinned for k in MEMORY_KEYS) or self._estimated_peak(cand, cfg) <= self.memory:
+            return
+        saving = memory_saving(cfg, cand.mesh, microbatch_tokens_per_device(cfg, cand.mesh))
+        if all(cand.values[k] == value for k, value in saving.items()):
+            return
+        knobs = cand.with_values(**saving)
+        knobs_cfg = self._config(knobs)
+        if isinstance(knobs_cfg, str):
+            self.pruned[_reason(knobs_cfg)] += 1
+            return
+        collectives = analytic_collectives(knobs_cfg, knobs.mesh, self.totals.param_count, self.req.device)
+        self._push(knobs, knobs_cfg, self._cost(knobs_cfg, knobs, collectives).step_s)
 
     def _expand(self, cand: Candidate, cfg: Config, fits: bool, collectives: list[Collective]) -> None:
         """Queue what a compiled candidate suggests: the next lighter remat policy if it fits;
-        else the next accumulation count that divides the batch, else the next offload step."""
+        else the memory knobs (once), else the next accumulation count that divides the batch,
+        else the next offload step."""
         v = cand.values
         options: list[dict[str, Any]] = []
         if fits and "remat_policy" not in self.pinned:
             options = [{"remat_policy": p} for p in REMAT_POLICIES[REMAT_POLICIES.index(v["remat_policy"]) + 1 :][:1]]
+        if not fits and all(k not in self.pinned for k in MEMORY_KEYS):
+            saving = memory_saving(cfg, cand.mesh, microbatch_tokens_per_device(cfg, cand.mesh))
+            if any(v[k] != value for k, value in saving.items()):
+                options = [saving]
         if not fits and "gradient_accumulation_steps" not in self.pinned:
-            options = [{"gradient_accumulation_steps": a} for a in ACCUMULATION_STEPS if a > v["gradient_accumulation_steps"]]
+            options += [{"gradient_accumulation_steps": a} for a in ACCUMULATION_STEPS if a > v["gradient_accumulation_steps"]]
         if not fits and all(k not in self.pinned for k in OFFLOAD_KEYS):
             options += [dict(zip(OFFLOAD_KEYS, o)) for o in OFFLOADS[OFFLOADS.index(_offload(cand)) + 1 :]]
         for change in options:  # the first that can run

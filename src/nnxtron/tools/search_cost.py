@@ -5,7 +5,8 @@ traffic + the optimizer update, per device:
 
 - **compute**: the model's FLOPs per step (``config.flops.training_flops_per_token``: 6 x
   active matmul parameters + causal attention) plus the forward work remat recomputes
-  (``recompute_flops_per_token``: the matmul groups the policy does not save), divided over
+  (``recompute_flops_per_token``: the matmul groups the policy does not save, and what the
+  memory knobs ``attention_query_block`` / ``moe_token_chunks`` recompute), divided over
   the devices, at the preset's peak x ``efficiency`` x a roofline factor for the
   per-device matmul shape (``matmul_roofline``: a thin microbatch or a narrow tensor shard
   is bandwidth-bound, and runs below peak).
@@ -84,11 +85,19 @@ def _group_flops(cfg: Config) -> dict[str, float]:
 
 
 def recompute_flops_per_token(cfg: Config) -> float:
-    """Forward FLOPs per token that remat recomputes in the backward pass."""
+    """Forward FLOPs per token recomputed in the backward pass: the matmul groups the remat
+    policy does not save, plus the attention scores under ``attention_query_block`` and the
+    MoE layers' feed-forward under ``moe_token_chunks`` (each piece is checkpointed on its
+    own, so it runs once more whatever the policy)."""
     if cfg.remat_policy == "custom":
         raise ValueError("remat_policy=custom is not searched; give a named policy")
     groups = _group_flops(cfg)
-    return sum(groups[g] for g in RECOMPUTED[cfg.remat_policy])
+    flops = sum(groups[g] for g in RECOMPUTED[cfg.remat_policy])
+    if cfg.attention_query_block:
+        flops += groups["scores"]
+    if cfg.moe_token_chunks > 1:
+        flops += sum(2.0 * _ffn_params(cfg, True) for kind in layer_kinds(cfg) if kind.moe)
+    return flops
 
 
 def microbatch_tokens_per_device(cfg: Config, mesh: dict[str, int]) -> float:
@@ -274,10 +283,22 @@ def estimate_peak_bytes(cfg: Config, mesh: dict[str, int], state_bytes: float) -
     proj = (cfg.base_num_query_heads + 2 * cfg.base_num_kv_heads) * cfg.resolved_head_dim / t
     hidden = (cfg.base_moe_mlp_dim * cfg.num_experts_per_tok if cfg.num_experts > 1 else cfg.base_mlp_dim) / t
     embed_units, proj_units, hidden_units, keep_scores = _SAVED.get(cfg.remat_policy, _SAVED["full"])
-    scores = rows * heads * (cfg.max_target_length / mesh["context"]) * cfg.max_target_length * 4
+    queries = (cfg.attention_query_block or cfg.max_target_length) / mesh["context"]  # at once, per sequence
+    scores = rows * heads * queries * cfg.max_target_length * 4
     per_layer = tokens * act * (embed_units * cfg.base_emb_dim + proj_units * proj + hidden_units * hidden)
     layers = cfg.base_num_decoder_layers / mesh["stage"]
-    saved = layers * (per_layer + (scores if keep_scores else 0))
-    working = 3 * scores + 3 * tokens * hidden * 4
+    saved = layers * (per_layer + (scores if keep_scores and not cfg.attention_query_block else 0))
+    working = 3 * scores + 3 * tokens * hidden * 4 + _expert_rows_bytes(cfg, mesh, tokens, act)
     logits = 3 * tokens * cfg.vocab_size / t * 4
     return state_bytes + saved + working + logits
+
+
+def _expert_rows_bytes(cfg: Config, mesh: dict[str, int], tokens: float, act: int) -> float:
+    """The routed experts' grouped rows one device holds at once (``parallel/expert.py``):
+    the tokens of its expert group, each with as many slots as can reach its local experts,
+    over ``moe_token_chunks`` pieces; an activation-dtype and ~2 float32 copies of each."""
+    if cfg.num_experts <= 1 or cfg.moe_compute != "grouped":
+        return 0.0
+    ep = mesh["expert"]
+    slots = min(cfg.num_experts_per_tok, cfg.num_experts // ep)
+    return tokens * ep * slots * cfg.base_emb_dim * (act + 8) / cfg.moe_token_chunks

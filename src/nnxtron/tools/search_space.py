@@ -2,8 +2,10 @@
 
 A candidate is a set of ``key=value`` overrides over the user's config: the mesh
 (``ici_{pipeline,data,fsdp,context,expert,tensor}_parallelism``), the pipeline microbatches,
-``remat_policy``, ``gradient_accumulation_steps`` and the host offload flags. A key the user
-sets on the command line is pinned: the search keeps it as given.
+``remat_policy``, ``gradient_accumulation_steps``, the host offload flags and the memory
+knobs (``attention_query_block``, ``moe_token_chunks``: the same function, less memory, some
+recompute; ``memory_saving``). A key the user sets on the command line is pinned: the search
+keeps it as given.
 
 Cheap rules, applied before anything is compiled (each one a fact, not a preference):
 
@@ -43,6 +45,8 @@ ACCUMULATION_STEPS = (1, 2, 4, 8)
 MICROBATCHES_PER_STAGE = (1, 2, 4)  # num_pipeline_microbatches = stages x this
 OFFLOADS = ((False, False), (False, True), (True, True))  # (parameters, optimizer state) in host memory
 OFFLOAD_KEYS = ("parameter_memory_host_offload", "optimizer_memory_host_offload")
+MEMORY_KEYS = ("attention_query_block", "moe_token_chunks")
+QUERY_BLOCK, TOKEN_CHUNKS = 512, 8  # the memory knobs' setting when a candidate does not fit
 SEARCHED_KEYS = (
     *AXIS_KEYS.values(),
     "num_pipeline_microbatches",
@@ -50,6 +54,7 @@ SEARCHED_KEYS = (
     "remat_policy",
     "gradient_accumulation_steps",
     *OFFLOAD_KEYS,
+    *MEMORY_KEYS,
 )
 MIN_CONTEXT_SHARD = 2048  # tokens per context shard: below it the ring's exchanges outweigh the saving
 
@@ -173,10 +178,29 @@ def check(cfg: Config, devices: int) -> str | None:
     return None
 
 
-def candidate(mesh: dict[str, int], schedule: dict[str, Any], remat: str, offload: tuple[bool, bool]) -> Candidate:
+def candidate(
+    mesh: dict[str, int], schedule: dict[str, Any], remat: str, offload: tuple[bool, bool], memory: tuple[int, int]
+) -> Candidate:
     values = {AXIS_KEYS[axis]: size for axis, size in mesh.items()}
-    values.update(schedule, remat_policy=remat, **dict(zip(OFFLOAD_KEYS, offload)))
+    values.update(schedule, remat_policy=remat, **dict(zip(OFFLOAD_KEYS, offload)), **dict(zip(MEMORY_KEYS, memory)))
     return Candidate(tuple((k, values[k]) for k in SEARCHED_KEYS))
+
+
+def memory_saving(cfg: Config, mesh: dict[str, int], tokens_per_device: float) -> dict[str, int]:
+    """The memory knobs that apply to ``cfg`` on ``mesh``, set to save memory: attention in
+    blocks of ``QUERY_BLOCK`` queries (global or MLA attention, not cuDNN, not ring attention,
+    a sequence it divides) and the routed experts in ``TOKEN_CHUNKS`` pieces (grouped MoE,
+    when the tokens a device routes divide). Empty when neither applies."""
+    out = {}
+    seq, context = cfg.max_target_length, mesh["context"]
+    ring = context > 1 and cfg.context_parallel_strategy == "ring"
+    if cfg.attention_type in ("global", "mla") and cfg.attention != "cudnn" and not ring:
+        if seq > QUERY_BLOCK and seq % QUERY_BLOCK == 0 and QUERY_BLOCK % context == 0:
+            out["attention_query_block"] = QUERY_BLOCK
+    routed = tokens_per_device * mesh["expert"]
+    if cfg.num_experts > 1 and cfg.moe_compute == "grouped" and routed % TOKEN_CHUNKS == 0:
+        out["moe_token_chunks"] = TOKEN_CHUNKS
+    return out
 
 
 def pinned_values(cfg: Config, given: list[str]) -> dict[str, Any]:
