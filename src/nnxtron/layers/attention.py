@@ -129,8 +129,9 @@ def attend(
         rows = lambda q, mask: masked_attention(q, k, v, mask, scale=scale, dtype=dtype)  # noqa: E731
         return query_blocks(rows, q, attention_mask(segment_ids, sliding_window, chunk_size), query_block)
     if implementation == "dot_product":
+        mask = attention_mask(segment_ids, sliding_window, chunk_size)  # each block's [B, b, S] -> [B, 1, b, S]
         rows = lambda q, mask: jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="xla")  # noqa: E731
-        return query_blocks(rows, q, attention_mask(segment_ids, sliding_window, chunk_size), query_block)
+        return query_blocks(rows, q, mask, query_block)
     if implementation == "cudnn":
         if chunk_size:
             raise ConfigError("attention=cudnn cannot express chunked attention; use attention=auto, dot_product or xla")
