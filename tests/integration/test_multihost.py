@@ -63,16 +63,20 @@ def _two_processes(args: list[str]) -> list[subprocess.CompletedProcess]:
     return out
 
 
-# gloo's C++ connection messages; several of its threads write them at once, so one can be cut
-# into pieces on different lines (seen in CI: "[Gloo] Rank " on one line, "2 is connected to ..." on the next)
-GLOO_MESSAGE = re.compile(
-    r"\[Gloo\] Rank |\d* ?is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
+# gloo's C++ connection messages; several of its threads write them at once, piece by piece
+# ("[Gloo] Rank ", the rank, " is connected to ", the count, " peer ranks. ... is : ", the count),
+# so a message can be cut at any of those joints, with other lines in between (seen in CI:
+# "[Gloo] Rank " / "2 is connected to ..." and "1 is connected to 1" / " peer ranks. ...")
+GLOO_PIECES = re.compile(
+    r"\[Gloo\] Rank \d*|\d* ?is connected to \d*| ?peer ranks\. Expected number of connected peer ranks is : \d*"
 )
 
 
 def _ours(text: str) -> str:
-    """Output without gloo's own connection messages, whole or in pieces, and the blank lines they leave."""
-    return "".join(line for line in GLOO_MESSAGE.sub("", text).splitlines(keepends=True) if line.strip())
+    """Output without gloo's own connection messages, whole or in pieces, and the blank or
+    bare-number lines their pieces leave."""
+    lines = GLOO_PIECES.sub("", text).splitlines(keepends=True)
+    return "".join(line for line in lines if line.strip() and not line.strip().isdigit())
 
 
 def _records(run: Path) -> list[dict]:
