@@ -75,6 +75,7 @@ def expert_ffn(
     glu: Callable[[jax.Array, jax.Array], jax.Array],
     method: str,
     expert_offset: jax.Array | int = 0,
+    chunks: int = 1,
 ) -> jax.Array:
     """``sum_j combine[t, j] * FFN_{indices[t, j]}(x[t] * in_scale[t, j])`` in float32.
 
@@ -82,7 +83,22 @@ def expert_ffn(
     ``[E_local, ...]`` hold experts ``expert_offset .. expert_offset + E_local - 1``.
     Assignments to other experts, or with ``keep`` false, contribute zero. ``method``: the
     grouped matmul, ``ragged_dot`` or ``blocked`` (``parallel/grouped_matmul.py``).
+
+    ``chunks > 1`` (``moe_token_chunks``) runs it over that many equal pieces of the ``T``
+    tokens, one after another, each recomputed in the backward pass: the same values, with
+    one piece's grouped rows (``T k / chunks``, padded) alive instead of all ``T k``.
     """
+    if chunks > 1:
+        tokens = x.shape[0]
+        if tokens % chunks:
+            raise ConfigError(f"moe_token_chunks={chunks} does not divide the {tokens} tokens a device routes; use a divisor")
+        split = lambda a: None if a is None else a.reshape(chunks, tokens // chunks, *a.shape[1:])  # noqa: E731
+
+        def one(args):
+            return expert_ffn(*args, wi_0, wi_1, wo, glu=glu, method=method, expert_offset=expert_offset)
+
+        out = jax.lax.map(jax.checkpoint(one), tuple(map(split, (x, indices, combine, keep, in_scale))))
+        return out.reshape(tokens, -1)
     tokens, k = indices.shape
     local_experts = wi_0.shape[0]
     local = indices - expert_offset
@@ -99,35 +115,6 @@ def expert_ffn(
     out = permute_rows(out, grouped.restore, grouped.rows).reshape(tokens, k, -1).astype(jnp.float32)
     weights = jnp.where(valid, combine.astype(jnp.float32), 0.0)
     return jnp.einsum("tkd,tk->td", out, weights)
-
-
-def expert_ffn_in_chunks(
-    chunks: int,
-    x: jax.Array,
-    indices: jax.Array,
-    combine: jax.Array,
-    keep: jax.Array,
-    in_scale: jax.Array | None,
-    wi_0: jax.Array,
-    wi_1: jax.Array,
-    wo: jax.Array,
-    **kw,
-) -> jax.Array:
-    """``expert_ffn`` over ``chunks`` equal pieces of the ``T`` tokens, one after another,
-    each recomputed in the backward pass (``moe_token_chunks``): the same values, with one
-    chunk's grouped rows (``T k / chunks``, padded) alive instead of all ``T k``."""
-    if chunks == 1:
-        return expert_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, **kw)
-    tokens = x.shape[0]
-    if tokens % chunks:
-        raise ConfigError(f"moe_token_chunks={chunks} does not divide the {tokens} tokens a device routes; use a divisor")
-    split = lambda a: None if a is None else a.reshape(chunks, tokens // chunks, *a.shape[1:])  # noqa: E731
-
-    def one(args):
-        return expert_ffn(*args, wi_0, wi_1, wo, **kw)
-
-    out = jax.lax.map(jax.checkpoint(one), tuple(map(split, (x, indices, combine, keep, in_scale))))
-    return out.reshape(tokens, -1)
 
 
 def dense_ffn(
@@ -185,7 +172,7 @@ def dispatch(
     ``moe_compute`` (``grouped``: ``expert_ffn``, sharded by hand; ``dense``: ``dense_ffn``);
     ``method`` the grouped matmul of ``expert_ffn`` (``ragged_dot`` or ``blocked``);
     ``token_chunks`` runs it over that many pieces of each device's tokens
-    (``expert_ffn_in_chunks``)."""
+    (``expert_ffn``'s ``chunks``)."""
     if compute == "dense":
         return dense_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, glu=glu)
     if compute != "grouped":
@@ -195,8 +182,8 @@ def dispatch(
     if active is None:
         batch, seq, dim = x.shape
         flat = lambda a: None if a is None else a.reshape(batch * seq, -1)  # noqa: E731
-        y = expert_ffn_in_chunks(
-            token_chunks, x.reshape(batch * seq, dim), *map(flat, (indices, combine, keep, in_scale)), wi_0, wi_1, wo, **kw
+        y = expert_ffn(
+            x.reshape(batch * seq, dim), *map(flat, (indices, combine, keep, in_scale)), wi_0, wi_1, wo, chunks=token_chunks, **kw
         )
         return y.reshape(batch, seq, dim)
     mesh, rules = active
@@ -225,9 +212,9 @@ def dispatch(
         batch, seq, dim = x.shape
         indices, combine, keep, *scale = (a.reshape(batch * seq, -1) for a in routing)
         local_scale = scale[0] if scale else None
-        y = expert_ffn_in_chunks(
-            token_chunks, x.reshape(batch * seq, dim), indices, combine, keep, local_scale, wi_0, wi_1, wo,
-            expert_offset=offset, **kw,
+        y = expert_ffn(
+            x.reshape(batch * seq, dim), indices, combine, keep, local_scale, wi_0, wi_1, wo,
+            expert_offset=offset, chunks=token_chunks, **kw,
         )  # fmt: skip
         y = y.reshape(batch, seq, dim)
         if mlp_name is not None:

@@ -237,20 +237,19 @@ class Search:
         return considered
 
     def _push_memory_knobs(self, cand: Candidate, cfg: Config) -> None:
-        """Also queue ``cand`` with the memory knobs set when its rough peak does not fit and
-        they apply (and are not pinned): the estimate sees what they save, so it can be tried first."""
-        if any(k in self.pinned for k in MEMORY_KEYS) or self._estimated_peak(cand, cfg) <= self.memory:
-            return
+        """Also queue ``cand`` with the memory knobs set when its rough peak does not fit:
+        the estimate sees what they save, so it can be tried first."""
+        if self._estimated_peak(cand, cfg) > self.memory:
+            collectives = analytic_collectives(cfg, cand.mesh, self.totals.param_count, self.req.device)
+            self._push_first(cand, self._memory_step(cand, cfg), collectives)
+
+    def _memory_step(self, cand: Candidate, cfg: Config) -> list[dict[str, Any]]:
+        """The memory knobs as one change of ``cand`` (``memory_saving``), unless the user
+        pinned one of them or ``cand`` already has them: a list of zero or one change."""
+        if any(k in self.pinned for k in MEMORY_KEYS):
+            return []
         saving = memory_saving(cfg, cand.mesh, microbatch_tokens_per_device(cfg, cand.mesh))
-        if all(cand.values[k] == value for k, value in saving.items()):
-            return
-        knobs = cand.with_values(**saving)
-        knobs_cfg = self._config(knobs)
-        if isinstance(knobs_cfg, str):
-            self.pruned[_reason(knobs_cfg)] += 1
-            return
-        collectives = analytic_collectives(knobs_cfg, knobs.mesh, self.totals.param_count, self.req.device)
-        self._push(knobs, knobs_cfg, self._cost(knobs_cfg, knobs, collectives).step_s)
+        return [saving] if any(cand.values[k] != value for k, value in saving.items()) else []
 
     def _expand(self, cand: Candidate, cfg: Config, fits: bool, collectives: list[Collective]) -> None:
         """Queue what a compiled candidate suggests: the next lighter remat policy if it fits;
@@ -260,15 +259,18 @@ class Search:
         options: list[dict[str, Any]] = []
         if fits and "remat_policy" not in self.pinned:
             options = [{"remat_policy": p} for p in REMAT_POLICIES[REMAT_POLICIES.index(v["remat_policy"]) + 1 :][:1]]
-        if not fits and all(k not in self.pinned for k in MEMORY_KEYS):
-            saving = memory_saving(cfg, cand.mesh, microbatch_tokens_per_device(cfg, cand.mesh))
-            if any(v[k] != value for k, value in saving.items()):
-                options = [saving]
+        if not fits:
+            options = self._memory_step(cand, cfg)
         if not fits and "gradient_accumulation_steps" not in self.pinned:
             options += [{"gradient_accumulation_steps": a} for a in ACCUMULATION_STEPS if a > v["gradient_accumulation_steps"]]
         if not fits and all(k not in self.pinned for k in OFFLOAD_KEYS):
             options += [dict(zip(OFFLOAD_KEYS, o)) for o in OFFLOADS[OFFLOADS.index(_offload(cand)) + 1 :]]
-        for change in options:  # the first that can run
+        self._push_first(cand, options, collectives)
+
+    def _push_first(self, cand: Candidate, changes: list[dict[str, Any]], collectives: list[Collective]) -> None:
+        """Queue ``cand`` with the first of ``changes`` whose config is valid (the others are
+        counted as pruned), predicted with ``collectives``."""
+        for change in changes:
             nxt = cand.with_values(**change)
             nxt_cfg = self._config(nxt)
             if isinstance(nxt_cfg, str):
