@@ -1,8 +1,9 @@
 """Does `nnxtron plan --search` rank configurations the way they run? Measured on fake CPU devices.
 
 For each of a few small models, the search runs on 8 fake CPU devices with the ``cpu``
-preset (this machine's matmul FLOP/s, copy bandwidth and collective latency, measured and
-shared by the 8 devices; no overlap: the fake devices share the cores) and a memory limit
+preset (this machine's matmul FLOP/s, elementwise bandwidth, collective latency and cost of
+faulting in fresh memory, measured and shared by the 8 devices; no overlap: the fake devices
+share the cores; the compiled program's own matmul FLOPs) and a memory limit
 large enough for every candidate; of the configurations it compiled, ranked by prediction,
 ``--per-model`` evenly spaced from the best to the worst are kept (the best always: the
 search compiles near the top, and skips what cannot beat its best fit). Each of them is then trained by ``nnxtron bench`` in a fresh process on the same 8 fake devices,
@@ -23,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +108,7 @@ def run(models: dict[str, list[str]], per_model: int, rounds: int, steps: int, b
     device = with_memory(measure_host_cpu(DEVICES), 16.0)
     rows: list[dict[str, Any]] = []
     for name, model in models.items():
-        request = SearchRequest(None, [*model, *DATA], DEVICES, device, top=10**6, budget_seconds=budget, overlap=0.0)
+        request = SearchRequest(None, [*model, *DATA], DEVICES, device, top=10**6, budget_seconds=budget)
         result = search(request)
         for entry in spread(result["top"], per_model):
             rows.append({"model": name, "overrides": [*model, *DATA, *entry["overrides"]], "configuration": entry["overrides"],
@@ -132,6 +134,9 @@ def run(models: dict[str, list[str]], per_model: int, rounds: int, steps: int, b
         if len(mine) >= 2:
             per_model_rho[name] = spearman([m["predicted_s"] for m in mine], [m["measured_s"] for m in mine])
     return {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine_cpus": os.cpu_count(),
+        "arguments": {"per_model": per_model, "rounds": rounds, "steps": steps, "budget_seconds": budget},
         "device": {k: v for k, v in device.__dict__.items()},
         "rows": rows,
         "spearman_per_model": per_model_rho,

@@ -412,8 +412,6 @@ def _plan_search(ns: argparse.Namespace, args: list[str], devices: int | None) -
     request = SearchRequest(
         file, overrides, devices, device, top=ns.top or 5, budget_seconds=ns.time_budget or 600.0, workers=ns.workers or 2
     )
-    if device.name == "cpu":  # fake devices share the cores: nothing overlaps
-        request.overlap = 0.0
     result = search(request)
     from nnxtron.tools.plan import to_json_ready
 

@@ -2,6 +2,7 @@
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +21,7 @@ from nnxtron.tools.search_cost import (
     update_bytes,
 )
 from nnxtron.tools.search_hlo import Collective
+from nnxtron.tools.search_hlo_cost import ProgramCost
 from nnxtron.tools.search_presets import PRESETS, DevicePreset, preset, with_memory
 from nnxtron.tools.search_space import (
     AXIS_KEYS,
@@ -175,8 +177,34 @@ def test_pipeline_bubble_and_offload_add_to_the_step():
     assert cost.offload_s == pytest.approx(2 * 10**9 / 1e9)
     assert cost.step_s == pytest.approx(cost.compute_s + cost.offload_s)
     with_update = step_cost(cfg, mesh, FLAT, [], update_bytes=update_bytes(3e9, 1e9))
-    assert with_update.update_s == pytest.approx(7e9 / FLAT.memory_bytes_per_s)  # read state + gradients, write state
-    assert with_update.step_s == pytest.approx(cost.compute_s + with_update.update_s)
+    assert with_update.memory_s == pytest.approx(7e9 / FLAT.memory_bytes_per_s)  # read state + gradients, write state
+    assert with_update.step_s == pytest.approx(cost.compute_s + with_update.memory_s)
+
+
+def test_a_compiled_program_adds_its_memory_traffic_and_fresh_temporaries():
+    cfg = tiny_config("llama3.1-8b", remat_policy="full")
+    mesh = _mesh(fsdp=8)
+    program = ProgramCost(dot_flops=3e12, dot_bytes=5e9, other_bytes=2e9)
+    analytic = step_cost(cfg, mesh, FLAT, [], update_bytes=7e9)
+    compiled = step_cost(cfg, mesh, FLAT, [], update_bytes=7e9, program=program, temp_bytes=10**9)
+    assert compiled.compute_s == analytic.compute_s  # an accelerator: the model's FLOPs, not the CPU program's
+    assert compiled.memory_s == pytest.approx(2e9 / FLAT.memory_bytes_per_s)  # the update is in the program's traffic
+    assert compiled.fresh_temp_s == 0  # an accelerator keeps its memory
+    host = replace(FLAT, runs_compiled_program=True, fresh_temp_seconds_per_byte=1e-9, efficiency=1.0)
+    on_host = step_cost(cfg, mesh, host, [], update_bytes=7e9, program=program, temp_bytes=10**9)
+    assert on_host.compute_s == pytest.approx(3e12 / 1e12)  # the compiled dots at the measured peak
+    assert on_host.fresh_temp_s == pytest.approx(1.0)
+    assert on_host.step_s == pytest.approx(3.0 + 2e9 / FLAT.memory_bytes_per_s + 1.0)
+    piped = tiny_config("llama3.1-8b", ici_pipeline_parallelism=2, num_pipeline_microbatches=2, ici_fsdp_parallelism=4)
+    assert step_cost(piped, _mesh(stage=2, fsdp=4), host, [], program=program).compute_s == pytest.approx(3.0)  # bubble inside
+
+
+def test_the_cpu_preset_is_measured_and_runs_its_compiled_program():
+    cpu = preset("cpu", 1)
+    assert cpu.peak_flops > 1e8 and cpu.memory_bytes_per_s > 1e7 and cpu.collective_latency_s > 0
+    assert cpu.fresh_temp_seconds_per_byte > 0  # a fresh page costs more to write than a faulted one
+    assert cpu.runs_compiled_program and cpu.efficiency == 1.0 and cpu.overlap == 0.0
+    assert not any(p.runs_compiled_program or p.fresh_temp_seconds_per_byte for p in PRESETS.values())
 
 
 def test_roofline_slows_a_thin_microbatch():
@@ -350,6 +378,7 @@ def test_a_compiled_candidate_over_the_memory_is_recorded_as_not_fitting():
         "state_bytes": 1,
         "param_bytes": 1,
         "collectives": [],
+        "program": {"dot_flops": 1.0, "dot_bytes": 1.0, "other_bytes": 1.0},
         "compile_seconds": 1.0,
     }
     stats = Counter()

@@ -36,8 +36,6 @@ from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError, UserError
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.tools.search_cost import (
-    EFFICIENCY,
-    OVERLAP,
     analytic_collectives,
     estimate_peak_bytes,
     microbatch_tokens_per_device,
@@ -45,6 +43,7 @@ from nnxtron.tools.search_cost import (
     update_bytes,
 )
 from nnxtron.tools.search_hlo import Collective
+from nnxtron.tools.search_hlo_cost import ProgramCost
 from nnxtron.tools.search_pool import WorkerPool
 from nnxtron.tools.search_presets import DevicePreset
 from nnxtron.tools.search_space import (
@@ -79,8 +78,8 @@ class SearchRequest:
     top: int = 5
     budget_seconds: float = 600.0
     workers: int = 2
-    efficiency: float = EFFICIENCY
-    overlap: float = OVERLAP
+    efficiency: float | None = None  # the device preset's when None
+    overlap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -163,9 +162,13 @@ class Search:
             shards = self.req.devices // cand.mesh["data"]
             t = self.totals
             state, params, offloaded = (t.params + t.optimizer + t.other) / shards, t.params / shards, 0
+            program, temp = None, 0
         else:
             state, params, offloaded = compiled["state_bytes"], compiled["param_bytes"], compiled["host_bytes"]
-        return step_cost(cfg, cand.mesh, r.device, collectives, offloaded, r.efficiency, r.overlap, update_bytes(state, params))
+            program, temp = ProgramCost(**compiled["program"]), compiled["temp_bytes"] or 0
+        return step_cost(
+            cfg, cand.mesh, r.device, collectives, offloaded, r.efficiency, r.overlap, update_bytes(state, params), program, temp
+        )
 
     def _state_lower_bound(self, mesh: dict[str, int], offload: tuple[bool, bool]) -> int:
         """No axis but ``data`` shards the state more than its size: a lower bound per device."""
@@ -381,8 +384,8 @@ class Search:
             "devices": self.req.devices,
             "device": asdict(self.req.device),
             "memory_bytes": self.memory,
-            "efficiency": self.req.efficiency,
-            "overlap": self.req.overlap,
+            "efficiency": self.req.device.efficiency if self.req.efficiency is None else self.req.efficiency,
+            "overlap": self.req.device.overlap if self.req.overlap is None else self.req.overlap,
             "pinned": {k: v for k, v in self.pinned.items()},
             "considered": considered,
             "pruned": dict(self.pruned),

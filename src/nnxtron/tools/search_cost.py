@@ -1,31 +1,38 @@
 """The cost model of `nnxtron plan --search`: a predicted step time from a compiled candidate.
 
-``step_time`` = compute x pipeline-bubble factor + exposed communication + host offload
-traffic + the optimizer update, per device:
+``step_time`` = matmul time + memory traffic + fresh temporaries + exposed communication +
+host offload traffic, per device:
 
-- **compute**: the model's FLOPs per step (``config.flops.training_flops_per_token``: 6 x
+- **matmul**: the model's FLOPs per step (``config.flops.training_flops_per_token``: 6 x
   active matmul parameters + causal attention) plus the forward work remat recomputes
   (``recompute_flops_per_token``: the matmul groups the policy does not save, and what the
   memory knobs ``attention_query_block`` / ``moe_token_chunks`` recompute), divided over
   the devices, at the preset's peak x ``efficiency`` x a roofline factor for the
   per-device matmul shape (``matmul_roofline``: a thin microbatch or a narrow tensor shard
-  is bandwidth-bound, and runs below peak).
+  is bandwidth-bound, and runs below peak), over 1 - the pipeline bubble fraction (the
+  idle stage-iterations of the schedule, ``config.pipeline``). On a device that runs the
+  compiled program itself (the ``cpu`` preset) the compiled program's ``dot`` FLOPs
+  replace that count (``search_hlo_cost``: recompute and bubble iterations included).
+- **memory traffic**: the bytes the compiled program's non-matmul instructions read and
+  write per step (``search_hlo_cost.ProgramCost.other_bytes``: norms, activations,
+  softmax, saved activations, the optimizer update ...), at the device's memory bandwidth.
+  Before a candidate is compiled, only the optimizer update's traffic (``update_bytes``:
+  state and gradients read, state written) stands for it.
+- **fresh temporaries**: the compiled step's temporary bytes x the preset's
+  ``fresh_temp_seconds_per_byte`` (XLA:CPU faults its temporaries in anew each step; 0 on
+  accelerators).
 - **communication**: every collective of the compiled step (``search_hlo.collectives``:
   kind, bytes, group, executions per step from the loop trip counts), each taking
   ``wire_bytes / bandwidth + latency`` (the preset's ``collective_latency_s``), over the intra-node links when its group stays in
   one node and the inter-node links when it does not.
 - **overlap assumption**: collectives over the data, fsdp and stage axes only (weight
-  all-gathers, gradient reductions, pipeline hand-offs) overlap with compute, up to
-  ``overlap`` x the compute time (XLA's latency-hiding scheduler on GPU/TPU); those over
+  all-gathers, gradient reductions, pipeline hand-offs) overlap with the matmuls, up to
+  ``overlap`` x the matmul time (XLA's latency-hiding scheduler on GPU/TPU); those over
   tensor, context or expert are on the critical path (the next matmul reads their
   result) and are added whole. On fake CPU devices nothing overlaps (``overlap=0``).
-- **pipeline bubble**: compute / (1 - bubble fraction), the idle stage-iterations of the
-  schedule (``config.pipeline``).
 - **offload**: offloaded parameters and optimizer state go to the device and back each
   step, offloaded activations likewise (the compiled step's host temporaries), over the
   host link, not overlapped.
-- **optimizer update**: reads the state and the gradients and writes the state, at the
-  device's memory bandwidth (``update_bytes``), after the backward pass.
 """
 
 from __future__ import annotations
@@ -42,10 +49,9 @@ from nnxtron.config.layout import layer_kinds
 from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
 from nnxtron.tools.search_hlo import Collective
+from nnxtron.tools.search_hlo_cost import ProgramCost
 from nnxtron.tools.search_presets import DevicePreset
 
-EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s of a large, compute-bound step (MaxText reports 50-65% MFU on H100/TPU)
-OVERLAP = 0.8  # the share of the compute time that can hide data/fsdp/stage collectives
 OVERLAPPABLE_AXES = frozenset({"data", "fsdp", "stage"})
 
 # per remat policy: the forward matmul groups the backward pass recomputes (parallel/remat.py
@@ -127,12 +133,13 @@ def matmul_roofline(cfg: Config, mesh: dict[str, int], device: DevicePreset, wei
 
 @dataclass(frozen=True)
 class StepCost:
-    compute_s: float
+    compute_s: float  # matmuls, with the pipeline bubble
     bubble_fraction: float
+    memory_s: float  # non-matmul memory traffic (the optimizer update's before compiling)
+    fresh_temp_s: float
     exposed_comm_s: float
     hidden_comm_s: float
     offload_s: float
-    update_s: float
     step_s: float
     mfu: float
     comm_by_axes: dict[str, float]
@@ -166,21 +173,31 @@ def step_cost(
     device: DevicePreset,
     collectives: list[Collective],
     offloaded_bytes: int = 0,
-    efficiency: float = EFFICIENCY,
-    overlap: float = OVERLAP,
+    efficiency: float | None = None,
+    overlap: float | None = None,
     update_bytes: float = 0.0,
+    program: ProgramCost | None = None,
+    temp_bytes: int = 0,
 ) -> StepCost:
     """The predicted step of ``cfg`` on ``mesh`` (see the module docstring).
     ``offloaded_bytes``: per-device bytes that live in host memory (state and activations);
-    ``update_bytes``: per-device bytes the optimizer update reads and writes."""
+    ``update_bytes``: per-device bytes the optimizer update reads and writes, used when the
+    compiled ``program``'s own work is not known; ``temp_bytes``: the compiled step's
+    temporaries. ``efficiency`` and ``overlap`` default to the device's."""
+    efficiency = device.efficiency if efficiency is None else efficiency
+    overlap = device.overlap if overlap is None else overlap
     n = _count(mesh)
     tokens = derive(cfg, n).tokens_per_step
     model_flops = training_flops_per_token(cfg) * tokens / n
-    flops = model_flops + recompute_flops_per_token(cfg) * tokens / n
     rate = device.peak_flops * efficiency * matmul_roofline(cfg, mesh, device)
     spec = pipeline_spec(cfg)
     bubble = spec.bubble_fraction if spec is not None else 0.0
-    compute = flops / rate / (1.0 - bubble)
+    if program is not None and device.runs_compiled_program:  # the program's dots: recompute and bubble included
+        compute = program.dot_flops / rate
+    else:
+        compute = (model_flops + recompute_flops_per_token(cfg) * tokens / n) / rate / (1.0 - bubble)
+    memory = (program.other_bytes if program is not None else update_bytes) / device.memory_bytes_per_s
+    fresh = temp_bytes * device.fresh_temp_seconds_per_byte
     hidden_candidates, exposed, by_axes = 0.0, 0.0, {}
     for c in collectives:
         seconds = collective_seconds(c, device)
@@ -193,15 +210,15 @@ def step_cost(
     hidden = min(hidden_candidates, overlap * compute)
     exposed += hidden_candidates - hidden
     offload = 2.0 * offloaded_bytes / device.host_bytes_per_s
-    update = update_bytes / device.memory_bytes_per_s
-    step = compute + exposed + offload + update
+    step = compute + memory + fresh + exposed + offload
     return StepCost(
         compute_s=compute,
         bubble_fraction=bubble,
+        memory_s=memory,
+        fresh_temp_s=fresh,
         exposed_comm_s=exposed,
         hidden_comm_s=hidden,
         offload_s=offload,
-        update_s=update,
         step_s=step,
         mfu=model_flops / (step * device.peak_flops),
         comm_by_axes=by_axes,

@@ -59,13 +59,14 @@ def format_search(result: dict[str, Any]) -> str:
                 f"{entry['peak_bytes'] / GIB:.1f}",
                 f"{entry['headroom_bytes'] / GIB:.1f}",
                 _seconds(p["compute_s"]),
+                _seconds(p["memory_s"] + p["fresh_temp_s"]),
                 _seconds(p["exposed_comm_s"]),
                 f"{100 * p['bubble_fraction']:.1f}%",
                 describe(entry),
             ]
         )
-    headers = ["#", "step", "MFU", "peak GiB", "headroom", "compute", "exposed comm", "bubble", "configuration"]
-    lines += ["", *text_table(headers, rows, {1, 2, 3, 4, 5, 6, 7})]
+    headers = ["#", "step", "MFU", "peak GiB", "headroom", "compute", "memory", "exposed comm", "bubble", "configuration"]
+    lines += ["", *text_table(headers, rows, {1, 2, 3, 4, 5, 6, 7, 8})]
     lines += ["", "run it (the overrides of each, after the model's own):"]
     lines += [f"  {rank}: " + " ".join(e["overrides"]) for rank, e in enumerate(result["top"], 1)]
     pruned_lines = [f"  {n} x {why}" for why, n in sorted(result["pruned"].items(), key=lambda kv: -kv[1])[:5]]

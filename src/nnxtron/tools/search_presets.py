@@ -13,20 +13,31 @@ Two rules turn them into what the cost model uses:
 
 Figures marked "assumed" in ``notes`` are not on the vendor's page and are our estimate.
 The ``cpu`` preset describes this machine's fake CPU devices and is measured at run time
-(``measure_host_cpu``), for the ranking validation on a laptop.
+(``measure_host_cpu``), for the ranking validation on a laptop. Two things set it apart:
+the program compiled on the fake devices is the one that runs there, so the cost model
+takes its matmul FLOPs from the compiled program (``runs_compiled_program``; an accelerator
+lowers grouped matmuls, attention kernels and fusions its own way, so it gets the model's
+FLOP count), and XLA:CPU allocates a step's temporaries anew each step, so the kernel
+zero-fills every page of them at first touch (``fresh_temp_seconds_per_byte``, measured;
+an accelerator's allocator keeps its memory, 0).
 """
 
 from __future__ import annotations
 
+import mmap
 import time
 from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nnxtron.runtime.peak import measure_matmul_flops
 
 GB = 1e9
+EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s of a large, compute-bound step (MaxText reports 50-65% MFU on H100/TPU)
+OVERLAP = 0.8  # the share of the compute time that can hide data/fsdp/stage collectives
+PAGE = 4096  # bytes of a memory page the kernel zero-fills at first touch
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,10 @@ class DevicePreset:
     devices_per_node: int
     notes: str = ""
     collective_latency_s: float = 10e-6  # fixed cost of one collective (launch + synchronisation); assumed
+    efficiency: float = EFFICIENCY  # achieved / peak matmul FLOP/s
+    overlap: float = OVERLAP  # the share of compute time that hides data/fsdp/stage collectives
+    runs_compiled_program: bool = False  # matmul FLOPs from the compiled program (cpu), else the model's count
+    fresh_temp_seconds_per_byte: float = 0.0  # per byte of a step's temporaries faulted in fresh each step
 
 
 PRESETS: dict[str, DevicePreset] = {
@@ -100,16 +115,70 @@ def preset(name: str, devices: int | None = None) -> DevicePreset:
 
 
 def measure_host_cpu(devices: int | None = None) -> DevicePreset:
-    """This machine's fake CPU devices: they share its cores and its memory bus, so each
-    gets the measured matmul FLOP/s and copy bandwidth divided by their number. A collective
-    between fake devices is a memory copy, so intra- and inter-node bandwidth are the same."""
+    """This machine's fake CPU devices. They share its cores and its memory bus, so each gets
+    the measured throughput divided by their number:
+
+    - FLOP/s: a 512 x 512 float32 matmul;
+    - memory bandwidth: ``x + 1`` on an array sharded over the devices, 8 MiB a device (the
+      size of a small model's activations), bytes read and written over the time;
+    - collective latency: an all-reduce of one float over the devices (a memory copy between
+      fake devices: intra- and inter-node bandwidth are the memory bandwidth);
+    - fresh memory: the time to fault in a page of newly mapped memory, less the time to
+      write it again, per byte; the devices' faults go through one process's memory map in
+      turn, so each device pays for all of them (x the device count).
+
+    Nothing overlaps (the devices share the cores) and the efficiency is 1 (the FLOP/s are a
+    measured matmul of the step's own kind)."""
     n = devices or jax.device_count()
     flops = measure_matmul_flops("float32", size=512, repeats=5)
-    x = jnp.ones(16 * 2**20, jnp.float32)  # 64 MiB
-    bandwidth = 2 * x.nbytes / _best_seconds(jax.jit(lambda x: x + 1), x)  # read + write
+    bandwidth = _elementwise_bandwidth(n)
     latency = _collective_latency(n)
+    fresh = _fresh_page_seconds() / PAGE * n
     per_device = bandwidth / n
-    return DevicePreset("cpu", flops / n, 0.0, per_device, per_device, per_device, per_device, n, "measured", latency)
+    return DevicePreset(
+        "cpu", flops / n, 0.0, per_device, per_device, per_device, per_device, n, "measured", latency,
+        efficiency=1.0, overlap=0.0, runs_compiled_program=True, fresh_temp_seconds_per_byte=fresh,
+    )  # fmt: skip
+
+
+def _elementwise_bandwidth(devices: int) -> float:
+    """Bytes per second of ``x + 1`` (read and write) over this process's devices, 8 MiB each,
+    when it has ``devices`` of them; else on one device, 8 MiB x ``devices``."""
+    size = 2 * 2**20 * devices  # float32 elements: 8 MiB a device
+    x = jnp.ones(size, jnp.float32)
+    if jax.device_count() == devices > 1:
+        mesh = jax.make_mesh((devices,), ("x",))
+        x = jax.device_put(x, jax.NamedSharding(mesh, jax.P("x")))
+    return 2 * x.nbytes / _best_seconds(jax.jit(lambda v: v + 1), x)
+
+
+def _fresh_page_seconds(size: int = 64 * 2**20, repeats: int = 5) -> float:
+    """Seconds to fault in one page of newly mapped memory: writing a fresh anonymous mapping
+    less writing one already faulted in, per page (best of ``repeats``)."""
+    kept = mmap.mmap(-1, size)
+    np.frombuffer(kept, np.uint8).fill(0)
+
+    def fresh() -> None:
+        region = mmap.mmap(-1, size)
+        view = np.frombuffer(region, np.uint8)
+        view.fill(1)
+        del view
+        region.close()
+
+    def again() -> None:
+        np.frombuffer(kept, np.uint8).fill(1)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    seconds = max(best(fresh) - best(again), 0.0)
+    kept.close()
+    return seconds / (size / PAGE)
 
 
 def _best_seconds(fn, *args, repeats: int = 5) -> float:

@@ -4,8 +4,9 @@
 (``{"id", "file", "overrides", "devices_per_node"}``), compiles the real train step of that
 config ahead of time on the process's devices (``tools.plan``'s lowering: nothing is
 allocated), and writes one JSON line per job on stdout: the XLA memory analysis, the
-train state per device, and every collective of the compiled program
-(``search_hlo.collectives``). A job that cannot be set up or compiled answers with its
+train state per device, every collective of the compiled program
+(``search_hlo.collectives``) and its matmul FLOPs and memory traffic
+(``search_hlo_cost.program_cost``). A job that cannot be set up or compiled answers with its
 error instead. The parent starts it with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
 and replaces it after a few jobs, so the memory mappings of compiled programs never pile
 up in one process (Linux allows 65,530).
@@ -25,6 +26,7 @@ from nnxtron.config import load_config
 from nnxtron.errors import ConfigError
 from nnxtron.tools.plan import lower_train_step, memory_stats, prepare_train_step, tree_shard_bytes
 from nnxtron.tools.search_hlo import collectives
+from nnxtron.tools.search_hlo_cost import program_cost
 
 
 def compile_candidate(cfg: Any, devices_per_node: int) -> dict[str, Any]:
@@ -33,6 +35,7 @@ def compile_candidate(cfg: Any, devices_per_node: int) -> dict[str, Any]:
     derived, mesh, tx, schedule, model_setup = prepare_train_step(cfg)
     compiled = lower_train_step(cfg, model_setup, tx, schedule, derived).compile()
     memory = memory_stats(compiled) or {}
+    hlo = compiled.as_text()
     state, shardings = model_setup.abstract_state, model_setup.state_shardings
     result = {
         "peak_bytes": memory.get("peak_bytes"),
@@ -41,9 +44,9 @@ def compile_candidate(cfg: Any, devices_per_node: int) -> dict[str, Any]:
         "state_bytes": sum(tree_shard_bytes(state[k], shardings[k]) for k in state),
         "param_bytes": tree_shard_bytes(state["params"], shardings["params"]),
         "collectives": [
-            {**dataclasses.asdict(c), "axes": list(c.axes)}
-            for c in collectives(compiled.as_text(), dict(mesh.shape), devices_per_node)
+            {**dataclasses.asdict(c), "axes": list(c.axes)} for c in collectives(hlo, dict(mesh.shape), devices_per_node)
         ],
+        "program": dataclasses.asdict(program_cost(hlo)),
         "compile_seconds": time.perf_counter() - start,
     }
     if model_setup.abstract_frozen is not None:  # LoRA: the frozen base lives on the devices too
