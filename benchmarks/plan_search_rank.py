@@ -35,6 +35,9 @@ from nnxtron.runtime.fake_devices import fake_device_env  # noqa: E402
 from nnxtron.tools.search import SearchRequest, search  # noqa: E402
 from nnxtron.tools.search_presets import measure_host_cpu, with_memory  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ranking import spearman, spread  # noqa: E402
+
 DEVICES = 8
 RESULTS = Path(__file__).resolve().parent / "results" / "plan_search_rank.json"
 MODELS: dict[str, list[str]] = {  # small enough to train a step in seconds, large enough that FLOPs count
@@ -55,38 +58,6 @@ MODELS: dict[str, list[str]] = {  # small enough to train a step in seconds, lar
     ],
 }  # fmt: skip
 DATA = ["dataset_type=synthetic"]
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation of two equally long lists (ties take their mean rank)."""
-    if len(a) != len(b) or len(a) < 2:
-        raise ValueError("spearman needs two lists of the same length, at least 2")
-
-    def ranks(x: list[float]) -> list[float]:
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else 0.0
-
-
-def spread(ranked: list[Any], k: int) -> list[Any]:
-    """``k`` entries of a ranked list, evenly spaced from the first to the last (all if fewer)."""
-    if len(ranked) <= k:
-        return ranked
-    return [ranked[round(i * (len(ranked) - 1) / (k - 1))] for i in range(k)]
 
 
 def bench_step_seconds(overrides: list[str], steps: int, attempts: int = 2) -> float:

@@ -39,7 +39,7 @@ def test_every_recommended_configuration_fits_and_is_ranked_by_predicted_time(se
         p = entry["predicted"]
         parts = p["compute_s"] + p["memory_s"] + p["fresh_temp_s"] + p["exposed_comm_s"] + p["offload_s"]
         assert p["step_s"] == pytest.approx(parts)
-        assert p["memory_s"] > 0 and p["fresh_temp_s"] == 0  # the program's traffic; an H100 keeps its memory
+        assert p["memory_s"] > 0 and p["fresh_temp_s"] == 0  # the optimizer update's traffic; an H100 keeps its memory
         assert 0 < p["mfu"] < 1
     steps = [e["predicted"]["step_s"] for e in result["top"]]
     assert steps == sorted(steps)

@@ -13,11 +13,14 @@ host offload traffic, per device:
   idle stage-iterations of the schedule, ``config.pipeline``). On a device that runs the
   compiled program itself (the ``cpu`` preset) the compiled program's ``dot`` FLOPs
   replace that count (``search_hlo_cost``: recompute and bubble iterations included).
-- **memory traffic**: the bytes the compiled program's non-matmul instructions read and
-  write per step (``search_hlo_cost.ProgramCost.other_bytes``: norms, activations,
-  softmax, saved activations, the optimizer update ...), at the device's memory bandwidth.
-  Before a candidate is compiled, only the optimizer update's traffic (``update_bytes``:
-  state and gradients read, state written) stands for it.
+- **memory traffic**: on a device that runs the compiled program, the bytes its non-matmul
+  instructions read and write per step (``search_hlo_cost.ProgramCost.other_bytes``:
+  norms, activations, softmax, saved activations, the optimizer update ...), at the
+  device's memory bandwidth. On an accelerator, only the optimizer update's traffic
+  (``update_bytes``: state and gradients read, state written, after the backward pass):
+  the rest of its non-matmul work is in ``efficiency``, calibrated on measured MFU, and
+  the CPU compile's traffic is not an accelerator's (it materialises attention scores a
+  flash kernel never writes, and fuses less).
 - **fresh temporaries**: the compiled step's temporary bytes x the preset's
   ``fresh_temp_seconds_per_byte`` (XLA:CPU faults its temporaries in anew each step; 0 on
   accelerators).
@@ -192,11 +195,12 @@ def step_cost(
     rate = device.peak_flops * efficiency * matmul_roofline(cfg, mesh, device)
     spec = pipeline_spec(cfg)
     bubble = spec.bubble_fraction if spec is not None else 0.0
-    if program is not None and device.runs_compiled_program:  # the program's dots: recompute and bubble included
+    if program is not None and device.runs_compiled_program:  # its dots (recompute, bubble) and its traffic
         compute = program.dot_flops / rate
+        memory = program.other_bytes / device.memory_bytes_per_s
     else:
         compute = (model_flops + recompute_flops_per_token(cfg) * tokens / n) / rate / (1.0 - bubble)
-    memory = (program.other_bytes if program is not None else update_bytes) / device.memory_bytes_per_s
+        memory = update_bytes / device.memory_bytes_per_s
     fresh = temp_bytes * device.fresh_temp_seconds_per_byte
     hidden_candidates, exposed, by_axes = 0.0, 0.0, {}
     for c in collectives:
