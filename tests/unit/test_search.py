@@ -387,3 +387,13 @@ def test_a_compiled_candidate_over_the_memory_is_recorded_as_not_fitting():
     assert not entry["fits"] and entry["headroom_bytes"] == -(1024**2) and stats["compiled"] == 1
     s._record(s._pop(), {"id": 1, "error": "boom"}, stats)
     assert s.results[-1]["error"] == "boom" and stats["compile failed"] == 1
+
+
+def test_the_table_header_names_the_cpu_peak_as_measured():
+    from dataclasses import asdict
+
+    from nnxtron.tools.search_format import _peak
+
+    assert _peak(asdict(PRESETS["h200"])) == "989 TFLOP/s bf16"
+    host = replace(FLAT, peak_flops=28.6e9, runs_compiled_program=True)
+    assert _peak(asdict(host)) == "28.6 GFLOP/s measured per device"

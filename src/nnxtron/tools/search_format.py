@@ -33,13 +33,20 @@ def describe(entry: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _peak(device: dict[str, Any]) -> str:
+    """A preset's matmul peak: the vendor's bf16 figure, or what ``cpu`` measured per device."""
+    if device["runs_compiled_program"]:
+        return f"{device['peak_flops'] / 1e9:.1f} GFLOP/s measured per device"
+    return f"{device['peak_flops'] / 1e12:.0f} TFLOP/s bf16"
+
+
 def format_search(result: dict[str, Any]) -> str:
     d = result["device"]
     compile_stats = result["compile"]
     pruned = sum(result["pruned"].values())
     lines = [
         f"plan --search: model_name={result['model_name']} on {result['devices']} x {d['name']} "
-        f"({d['peak_flops'] / 1e12:.0f} TFLOP/s bf16, {result['memory_bytes'] / GIB:.1f} GiB, "
+        f"({_peak(d)}, {result['memory_bytes'] / GIB:.1f} GiB, "
         f"{d['devices_per_node']} per node; efficiency {result['efficiency']:g}, overlap {result['overlap']:g})",
         f"searched in {result['seconds']:.0f} s (budget {result['budget_seconds']:.0f} s): {result['considered']} "
         f"configurations, {pruned} pruned by the cheap rules, {compile_stats.get('compiled', 0)} compiled "
