@@ -201,9 +201,15 @@ def _dtype(shape: str) -> str:
     return found.group(1) if found else ""
 
 
-def _elements(shape: str) -> int:
+def _dims(shape: str) -> list[int] | None:
+    """The dimensions of the shape's first array, None without one."""
     found = _ARRAY.search(shape)
-    return math.prod(int(d.lstrip("<=")) for d in found.group(2).split(",") if d.strip()) if found else 0
+    return [int(d.lstrip("<=")) for d in found.group(2).split(",") if d.strip()] if found else None
+
+
+def _elements(shape: str) -> int:
+    dims = _dims(shape)
+    return 0 if dims is None else math.prod(dims)
 
 
 def _iota(dims: list[int], reshape: list[int], perm: list[int] | None) -> np.ndarray:

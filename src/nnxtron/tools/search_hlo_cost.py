@@ -30,7 +30,17 @@ import math
 import re
 from dataclasses import dataclass
 
-from nnxtron.tools.search_hlo import KINDS, _computations, _counts, _elements, _Instruction, _name, _operand_shape, shape_bytes
+from nnxtron.tools.search_hlo import (
+    KINDS,
+    _computations,
+    _counts,
+    _dims,
+    _elements,
+    _Instruction,
+    _name,
+    _operand_shape,
+    shape_bytes,
+)
 
 _NO_TRAFFIC = frozenset(
     {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional", "after-all",
@@ -55,14 +65,9 @@ class ProgramCost:
     other_bytes: float
 
 
-def _dims(shape: str) -> list[int]:
-    found = re.search(r"\[([^\]]*)\]", shape)
-    return [int(d.lstrip("<=")) for d in found.group(1).split(",") if d.strip()] if found else []
-
-
 def dot_flops(ins: _Instruction, shapes: dict[str, str]) -> float:
     """2 x output elements x contracted size of one ``dot``."""
-    lhs = _dims(_operand_shape(ins.operands[0], shapes))
+    lhs = _dims(_operand_shape(ins.operands[0], shapes)) or []
     found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
     contracted = [int(d) for d in found.group(1).split(",") if d] if found else []
     return 2.0 * _elements(ins.shape) * math.prod(lhs[d] for d in contracted)
