@@ -48,8 +48,7 @@ MEMORY_GIB = 1000.0
 
 def predict(device_name: str, budget: float) -> dict[str, Any]:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from nnxtron.tools.search import SearchRequest, search
-    from nnxtron.tools.search_presets import preset, with_memory
+    from nnxtron.tools.search import SearchRequest, preset, search, with_memory
 
     device = with_memory(preset(device_name, 1), MEMORY_GIB)
     rows = []

@@ -32,8 +32,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from nnxtron.runtime.fake_devices import fake_device_env  # noqa: E402
-from nnxtron.tools.search import SearchRequest, search  # noqa: E402
-from nnxtron.tools.search_presets import measure_host_cpu, with_memory  # noqa: E402
+from nnxtron.tools.search import SearchRequest, measure_host_cpu, search, with_memory  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ranking import spearman, spread  # noqa: E402

@@ -50,8 +50,11 @@ on the command line are handled by the same table; keys both have keep nnxtron's
   "unset" (`-1`, `None`, `""`) mapped to nnxtron's; some values are refused (said in the row).
 - **ignored** — MaxText infrastructure nnxtron does not have (cloud storage, profilers, metrics
   upload, serving), or a kernel / sharding / remat choice that computes the same function.
-  Accepted with any value; `nnxtron train` prints them in one start-up line and
-  `nnxtron config show` lists them — never silently. On MoE models the start-up also says which
+  Accepted with any value, never silently: `nnxtron train` lists them at start-up by name,
+  grouped by the reason they are ignored (the first clause of the reason in the table below),
+  with the values set otherwise than MaxText's default, in lines of at most 80 columns;
+  `nnxtron config show` lists them with their values and whole reasons in a comment block.
+  On MoE models the start-up also says which
   path runs: `sparse_matmul` is translated to nnxtron's `moe_compute` — `true` (MaxText's default)
   runs a dropless `jax.lax.ragged_dot` grouped matmul, `false` every expert on every token with
   einsums (MaxText's `dense_matmul`, the only path that reads `capacity_factor`) — on every backend,
@@ -87,8 +90,8 @@ MaxText's logits, loss curve (MTP loss included) and final parameters after 20 s
 | weight decay | every parameter (`adamw_mask=[]`), norm scales included | matrices only | `weight_decay_mask=all` |
 | learning-rate schedule | warm-up `int(fraction * steps)`; the cosine (and WSD decay) reaches its final value at the schedule's last step; 0 after `learning_rate_schedule_steps` | optax's: the final value one step later, kept after the schedule | `lr_schedule_convention=maxtext` |
 | MTP logits | each depth has its own output norm (`mtp_k_final_norm`, DeepSeek-V3's `shared_head.norm`) before the shared LM head | (HF has no MTP) | the same in nnxtron (`mtp/depths/k/final_norm`) |
-| tied output head (`logits_via_embedding`) | `x @ bf16(E)^T` (`attend_on_embedding` casts the table to bfloat16 whatever `dtype` is), then `/ sqrt(emb_dim)` with `normalize_embedding_logits` | `x @ E^T` in `dtype` | `tied_head_bf16=true` (the table, times Gemma's `sqrt(emb_dim)`, rounded to bfloat16, the logits divided by it again) |
-| Gemma 3 embedding scale | `sqrt(emb_dim)` is folded into the table (no input scale); the tied logits divide by it (`normalize_embedding_logits=true`) | the input is scaled by `sqrt(emb_dim)`, the head is `x @ E^T` | the checkpoint table is converted (nnxtron's = MaxText's / `sqrt(emb_dim)`); `normalize_embedding_logits=true` is then HF's head and accepted, `false` is refused (elsewhere with a tied head: the reverse) |
+| tied output head (`logits_via_embedding`) | `x @ bf16(E)^T` (`attend_on_embedding` casts the table to bfloat16 whatever `dtype` is), then `/ sqrt(emb_dim)` in `dtype` with `normalize_embedding_logits` (base.yml: `true`); the table starts standard normal | HF: `x @ E^T`; nnxtron: `x @ E^T / sqrt(emb_dim)` with `normalize_embedding_logits=true`, its default `false` (HF's head; the table then starts at std `1 / sqrt(emb_dim)`, docs/init.md) | `tied_head_bf16=true` (the table, times Gemma's `sqrt(emb_dim)`, rounded to bfloat16), `normalize_embedding_logits` as the config says (base.yml's `true`): MaxText's logits and initialiser (`tests/assets/maxtext/reference/llama2_tied`) |
+| Gemma 3 embedding scale | `sqrt(emb_dim)` is folded into the table (no input scale); the tied logits divide by it (`normalize_embedding_logits=true`) | the input is scaled by `sqrt(emb_dim)`, the head is `x @ E^T` | the checkpoint table is converted (nnxtron's = MaxText's / `sqrt(emb_dim)`); `normalize_embedding_logits=true` (the Gemma 3 presets') is then HF's head, `false` MaxText's logits times `sqrt(emb_dim)` |
 | Gemma 3 query scale | derived from the sizes: `head_dim ** -0.5` (gemma3-4b, 12b), `(emb_dim // query heads) ** -0.5` (27b) | `query_pre_attn_scalar` as stated (the presets: 256, 256, 168) | with `override_model_config=true` or an overridden `head_dim` / `base_emb_dim` / `base_num_query_heads`, `query_pre_attn_scalar` is derived so (a stated `query_pre_attn_scalar` wins) |
 | MoE load-balance loss | per sequence (each row's token fractions / k and mean `softmax` of the router output before the bias, every position counted), `E^2 ×` mean over rows and experts, averaged over the MoE layers (decoder and MTP; hash-routed layers have none) | over all tokens of the call, summed over layers (HF pools the counts and probabilities of all layers and tokens, fractions not divided by k) | `load_balance_convention=maxtext` (the Mixtral reference run trains with `load_balance_loss_weight=0.01`) |
 

@@ -41,7 +41,7 @@ BASE_YML = ROOT / "tests" / "assets" / "maxtext" / "base.yml"  # MaxText 0.2.5's
 OUT = ROOT / "tests" / "assets" / "maxtext" / "reference"
 DRIVER = ROOT / "scripts" / "maxtext" / "driver.py"
 DEFAULT_ENV = Path.home() / ".cache" / "nnxtron" / f"maxtext-{MAXTEXT_VERSION}"  # the cached environment
-REQUIREMENTS = "maxtext/dependencies/requirements/generated_requirements/decoupled-requirements.txt"
+REQUIREMENTS = "dependencies/requirements/generated_requirements/decoupled-requirements.txt"  # in the wheel
 
 # float32, one CPU device, 20 steps at learning_rate 1e-3 with MaxText's optimizer defaults
 # (AdamW b1 0.9 b2 0.95 eps 1e-8, weight decay 0.1, cosine schedule with 10% warm-up, gradient
@@ -58,6 +58,15 @@ TRAINING = (
 ATTENTION = ("base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=8", "vocab_size=128")
 CONFIGS: dict[str, tuple[str, ...]] = {
     "llama2": ("decoder_block=llama2", *ATTENTION, "base_mlp_dim=64", "base_num_decoder_layers=2", *TRAINING),
+    # the tied head with MaxText's normalize_embedding_logits=true (base.yml): logits / sqrt(emb_dim)
+    "llama2_tied": (
+        "decoder_block=llama2",
+        *ATTENTION,
+        "base_mlp_dim=64",
+        "base_num_decoder_layers=2",
+        "logits_via_embedding=true",
+        *TRAINING,
+    ),
     "mixtral": (  # dropless routed experts through MaxText's sparse (ragged) path, with its load-balance loss
         "decoder_block=mixtral",
         *ATTENTION,

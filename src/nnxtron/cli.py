@@ -9,20 +9,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from nnxtron.errors import UserError
+from nnxtron.errors import ConfigError, UserError
 from nnxtron.runtime.distributed import PEER_TIMEOUT_S
 
 EXIT_USER_ERROR = 2
+EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a process that SIGPIPE ended (the reader of stdout left)
 MAX_PLAN_DEVICES = 2048  # measured: 27 s / 3 GB for llama3.1-8b; 4096 fake CPU devices fail inside XLA
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage + message)
         raise UserError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+    def add_argument(self, *names, **kwargs):
+        """A positional ``nargs="*"`` (``[key=value ...]``) is optional: before Python 3.13
+        argparse marks one without a default required ("the following arguments are required:
+        path, overrides")."""
+        if kwargs.get("nargs") == "*" and names and not names[0].startswith("-"):
+            kwargs.setdefault("default", [])
+        return super().add_argument(*names, **kwargs)
 
 
 def _split_file_and_overrides(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -63,7 +74,7 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 def _cmd_train(ns: argparse.Namespace) -> int:
     from nnxtron.config.loader import load_config_report, parse_overrides, read_config_file
-    from nnxtron.convert.runs import init_config, init_params
+    from nnxtron.convert.runs import init_config_report, init_params
     from nnxtron.data.sources import tokenizer_for
     from nnxtron.runtime.distributed import initialize, peer_lost, shutdown
 
@@ -71,24 +82,29 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     given = {**(read_config_file(file) if file is not None else {}), **parse_overrides(overrides)}
     notes: list[str] = []
     if given.get("init_from"):
-        cfg = init_config(file, overrides, given)
+        cfg, notes = init_config_report(file, overrides, given)  # with the fine-tuning defaults it applied
     else:
         cfg, report = load_config_report(file, overrides)
         notes = report.startup_lines(cfg)
-    if cfg.sample_after_training:  # said before training, not after it
-        if cfg.sample_after_training >= cfg.max_position_embeddings:
+    sample = cfg.sample_after_training
+    if sample:  # said before training, not after it
+        if sample >= cfg.max_position_embeddings:
             raise UserError(
-                f"sample_after_training={cfg.sample_after_training} leaves no room for the prompt within "
+                f"sample_after_training={sample} leaves no room for the prompt within "
                 f"max_position_embeddings={cfg.max_position_embeddings}; sample fewer tokens"
             )
-        tokenizer_for(cfg)
+        try:
+            tokenizer_for(cfg)
+        except ConfigError as err:  # the model's ids are not this tokenizer's: training on token ids still works
+            notes = [*notes, f"no sample after training: {err} (sample_after_training=0 drops this note)"]
+            sample = 0
     loader = init_params(cfg)
     if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout):
-        return _train_and_report(cfg, ns, loader, notes=notes)
+        return _train_and_report(cfg, ns, loader, sample, notes=notes)
     import jax
 
     try:
-        code = _train_and_report(cfg, ns, loader, quiet=jax.process_index() != 0, notes=notes)
+        code = _train_and_report(cfg, ns, loader, sample, quiet=jax.process_index() != 0, notes=notes)
     except jax.errors.JaxRuntimeError as err:  # a collective with a process that is gone
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         peer_lost(f"a collective with another process failed ({first})")
@@ -96,7 +112,10 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return code
 
 
-def _train_and_report(cfg, ns: argparse.Namespace, init_params, quiet: bool = False, notes: Sequence[str] = ()) -> int:
+def _train_and_report(
+    cfg, ns: argparse.Namespace, init_params, sample: int, quiet: bool = False, notes: Sequence[str] = ()
+) -> int:
+    """Train; then report the losses and, when ``sample`` > 0, print a sample of that many tokens."""
     import jax
 
     from nnxtron.train.loop import train
@@ -114,24 +133,29 @@ def _train_and_report(cfg, ns: argparse.Namespace, init_params, quiet: bool = Fa
     print(f"run directory: {result.run_dir}")
     if status:
         return status
-    if cfg.sample_after_training and result.state is not None:
+    if sample and result.state is not None:
         if jax.process_count() > 1:
             print("no sample: decoding runs in one process; run `nnxtron generate` on the run directory")
         else:
-            _print_sample_from_state(cfg, result)
+            _print_sample_from_state(cfg, result, sample)
     return 0
 
 
-def _sample(model, cfg, max_new_tokens: int):
+def _sample(model, cfg, max_new_tokens: int, template=None):
     """(text stream, token-id iterator) for ``cfg.prompt``: BOS (if the tokenizer has one) +
-    prompt, stop at EOS, decoded with the KV cache (``infer.decode``); the stream turns the
-    ids into text as the tokenizer's ``decode`` joins prompt and completion."""
+    prompt, or with a chat ``template`` the prompt as one user message rendered with the
+    generation prompt (the template writes its own BOS, as in ``serve``); stop at EOS, decoded
+    with the KV cache (``infer.decode``); the stream turns the ids into text as the
+    tokenizer's ``decode`` joins prompt and completion."""
     from nnxtron.data.detokenize import TextStream
     from nnxtron.data.sources import tokenizer_for
     from nnxtron.infer.decode import generate
 
     tokenizer = tokenizer_for(cfg)
-    prompt = [tokenizer.bos_id] * (tokenizer.bos_id >= 0) + tokenizer.encode(cfg.prompt).tolist()
+    if template is not None:
+        prompt = tokenizer.encode(template.render([{"role": "user", "content": cfg.prompt}])).tolist()
+    else:
+        prompt = [tokenizer.bos_id] * (tokenizer.bos_id >= 0) + tokenizer.encode(cfg.prompt).tolist()
     if not prompt:
         raise UserError("the prompt is empty and the tokenizer has no BOS token; pass --prompt TEXT")
     if (
@@ -146,16 +170,17 @@ def _sample(model, cfg, max_new_tokens: int):
     return TextStream(tokenizer, prompt), (step[0] for step in rows if step[0] is not None)
 
 
-def _print_sample_from_state(cfg, result) -> None:
+def _print_sample_from_state(cfg, result, max_new_tokens: int) -> None:
     import jax
-    from flax import nnx
 
-    from nnxtron.models.build import abstract_model
+    from nnxtron.convert.runs import model_from_state
 
-    graphdef = nnx.split(abstract_model(cfg))[0]
-    on_device = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), result.state["params"])
-    model = nnx.merge(graphdef, on_device, result.state["rest"])  # (parameter_memory_host_offload keeps them on the host)
-    text, stream = _sample(model, cfg, cfg.sample_after_training)
+    def on_device(tree):  # (parameter_memory_host_offload keeps them on the host)
+        return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), tree)
+
+    frozen = None if result.frozen is None else on_device(result.frozen)
+    model = model_from_state(cfg, on_device(result.state["params"]), result.state["rest"], frozen)  # LoRA: merged
+    text, stream = _sample(model, model.config, max_new_tokens)
     ids = list(stream)
     text.push(ids)
     print(f"--- sample ({cfg.decode_sampling_strategy}, {len(ids)} tokens) ---")
@@ -171,14 +196,23 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         overrides.append(f"prompt={ns.prompt}")
     model = load_model(ns.path, overrides)  # an HF directory or a run brings its own tokenizer
     cfg = model.config
+    template = None
+    if ns.chat:  # the chat template that came with the model
+        from nnxtron.data.chat_template import find_chat_template
+        from nnxtron.data.sources import tokenizer_directories, tokenizer_for
+
+        template, reason = find_chat_template(tokenizer_directories(cfg, ns.path), tokenizer_for(cfg))
+        if template is None:
+            raise UserError(f"--chat: '{ns.path}' has no chat template ({reason}); drop --chat to continue the prompt as text")
     enable_compilation_cache(cfg)  # before prefill and the decode step compile
-    text, stream = _sample(model, cfg, cfg.max_new_tokens)
+    text, stream = _sample(model, cfg, cfg.max_new_tokens, template)
     if ns.json:
         ids = list(stream)
         text.push(ids)
         print(json.dumps({"prompt": cfg.prompt, "completion": text.completion(), "tokens": ids}))
         return 0
-    sys.stdout.write(text.push())  # the prompt, as the tokenizer writes it back
+    prompt = text.push()  # the prompt, as the tokenizer writes it back (a chat prints the answer alone)
+    sys.stdout.write("" if ns.chat else prompt)
     for token in stream:
         sys.stdout.write(text.push([token]))
         sys.stdout.flush()
@@ -187,23 +221,35 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
+    from nnxtron.config.loader import is_hf_directory, parse_overrides
     from nnxtron.convert.runs import load_model
-    from nnxtron.infer.score import score_corpus
+    from nnxtron.infer.score import CORPUS_KEYS, held_out_by_training, run_corpus_line, score_corpus
     from nnxtron.runtime.compile_cache import enable_compilation_cache
 
-    model = load_model(ns.path, list(ns.overrides))  # the data keys among the overrides choose the corpus
-    cfg = model.config
-    enable_compilation_cache(cfg)
-    if ns.tasks:
-        return _harness_tasks(model, ns)
     given = [
         flag
         for flag, value in (("--include-path", ns.include_path), ("--limit", ns.limit), ("--num-fewshot", ns.num_fewshot))
         if value is not None
     ]
-    if given:
+    if given and not ns.tasks:
         raise UserError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} read only with --tasks (lm-eval harness tasks)")
-    score = score_corpus(model, cfg, ns.batch_rows)
+    own_corpus = not ns.tasks and not set(CORPUS_KEYS) & set(parse_overrides(ns.overrides))
+    if own_corpus and is_hf_directory(ns.path):
+        raise UserError(
+            f"nnxtron eval {ns.path}: an HF directory has no training corpus to score; give one with dataset_type= and "
+            "dataset_path= (or lm-eval harness tasks with --tasks)"
+        )
+    model = load_model(ns.path, list(ns.overrides))  # the data keys among the overrides choose the corpus
+    cfg = model.config
+    enable_compilation_cache(cfg)
+    if ns.tasks:
+        return _harness_tasks(model, ns)
+    held_out = own_corpus and held_out_by_training(cfg)  # the run's own corpus: what its training did not see
+
+    def announce(described: str) -> None:
+        print(run_corpus_line(cfg, held_out, described), file=sys.stderr, flush=True)
+
+    score = score_corpus(model, cfg, ns.batch_rows, held_out, announce if own_corpus else None)
     if ns.json:
         print(json.dumps(score.as_dict()))
         return 0
@@ -271,8 +317,11 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
         print(f"wrote the LoRA adapters to {out} (PEFT: adapter_model.safetensors, adapter_config.json)")
         return 0
     if ns.direction == "to-hf":
+        from nnxtron.config.loader import RUN_TOKENIZER_DIR
+
         model = load_model(ns.source, ns.overrides)
-        out = hf.to_hf(model, ns.dest, overwrite=ns.overwrite)
+        kept = Path(ns.source) / RUN_TOKENIZER_DIR  # a run keeps its tokenizer's files and chat template there
+        out = hf.to_hf(model, ns.dest, overwrite=ns.overwrite, kept=kept if kept.is_dir() else None)
         cfg = model.config
         tokenizer = f"its {cfg.tokenizer_type} tokenizer" if hf.model_tokenizer(cfg) else "no tokenizer: the model has none"
         print(f"wrote HF checkpoint to {out} ({tokenizer}, generation_config.json)")
@@ -386,7 +435,7 @@ def _refuse_search_flags(ns: argparse.Namespace) -> None:
 
 
 def _plan_search(ns: argparse.Namespace, args: list[str], devices: int | None) -> int:
-    """``plan --search``: rank the parallel configurations of ``devices`` devices (tools/search.py)."""
+    """``plan --search``: rank the parallel configurations of ``devices`` devices (tools/search/)."""
     if devices is None:
         raise UserError("plan --search needs devices=N: the number of devices to plan for, e.g. devices=64")
     for name, value in (("--top", ns.top), ("--time-budget", ns.time_budget), ("--workers", ns.workers)):
@@ -400,9 +449,7 @@ def _plan_search(ns: argparse.Namespace, args: list[str], devices: int | None) -
         from nnxtron.runtime.fake_devices import fake_device_env
 
         os.environ.update(fake_device_env(devices))
-    from nnxtron.tools.search import SearchRequest, search
-    from nnxtron.tools.search_format import format_search
-    from nnxtron.tools.search_presets import preset, with_memory
+    from nnxtron.tools.search import SearchRequest, format_search, preset, search, with_memory
 
     try:
         device = with_memory(preset(ns.device or "h100", devices), ns.device_memory_gib)
@@ -458,6 +505,40 @@ def _rerun_plan_with_devices(ns: argparse.Namespace, devices: int) -> int:
     return proc.returncode
 
 
+# `nnxtron train --help`: the keys most runs set (tests/unit/test_small_frictions.py checks
+# that each is a config key); every key is in `nnxtron config show` and base.yml
+TRAIN_KEYS_HELP = """\
+config keys: key=value after the optional FILE.yml (every default:
+src/nnxtron/config/presets/base.yml). The most used:
+  model_name=NAME          a preset (llama3.1-8b, qwen3-0.6b, mixtral-tiny,
+                           deepseek3-tiny, ...); default: a small byte model
+  steps=N                  optimizer steps
+  per_device_batch_size=N  rows per device and step
+  max_target_length=N      tokens per row
+  learning_rate=X          peak learning rate (warmup_steps_fraction,
+                           lr_schedule_type, opt_type: docs/optimizers.md)
+  dataset_type=TYPE        text | jsonl | parquet | arrayrecord | synthetic
+  dataset_path=PATH        corpus files, directories or globs (docs/data.md)
+  tokenizer_type=TYPE      byte | hf | sentencepiece | tiktoken, with
+                           tokenizer_path=PATH
+  run_name=NAME            the run's directory under base_output_directory;
+                           an existing run resumes
+  init_from=DIR            fine-tune an HF model directory or a run
+                           (docs/finetune.md)
+  use_sft=true  use_dpo=true  lora_rank=N
+                           instruction / preference tuning, LoRA adapters
+                           (docs/post-training.md)
+  eval_interval=N  checkpoint_period=N  enable_checkpointing=false
+  ici_fsdp_parallelism=N  remat_policy=NAME  dtype=bfloat16
+                           devices and memory (README: Memory and parallel
+                           strategies)
+
+every key with its value: nnxtron config show [FILE.yml] [key=value ...]
+what each key does: README "Configuration", docs/config.md and docs/*.md;
+MaxText configs and keys work too (docs/maxtext.md)
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nnxtron import __version__
 
@@ -466,7 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     file_help = "[FILE.yml] [key=value ...]: an optional YAML config, then overrides"
 
-    p = sub.add_parser("train", help="train a model (no arguments: the default small byte-level run)")
+    p = sub.add_parser(
+        "train", help="train a model (no arguments: the default small byte-level run)", epilog=TRAIN_KEYS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("args", nargs="*", help=file_help)
     p.add_argument("--no-progress", action="store_true", help="print log lines instead of the live progress bar")
     p.add_argument(
@@ -488,9 +572,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="sample from a run directory or an HF directory")
     p.add_argument("path", help="run directory (config.yml + checkpoints/) or HF model directory")
-    p.add_argument("overrides", nargs="*", help="key=value (prompt, max_new_tokens, decode_sampling_*)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="optional: prompt, max_new_tokens, decode_sampling_*, ...")
     p.add_argument("--prompt", help="prompt text (same as prompt=...)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--chat", action="store_true", help="the prompt is one user message, rendered with the model's chat template")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser(
@@ -510,7 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve a run directory or an HF directory over an OpenAI-compatible HTTP API")
     p.add_argument("path", help="run directory (config.yml + checkpoints/) or HF model directory")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides for loading the model (e.g. dtype=bfloat16)")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="optional config overrides for loading the model (e.g. dtype=bfloat16)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument(
@@ -615,14 +702,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             words = list(sys.argv[1:] if argv is None else argv)
             parser.error(f"unrecognized arguments: {' '.join(unknown)}{_key_value_hint(unknown, words)}")
-        getattr(ns, target).extend(extra)  # key=value given after an --option
-        return ns.func(ns)
+        setattr(ns, target, [*getattr(ns, target), *extra])  # key=value given after an --option
+        code = ns.func(ns)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except UserError as err:
         print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always one line
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # another pipe (a child process's): a real failure
+        # `nnxtron config show | head`: the reader has what it wanted. Stop quietly, as a unix
+        # tool killed by SIGPIPE does; Python's docs (signal, "Note on SIGPIPE"): point stdout
+        # at devnull so that the interpreter's final flush does not fail again
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout without a descriptor (an embedding program's)
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), stdout without a descriptor
+        return True
 
 
 if __name__ == "__main__":

@@ -183,11 +183,6 @@ def unstack_layers(flat: dict[str, Any], num_layers: LayerCounts) -> dict[str, A
     return convert_layers(flat, num_layers, scanned=False)
 
 
-def stack_layers(flat: dict[str, Any], num_layers: LayerCounts, stack) -> dict[str, Any]:
-    """Layer-list layout -> scanned layout; ``stack`` is np.stack or jnp.stack."""
-    return convert_layers(flat, num_layers, scanned=True, stack=stack)
-
-
 def rename_stacks(flat: dict[str, Any], moves: Mapping[str, tuple[str, int]]) -> dict[str, Any]:
     """Layer-list paths of each stack ``s`` in ``moves`` renamed to ``moves[s] = (stack,
     first index)``: ``.../s/layers/i/...`` -> ``.../stack/layers/(first + i)/...``; other paths kept."""

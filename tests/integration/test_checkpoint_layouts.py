@@ -20,11 +20,11 @@ from nnxtron.config import load_config
 from nnxtron.convert.runs import load_model
 from nnxtron.errors import ConfigError
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.params import detect_layout, flatten, split_layer_path, stack_layers, unstack_layers
+from nnxtron.params import detect_layout, flatten, split_layer_path, unstack_layers
 from nnxtron.train.checkpoint import Checkpointer
 from nnxtron.train.loop import Trainer, _check_same_model
 from nnxtron.train.state import model_shardings
-from nnxtron.train.weights import load_parameters
+from tests.helpers import load_parameters, stack_layers
 from tests.integration.conftest import train_overrides
 
 LAYERS = 2

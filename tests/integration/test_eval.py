@@ -4,11 +4,17 @@ alone with the model's full logits; bad input is one line."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from nnxtron.convert.hf import from_hf
+from nnxtron.data.pipeline import split_documents
+from nnxtron.data.records import open_corpus
 from nnxtron.data.tokenizer import HFTokenizer
 from tests.integration.conftest import assert_user_error, run_cli
 from tests.integration.test_serve import TEXT, write_model_dir
@@ -76,3 +82,56 @@ def test_eval_bad_input_is_one_line(setup, capsys):
     assert code == 2 and "nothing" in err
     code, _, err = run_cli(capsys, "eval", str(root / "missing"), "dataset_type=text")
     assert code == 2 and "missing" in err
+
+
+def test_eval_of_a_run_without_a_corpus_says_which_it_scores(setup, tmp_path, capsys):
+    """`nnxtron eval RUN` with no corpus keys scores the run's own training corpus and says so in one
+    line: its held-out split (the documents training did not see), equal to scoring exactly those
+    documents, or all of it when the run held none out. An HF directory has no corpus: one line."""
+    root, model_dir = setup
+    pattern = f"{root / 'docs'}/*.txt"
+    keys = ["dataset_type=text", f"dataset_path={pattern}", "packing=pad", "max_target_length=64", "eval_split_fraction=0.4"]
+    run = tmp_path / "run"
+    assert run_cli(capsys, "convert", "from-hf", str(model_dir), str(run), *keys, "eval_interval=5")[0] == 0
+    _, held = split_documents(open_corpus("text", [pattern]), 0.4)
+    assert 0 < len(held) < len(DOCUMENTS)
+    (tmp_path / "held").mkdir()
+    for index in held:
+        shutil.copyfile(root / "docs" / f"{index}.txt", tmp_path / "held" / f"{index}.txt")
+
+    code, out, err = run_cli(capsys, "eval", str(run), "--json")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("scoring")]
+    assert lines == [
+        f"scoring the run's training corpus, its held-out split: {len(held)} of {len(DOCUMENTS)} text files in "
+        f"'{pattern}' (eval_split_fraction=0.4, the documents training did not see); give dataset_type= and "
+        "dataset_path= to score another corpus"
+    ], err
+    got = json.loads(out.strip().splitlines()[-1])
+    code, out, err = run_cli(
+        capsys, "eval", str(model_dir), *keys[:1], f"dataset_path={tmp_path / 'held'}/*.txt", *keys[2:4], "--json"
+    )
+    assert code == 0 and "scoring" not in err, err  # a corpus given: it is the one scored
+    alone_held = json.loads(out.strip().splitlines()[-1])
+    assert [got[k] for k in ("documents", "tokens", "bytes")] == [alone_held[k] for k in ("documents", "tokens", "bytes")]
+    np.testing.assert_allclose(got["nll"], alone_held["nll"], rtol=1e-6)  # float32 logits of a run and of an HF dir
+
+    code, out, err = run_cli(capsys, "eval", str(run), "eval_interval=-1", "--json")  # as a run without periodic eval
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["documents"] == len(DOCUMENTS)
+    assert f"scoring the run's training corpus, all of it: {len(DOCUMENTS)} text files in '{pattern}' (eval_interval=-1" in err
+    code, _, err = run_cli(capsys, "eval", str(model_dir))
+    assert_user_error(code, err, "an HF directory has no training corpus to score; give one with dataset_type=")
+
+
+def test_eval_tasks_needing_a_download_offline_is_one_line(setup):
+    """`nnxtron eval RUN --tasks arc_easy` without network (HF offline mode, as on a machine that
+    cannot reach the Hub): one line naming the task and its dataset, not a ConnectionError traceback."""
+    pytest.importorskip("lm_eval")
+    _, model_dir = setup
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(model_dir.parent / "hf_home")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "nnxtron", "eval", str(model_dir), "--tasks", "arc_easy", "--limit", "2"],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert_user_error(proc.returncode, proc.stderr, "lm-eval task 'arc_easy' needs its dataset 'allenai/ai2_arc' downloaded")
+    assert "--include-path" in proc.stderr

@@ -10,16 +10,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 
 from nnxtron.config import load_config
+from nnxtron.config.loader import parse_overrides, run_config_to_yaml
 from nnxtron.convert.hf import from_hf, to_hf
-from nnxtron.convert.runs import init_config, load_model
+from nnxtron.convert.runs import init_config, init_config_report, load_model
 from nnxtron.data.tokenizer import SentencePieceTokenizer
 from nnxtron.errors import ConfigError
 from nnxtron.models.build import build_model
 from nnxtron.params import flatten
-from tests.integration.conftest import PARAGRAPH, assert_user_error, run_cli, train_overrides
+from tests.integration.conftest import PARAGRAPH, assert_user_error, metric_records, run_cli, train_overrides
 from tests.tokenizer_files import write_sentencepiece
 
 LICENSE = [
@@ -27,6 +29,15 @@ LICENSE = [
     "The licensor is not liable for any claim, damages or other liability.",
     PARAGRAPH,
 ]
+
+FT_KEYS = ("learning_rate", "lr_schedule_type", "warmup_steps_fraction", "learning_rate_final_fraction")
+MODEL_OR_SCHEDULE_KEYS = ("model_name=", "vocab_size=", "base_num_decoder_layers=", "learning_rate=", "warmup_steps_fraction=")
+OLD_DEFAULTS = (
+    "learning_rate=0.003",
+    "lr_schedule_type=cosine",
+    "warmup_steps_fraction=0.05",
+    "cosine_learning_rate_final_fraction=0.1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +95,7 @@ def test_fine_tune_an_hf_model_in_one_command(hf_dir, corpus, tmp_path, capsys):
     assert not (Path(base) / "ft").exists()
     code, out, err = run_cli(capsys, "train", *common, f"init_from={hf_dir}", "--no-progress")
     assert code == 0, err
+    assert "warning: learning_rate=0.01 is a pre-training rate" in err  # this test's own rate, said at start-up
     run = Path(base) / "ft"
     assert (run / "tokenizer" / "tokenizer.model").is_file()
     # warmup over the one step: its learning rate is 0, so the weights are still exactly the HF ones
@@ -112,6 +124,58 @@ def test_fine_tune_an_hf_model_in_one_command(hf_dir, corpus, tmp_path, capsys):
     assert after.decode(after.encode(text), skip_special_tokens=True) == before.decode(
         before.encode(text), skip_special_tokens=True
     )
+
+
+def test_fine_tuning_takes_fine_tuning_defaults_and_says_so(hf_dir, corpus, tmp_path, capsys):
+    """`nnxtron train init_from=HF_DIR` without a learning rate: not base.yml's pre-training 3e-3 but
+    TRL's / transformers' fine-tuning values, one start-up line each with its source, recorded in
+    the run and used by the steps; a YAML file's and the command line's values win, a resumed run
+    keeps the values its config.yml recorded, and a pre-training rate is said at start-up."""
+    base = str(tmp_path / "runs")
+    common = train_overrides(corpus, base, "ft", steps=2, eval_interval=-1)
+    common = [o for o in common if not o.startswith(MODEL_OR_SCHEDULE_KEYS)]
+    code, _, err = run_cli(capsys, "train", *common, f"init_from={hf_dir}", "--no-progress")
+    assert code == 0, err
+    for line in (
+        "fine-tuning default (init_from): learning_rate=2e-05 (TRL SFTConfig, MaxText sft.yml)",
+        "fine-tuning default (init_from): lr_schedule_type=linear (transformers TrainingArguments.lr_scheduler_type",
+        "fine-tuning default (init_from): warmup_steps_fraction=0 (transformers TrainingArguments.warmup_steps",
+        "fine-tuning default (init_from): learning_rate_final_fraction=0 (transformers' schedules decay to 0)",
+    ):
+        assert line in err, err
+    assert "warning: learning_rate" not in err
+    run = Path(base) / "ft"
+    recorded = yaml.safe_load((run / "config.yml").read_text())
+    assert {k: recorded[k] for k in FT_KEYS} == {
+        "learning_rate": 2e-5, "lr_schedule_type": "linear", "warmup_steps_fraction": 0.0, "learning_rate_final_fraction": 0.0,
+    }  # fmt: skip
+    rates = [r["learning_rate"] for r in metric_records(run) if "learning_rate" in r]
+    assert rates == pytest.approx([2e-5, 1e-5], rel=1e-6)  # linear from 2e-5 to 0 over 2 steps, no warm-up
+
+    # a YAML file's values and the command line's win over the defaults
+    (tmp_path / "ft.yml").write_text("learning_rate: 5.0e-6\nlr_schedule_type: cosine\n")
+    given = {"init_from": str(hf_dir), "learning_rate": 5e-6, "lr_schedule_type": "cosine", "warmup_steps_fraction": 0.1}
+    cfg, lines = init_config_report(str(tmp_path / "ft.yml"), [f"init_from={hf_dir}", "warmup_steps_fraction=0.1"], given)
+    assert (cfg.learning_rate, cfg.lr_schedule_type, cfg.warmup_steps_fraction) == (5e-6, "cosine", 0.1)
+    assert cfg.cosine_learning_rate_final_fraction == 0.0  # the final fraction the chosen schedule reads
+    assert [line.split(":")[1].split("=")[0].strip() for line in lines] == ["cosine_learning_rate_final_fraction"]
+    # an explicit pre-training rate is kept, and said
+    cfg, lines = init_config_report(
+        None, [f"init_from={hf_dir}", "learning_rate=0.003"], {"init_from": str(hf_dir), "learning_rate": 0.003}
+    )
+    assert cfg.learning_rate == 0.003
+    assert lines[-1].startswith("warning: learning_rate=0.003 is a pre-training rate"), lines
+
+    # a run recorded with base.yml's schedule (an older nnxtron) resumes with it, not with the new defaults
+    old_args = [f"init_from={hf_dir}", *OLD_DEFAULTS]
+    old = init_config(None, old_args, parse_overrides(old_args))
+    (Path(base) / "old").mkdir()
+    (Path(base) / "old" / "config.yml").write_text(run_config_to_yaml(old))
+    args = [f"init_from={hf_dir}", f"base_output_directory={base}", "run_name=old"]
+    cfg, lines = init_config_report(None, args, parse_overrides(args))
+    assert (cfg.learning_rate, cfg.lr_schedule_type, cfg.warmup_steps_fraction) == (0.003, "cosine", 0.05)
+    assert "fine-tuning default (init_from): learning_rate=0.003 (the run's config.yml: a resumed run keeps its values)" in lines
+    assert lines[-1].startswith("warning: learning_rate=0.003")
 
 
 def test_init_from_a_run_takes_its_model_and_refuses_other_model_keys(hf_dir, tmp_path, capsys):

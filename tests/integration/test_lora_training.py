@@ -99,6 +99,16 @@ def test_lora_learns_and_its_checkpoints_hold_the_adapters_only(sft_data, base_r
     assert_user_error(code, err, "is not a LoRA run (lora_rank is 0)")
 
 
+def test_the_lora_command_samples_from_the_merged_model_after_training(sft_data, base_run, tmp_path, capsys):  # noqa: F811
+    """`nnxtron train init_from=RUN lora_rank=8 ...` sampling after training (the other tests set
+    sample_after_training=0): the sample comes from the base with the trained adapters merged."""
+    model_keys = ("sample_after", "model_name", "vocab_size", "base_num_decoder")  # init_from brings the model
+    args = [o for o in lora_overrides(sft_data, base_run, tmp_path, "lora_cli", steps=2) if not o.startswith(model_keys)]
+    code, out, err = run_cli(capsys, "train", *args, "sample_after_training=16", "--no-progress")
+    assert code == 0 and "Traceback" not in err, out + err
+    assert "--- sample (" in out, out
+
+
 def test_a_resumed_lora_run_continues_exactly_and_checks_its_base(sft_data, base_run, tmp_path):  # noqa: F811
     common = dict(eval_interval=-1, checkpoint_period=2, learning_rate=0.003, learning_rate_schedule_steps=6)
     whole = run(lora_overrides(sft_data, base_run, tmp_path, "whole", steps=4, **common))

@@ -13,7 +13,7 @@ import pytest
 from nnxtron.config import load_config
 from nnxtron.params import flatten, layer_list_layout
 from nnxtron.train.loop import Trainer
-from nnxtron.train.weights import load_parameters
+from tests.helpers import load_parameters
 from tests.integration.conftest import cli_train, metric_records, train_overrides
 
 # 4 layers on 2 stages: a circular schedule with 2 repeats

@@ -12,8 +12,7 @@ import pytest
 
 from nnxtron.config import load_config
 from nnxtron.params import flatten
-from nnxtron.tools.search import SearchRequest, search
-from nnxtron.tools.search_presets import PRESETS, with_memory
+from nnxtron.tools.search import PRESETS, SearchRequest, search, with_memory
 from nnxtron.train.loop import Trainer
 from tests.integration.conftest import assert_user_error, run_cli, train_overrides
 

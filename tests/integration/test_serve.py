@@ -54,8 +54,9 @@ LONG = 480  # max_tokens of a request that runs long enough to be cut
 def write_model_dir(directory: Path) -> Path:
     """The llama2 golden model (vocab 256) with a 172-token BPE (SentencePiece-style ``▁``) and a chat template."""
     directory.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copyfile(GOLDEN / name, directory / name)
+    shutil.copyfile(GOLDEN / "model.safetensors", directory / "model.safetensors")
+    config = json.loads((GOLDEN / "config.json").read_text())  # a context longer than the golden 256 (MAX_LENGTH)
+    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2 * MAX_LENGTH}))
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     tok.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>", "<s>", "</s>"]))

@@ -69,3 +69,18 @@ def test_default_job_halves_the_loss_on_the_stdlib_corpus(tmp_path):
                                  "steps=40", "eval_interval=-1", "enable_checkpointing=false"])  # fmt: skip
     result = Trainer(cfg, progress=False).run()
     assert result.losses[-1] == result.losses[-1] and float(np.mean(result.losses[-5:])) < 0.5 * result.losses[0]
+
+
+def test_synthetic_data_trains_a_model_the_byte_tokenizer_cannot_read(tmp_path, capsys):
+    """A model made for another tokenizer (vocab 1000 > the byte limit) trains on synthetic ids:
+    no text is read, so nothing is refused; the sample after training is skipped with one line."""
+    from tests.integration.conftest import run_cli
+
+    args = ["model_name=llama2-tiny", "vocab_size=1000", "base_num_decoder_layers=1", "dataset_type=synthetic", "steps=1",
+            "per_device_batch_size=1", "max_target_length=16", "enable_checkpointing=false", f"base_output_directory={tmp_path}",
+            "ici_fsdp_parallelism=1", "ici_data_parallelism=-1"]  # fmt: skip
+    code, out, err = run_cli(capsys, "train", *args, "--no-progress")
+    assert code == 0, err
+    notes = [line for line in (out + err).splitlines() if line.startswith("no sample after training:")]
+    assert len(notes) == 1 and "vocab_size=1000" in notes[0], out + err
+    assert "--- sample" not in out

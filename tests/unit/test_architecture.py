@@ -1,8 +1,8 @@
 """The package is a one-way house (docs/architecture.md): each layer imports only from the
 layers below it, siblings do not import each other, and no module imports itself back
 through others. Imports are read with ``ast`` — every ``import`` statement, also those
-inside functions; an import under ``if TYPE_CHECKING:`` never runs, so it may not close a
-cycle but must still point down.
+inside functions and those under ``if TYPE_CHECKING:``: all of them must point down and
+none may close a cycle (a type-only loop is still two modules that each need the other).
 """
 
 from __future__ import annotations
@@ -123,10 +123,11 @@ def upward_imports(imports: list[Import], layers=LAYERS) -> list[str]:
 
 
 def cycles(modules: set[str], imports: list[Import]) -> list[list[str]]:
-    """The import cycles among ``modules`` (imports that run: TYPE_CHECKING ones left out)."""
+    """The import cycles among ``modules``, counting every import: also those under
+    ``if TYPE_CHECKING:`` and those inside functions."""
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for imp in imports:
-        if not imp.type_only and imp.target in graph and imp.target != imp.source:
+        if imp.target in graph and imp.target != imp.source:
             graph[imp.source].add(imp.target)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -177,9 +178,25 @@ def test_no_import_points_up_or_sideways(package):
     assert upward_imports(imports) == []
 
 
+def cycle_report(component: list[str], imports: list[Import]) -> str:
+    """One line per import between the modules of a cycle, so the message names the loop."""
+    inside = set(component)
+    edges = sorted({
+        f"  {imp.source}:{imp.line} imports {imp.target}"
+        + (" (TYPE_CHECKING)" if imp.type_only else "")
+        + (" (inside a function)" if imp.lazy else "")
+        for imp in imports
+        if imp.source in inside and imp.target in inside and imp.source != imp.target
+    })  # fmt: skip
+    return f"import cycle among {', '.join(component)}:\n" + "\n".join(edges)
+
+
 def test_no_import_cycle(package):
     modules, imports = package
-    assert cycles(modules, imports) == []
+    found = cycles(modules, imports)
+    assert found == [], "move the shared piece down (docs/architecture.md)\n" + "\n".join(
+        cycle_report(component, imports) for component in found
+    )
 
 
 def test_imports_inside_functions_only_where_documented(package):
@@ -231,7 +248,7 @@ def test_checker_finds_a_cycle_hidden_in_a_function(tmp_path):
     assert [i.source for i in imports if i.lazy] == ["nnxtron.config.schema"]
 
 
-def test_checker_finds_upward_and_sideways_imports_but_not_type_only_cycles(tmp_path):
+def test_checker_finds_upward_and_sideways_imports_and_type_only_cycles(tmp_path):
     pkg = _write(tmp_path, {
         "__init__.py": "",
         "config/__init__.py": "",
@@ -245,7 +262,10 @@ def test_checker_finds_upward_and_sideways_imports_but_not_type_only_cycles(tmp_
         "infer/cache.py": "",
     })  # fmt: skip
     modules, imports = read_imports(pkg)
-    assert cycles(modules, imports) == []  # the schema <-> checks loop is type-only
+    assert cycles(modules, imports) == [["nnxtron.config.checks", "nnxtron.config.schema"]]  # type-only still counts
+    report = cycle_report(["nnxtron.config.checks", "nnxtron.config.schema"], imports)
+    assert "nnxtron.config.schema:3 imports nnxtron.config.checks (TYPE_CHECKING)" in report
+    assert "nnxtron.config.checks:1 imports nnxtron.config.schema" in report
     assert upward_imports(imports) == [
         "nnxtron.config.checks:2 imports nnxtron.models.mtp (config -> models)",
         "nnxtron.models.mtp:1 imports nnxtron.train.loss (models -> engines)",

@@ -165,6 +165,7 @@ VALUES: dict[str, Flag] = {
     "mtp_eval_target_module": F(1, "eval_step", "deepseek3-test", {"mtp_num_layers": 1}),
     "logits_via_embedding": F(False),
     "tied_head_bf16": F(True),
+    "normalize_embedding_logits": F(True),  # llama3.1-tiny ties its head: logits / sqrt(emb_dim), std-1 table
     "final_logits_soft_cap": F(30.0),
     "dtype": F("bfloat16"),
     "weight_dtype": F("bfloat16"),
@@ -314,6 +315,8 @@ MORE: dict[str, dict[str, Flag]] = {
     "adam_b2": {"muon": F(0.99, base={"opt_type": "muon"})},
     "adam_eps": {"muon": F(1e-6, base={"opt_type": "muon"})},
     "adam_weight_decay": {"muon": F(0.01, base={"opt_type": "muon"})},
+    # Gemma 3 presets say true (HF's head there): false multiplies the tied logits by sqrt(emb_dim)
+    "normalize_embedding_logits": {"gemma3": F(False, family="gemma3-tiny")},
 }
 
 

@@ -154,14 +154,15 @@ def test_gemma3_query_scale_follows_the_sizes_as_in_maxtext(model, extra, scalar
 
 @pytest.mark.parametrize(
     "model, value",
-    [("gemma3-4b", "false"), ("llama2-7b", "true")],
+    [("gemma3-4b", "false"), ("gemma3-4b", "true"), ("llama2-7b", "true"), ("llama2-7b", "false")],
 )
-def test_normalize_embedding_logits_is_refused_where_it_is_not_hfs_head(model, value):
-    from nnxtron.errors import ConfigError
-
+def test_normalize_embedding_logits_is_honoured(model, value):
+    """MaxText's key, both values, every family (was refused where it was not HF's head); MaxText's
+    base.yml says true, which a tied MaxText config keeps (MaxText's head: logits / sqrt(emb_dim))."""
     tied = ["override_model_config=true", "logits_via_embedding=true"] if model == "llama2-7b" else []
-    with pytest.raises(ConfigError, match="normalize_embedding_logits"):
-        load_config(MAXTEXT_BASE, [f"model_name={model}", *tied, f"normalize_embedding_logits={value}"])
+    cfg = load_config(MAXTEXT_BASE, [f"model_name={model}", *tied, f"normalize_embedding_logits={value}"])
+    assert cfg.logits_via_embedding and cfg.normalize_embedding_logits is (value == "true")
+    assert load_config(MAXTEXT_BASE, [f"model_name={model}", *tied]).normalize_embedding_logits
 
 
 @pytest.mark.parametrize("family", ["llama2", "deepseek3", "gemma3"])

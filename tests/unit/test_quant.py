@@ -24,6 +24,7 @@ from nnxtron.parallel.mesh import make_mesh
 from nnxtron.train.state import setup
 from nnxtron.train.step import compute_gradients
 from tests.conftest import lower_train_step, random_batch, tiny_config
+from tests.helpers import is_quantized
 
 E4M3, E5M2, INT8 = "float8_e4m3fn", "float8_e5m2", "int8"
 LLAMA_MODULES = [f"layers/layers/attention/{p}" for p in ("key", "out", "query", "value")] + [
@@ -147,7 +148,7 @@ def test_quantization_leaves_state_and_values_untouched():
     overrides = dict(routed_bias_update_rate=0.01, mtp_num_layers=1)
     plain = build_model(tiny_config("deepseek3-test", **overrides))
     model = build_model(quantized("deepseek3-test", **overrides))
-    assert quant.is_quantized(model) and not quant.is_quantized(plain)
+    assert is_quantized(model) and not is_quantized(plain)
     a, b = nnx.to_flat_state(nnx.state(plain)), nnx.to_flat_state(nnx.state(model))
     assert [path for path, _ in a] == [path for path, _ in b]
     for (path, x), (_, y) in zip(a, b):
@@ -171,7 +172,7 @@ def test_shardings_identical_with_and_without_quantization():
         model_setup, lowered = lower_train_step(cfg, 4)
         results.append((model_setup, _sharding_annotations(lowered.as_text())))
     (plain, plain_hlo), (q, q_hlo) = results
-    assert quant.is_quantized(nnx.merge(q.graphdef, q.abstract_state["params"], q.abstract_state["rest"]))
+    assert is_quantized(nnx.merge(q.graphdef, q.abstract_state["params"], q.abstract_state["rest"]))
     assert jax.tree.leaves(plain.state_shardings) == jax.tree.leaves(q.state_shardings)
     assert jax.tree.structure(plain.state_shardings) == jax.tree.structure(q.state_shardings)
     assert plain.unsharded_fraction == q.unsharded_fraction <= 0.02

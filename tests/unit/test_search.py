@@ -9,8 +9,7 @@ import pytest
 from nnxtron.config.derived import MESH_AXES
 from nnxtron.config.flops import training_flops_per_token
 from nnxtron.errors import UserError
-from nnxtron.tools.search import STATE_REASON, Search, SearchRequest, state_totals
-from nnxtron.tools.search_cost import (
+from nnxtron.tools.search.cost import (
     _group_flops,
     _spans_nodes,
     analytic_collectives,
@@ -20,10 +19,11 @@ from nnxtron.tools.search_cost import (
     step_cost,
     update_bytes,
 )
-from nnxtron.tools.search_hlo import Collective
-from nnxtron.tools.search_hlo_cost import ProgramCost
-from nnxtron.tools.search_presets import PRESETS, DevicePreset, preset, with_memory
-from nnxtron.tools.search_space import (
+from nnxtron.tools.search.hlo import Collective
+from nnxtron.tools.search.hlo_cost import ProgramCost
+from nnxtron.tools.search.orchestrator import STATE_REASON, Search, SearchRequest, state_totals
+from nnxtron.tools.search.presets import PRESETS, DevicePreset, preset, with_memory
+from nnxtron.tools.search.space import (
     AXIS_KEYS,
     QUERY_BLOCK,
     TOKEN_CHUNKS,
@@ -392,7 +392,7 @@ def test_a_compiled_candidate_over_the_memory_is_recorded_as_not_fitting():
 def test_the_table_header_names_the_cpu_peak_as_measured():
     from dataclasses import asdict
 
-    from nnxtron.tools.search_format import _peak
+    from nnxtron.tools.search.format import _peak
 
     assert _peak(asdict(PRESETS["h200"])) == "989 TFLOP/s bf16"
     host = replace(FLAT, peak_flops=28.6e9, runs_compiled_program=True)

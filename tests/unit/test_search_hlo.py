@@ -1,4 +1,4 @@
-"""search_hlo: collectives of compiled programs, their bytes, groups, mesh axes and loop counts."""
+"""search.hlo: collectives of compiled programs, their bytes, groups, mesh axes and loop counts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnxtron.tools.search_hlo import MESH_AXES, Collective, collectives, replica_groups, shape_bytes
+from nnxtron.tools.search.hlo import MESH_AXES, Collective, collectives, replica_groups, shape_bytes
 
 SIZES = (1, 1, 2, 1, 1, 4)  # fsdp=2, tensor=4: device = 4 * fsdp + tensor
 SHAPE = dict(zip(MESH_AXES, SIZES, strict=True))

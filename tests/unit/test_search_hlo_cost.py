@@ -1,10 +1,10 @@
-"""`search_hlo_cost.program_cost`: matmul FLOPs and memory traffic of compiled programs."""
+"""`search.hlo_cost.program_cost`: matmul FLOPs and memory traffic of compiled programs."""
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from nnxtron.tools.search_hlo_cost import program_cost
+from nnxtron.tools.search.hlo_cost import program_cost
 
 
 def _cost(fn, *args):

@@ -154,10 +154,13 @@ def test_a_conversation_needs_a_template():
 
 def test_tokenizers_without_offsets_are_refused(tmp_path):
     from nnxtron.data.sft import check_tokenizer
+    from nnxtron.data.tokenizer import TiktokenTokenizer
 
-    model = tokenizer_files.write_sentencepiece(tmp_path / "sp.model", ["hello world, a tiny corpus\n" * 50], vocab_size=280)
+    ranks = tokenizer_files.write_tiktoken(tmp_path / "tokenizer.model", [b"he", b"ll"])  # SentencePiece has offsets now
     with pytest.raises(DataError, match="use_sft=true needs a tokenizer that reports each token's characters"):
-        check_tokenizer(SentencePieceTokenizer(model))
+        check_tokenizer(TiktokenTokenizer(ranks))
+    model = tokenizer_files.write_sentencepiece(tmp_path / "sp.model", ["hello world, a tiny corpus\n" * 50], vocab_size=280)
+    check_tokenizer(SentencePieceTokenizer(model))
 
 
 def test_the_mask_travels_through_packing(tmp_path, directories):

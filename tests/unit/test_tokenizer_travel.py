@@ -8,13 +8,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from nnxtron.config import load_config
+from nnxtron.convert.hf import to_hf
 from nnxtron.data.detokenize import TextStream
 from nnxtron.data.sources import tokenizer_for
 from nnxtron.data.tokenizer import make_tokenizer
 from nnxtron.data.tokenizer_files import detect_tokenizer, tokenizer_values, write_hf_tokenizer
 from nnxtron.errors import ConfigError
+from nnxtron.models.build import build_model
 from tests.tokenizer_files import write_bpe, write_sentencepiece, write_tiktoken
 
 ENGLISH = [
@@ -146,3 +149,75 @@ def test_trailing_space_waits_for_a_decode_that_may_rewrite_it(toks):
     tok = CleanUp()
     ids = tok.encode("Hello , world .").tolist()
     assert stream_all(tok, ids[:2], ids[2:]) == "Hello, world."
+
+
+LLAMA2_CHAT = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token }}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}"
+)
+SPECIAL_TEXTS = [
+    "<s>[INST] Hello there [/INST] The license</s><s>[INST] again [/INST]", "a</s>b", "x  <s>  y  ", "<unk> x<pad>y",
+    "  two  spaces<s>x", "a \n  b\t\tc", "<s><s></s>", "", "é€𝄞 zz<s>\n q ✓", " ".join(ENGLISH),
+]  # fmt: skip
+
+
+def test_sentencepiece_splits_special_tokens_and_gives_hf_ids_and_offsets(files, tmp_path):
+    """A SentencePiece-only directory: ids and character offsets equal HF's (transformers converts
+    tokenizer.model, legacy Llama), for chats holding <s> / </s>; the template sees the tokenizer's
+    <s> / </s> without a tokenizer_config.json naming them, as HF's does; legacy=false is refused."""
+    from transformers import AutoTokenizer
+
+    from nnxtron.data.chat_template import find_chat_template
+    from nnxtron.data.sft import SFTFormat, format_record
+    from nnxtron.data.tokenizer import SentencePieceTokenizer
+    from nnxtron.errors import DataError
+
+    directory = tmp_path / "sp"
+    shutil.copytree(files["sentencepiece"].parent, directory)
+    (directory / "chat_template.jinja").write_text(LLAMA2_CHAT)
+    hf, tok = AutoTokenizer.from_pretrained(str(directory)), SentencePieceTokenizer(directory / "tokenizer.model")
+    for text in SPECIAL_TEXTS:
+        ids, offsets = tok.encode_with_offsets(text)
+        expected = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        assert ids.tolist() == tok.encode(text).tolist() == expected["input_ids"], text
+        assert [tuple(o) for o in offsets.tolist()] == [tuple(o) for o in expected["offset_mapping"]], text
+    chat = [
+        {"role": "user", "content": "Who grants the license?"}, {"role": "assistant", "content": "The licensor."},
+        {"role": "user", "content": "Is it free?"}, {"role": "assistant", "content": "Free of charge."},
+    ]  # fmt: skip
+    template, _ = find_chat_template([directory], tok)
+    text = template.render(chat, add_generation_prompt=False)
+    assert text == hf.apply_chat_template(chat, tokenize=False)
+    ids, trainable = format_record({"messages": chat}, tok, SFTFormat(template), add_bos=False, add_eos=False)
+    assert ids.tolist() == hf.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    answers = tok.decode(ids[trainable])
+    assert answers.count("The licensor.") == answers.count("Free of charge.") == 1 and "Who" not in answers
+    (directory / "tokenizer_config.json").write_text('{"legacy": false}')
+    with pytest.raises(DataError, match="legacy=false.*save_pretrained"):
+        SentencePieceTokenizer(directory / "tokenizer.model").encode("<s>[INST] hi")
+
+
+@pytest.mark.parametrize("kind", ["byte", "sentencepiece"])
+def test_a_run_keeps_the_chat_template_it_was_given(files, kind, tmp_path):
+    """``chat_template_path`` is kept in the run's tokenizer/ (with the special tokens it sees), where
+    serve, generate --chat, init_from and convert to-hf find it."""
+    from nnxtron.data.chat_template import find_chat_template
+    from nnxtron.data.sources import keep_tokenizer, tokenizer_directories
+
+    file = tmp_path / "chat.jinja"
+    file.write_text(LLAMA2_CHAT)
+    path = [f"tokenizer_path={files['sentencepiece']}"] if kind == "sentencepiece" else []
+    cfg = load_config(
+        overrides=[f"tokenizer_type={kind}", *path, "use_sft=true", "dataset_type=jsonl", f"chat_template_path={file}"]
+    )
+    run = tmp_path / "run"
+    keep_tokenizer(cfg, run / "tokenizer")
+    later = load_config(overrides=[f"tokenizer_type={kind}", *path])  # a later command on the run, without the flag
+    template, _ = find_chat_template(tokenizer_directories(later, run), make_tokenizer(kind, later.tokenizer_path))
+    assert template.template == LLAMA2_CHAT
+    assert template.render([{"role": "user", "content": "hi"}]) == "<s>[INST] hi [/INST]"
+    # convert to-hf of the run writes it where transformers finds it (the byte tokenizer has no files of its own)
+    model_cfg = load_config(overrides=["model_name=llama2-tiny", "vocab_size=320", "base_num_decoder_layers=1", *path,
+                                       f"tokenizer_type={kind}"])  # fmt: skip
+    exported = to_hf(build_model(model_cfg), tmp_path / "hf", kept=run / "tokenizer")
+    assert AutoTokenizer.from_pretrained(str(exported)).chat_template == LLAMA2_CHAT

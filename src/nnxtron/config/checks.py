@@ -1,6 +1,7 @@
 """Cross-key checks of a config: pure functions of the values, no JAX.
 
-``Config``'s validator runs ``check_combinations``; each check raises ``ConfigError``
+``Config``'s validator runs ``check_combinations`` (``config/__init__.py`` registers it with
+the schema, which sits below this module and imports nothing of it); each check raises ``ConfigError``
 with one line that names the key and the fix. The DeepSeek-V4 keys are checked in
 ``deepseek4.py`` and the pipeline layout in ``pipeline.py``.
 """
@@ -12,7 +13,7 @@ import re
 from typing import TYPE_CHECKING
 
 from nnxtron.config import deepseek4, options
-from nnxtron.config.layout import is_moe_layer
+from nnxtron.config.layout import is_moe_layer, layer_pattern_period
 from nnxtron.config.pipeline import check_pipeline_options
 from nnxtron.errors import ConfigError
 
@@ -443,7 +444,7 @@ def check_layer_pattern(cfg: Config) -> None:
         raise ConfigError(
             "temperature_tuning scales queries on NoPE layers; set nope_layer_interval > 0 (or temperature_tuning=false)"
         )
-    period, cycle = cfg.layer_pattern_period, cfg.inhomogeneous_layer_cycle_interval
+    period, cycle = layer_pattern_period(cfg), cfg.inhomogeneous_layer_cycle_interval
     if cycle and cycle % period:
         raise ConfigError(
             f"inhomogeneous_layer_cycle_interval={cycle} does not fit the layer pattern, which repeats every "

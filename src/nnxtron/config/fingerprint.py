@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nnxtron.config.loader import MACHINE_SETTINGS
+from nnxtron.config.loader import MACHINE_SETTINGS, with_legacy_values
 from nnxtron.config.schema import MODEL_KEY, Config
 from nnxtron.errors import ConfigError
 
@@ -27,8 +27,10 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
 
 
 def of_stored(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The fingerprint inside stored config values (a ``config.yml`` or a checkpoint's config);
-    keys it lacks (written before the key existed) are left out and not compared."""
+    """The fingerprint inside stored config values (a ``config.yml`` or a checkpoint's config or
+    fingerprint); keys it lacks (written before the key existed) are left out and not compared,
+    except ``LEGACY_VALUES`` keys (``config/loader.py``), which take the value the model had then."""
+    values = with_legacy_values(dict(values))
     return {key: values[key] for key in MODEL_KEYS if key in values}
 
 

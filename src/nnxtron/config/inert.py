@@ -58,6 +58,7 @@ INERT_UNLESS: dict[str, ReadOnlyWhen] = {
     "routed_score_func": _MOE,
     "norm_topk_prob": _MOE,
     "moe_compute": _MOE,
+    "normalize_embedding_logits": ReadOnlyWhen("logits_via_embedding=true (the tied head)", lambda c: c.logits_via_embedding),
     "load_balance_convention": ReadOnlyWhen(
         "num_experts > 1 and load_balance_loss_weight > 0", lambda c: c.num_experts > 1 and c.load_balance_loss_weight > 0
     ),

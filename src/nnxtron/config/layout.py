@@ -29,6 +29,7 @@ Layer ``i`` (0-based) of a config:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -85,10 +86,22 @@ def layer_kinds(cfg: Config) -> tuple[LayerKind, ...]:
     return tuple(layer_kind(cfg, i) for i in range(cfg.base_num_decoder_layers))
 
 
+def layer_pattern_period(cfg: Config) -> int:
+    """The smallest number of layers after which the layer kinds repeat (1: all alike)."""
+    periods = [cfg.sliding_window_pattern or 1, cfg.nope_layer_interval or 1]
+    if cfg.num_experts > 1:
+        periods.append(cfg.interleave_moe_layer_step)
+        if cfg.dense_layers:  # any set of layers: no shorter period in general
+            periods.append(cfg.base_num_decoder_layers)
+    if cfg.compress_ratios:
+        periods.append(deepseek4.period(cfg))
+    return math.lcm(*periods)
+
+
 def cycle_length(cfg: Config) -> int:
     """Layers per scanned block: ``inhomogeneous_layer_cycle_interval``, or the pattern period
     (the config validates that the interval is a multiple of the period)."""
-    return cfg.inhomogeneous_layer_cycle_interval or cfg.layer_pattern_period
+    return cfg.inhomogeneous_layer_cycle_interval or layer_pattern_period(cfg)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,13 @@ ENVIRONMENT_DEFAULTS = {
 # compiled executables are loaded from
 MACHINE_SETTINGS = tuple(ENVIRONMENT_DEFAULTS)
 RUN_TOKENIZER_DIR = "tokenizer"  # a run's copy of its tokenizer files (data/tokenizer_files.py)
+# model keys added after runs were written, with the value a stored config without the key computed
+# with (from its other values): reading a run or checkpoint written before the key existed gives
+# that value (``with_legacy_values``), never today's default, so the stored model stays the same
+LEGACY_VALUES = {
+    # before it, every tied head was HF's x @ E^T: MaxText's normalize=true for Gemma 3 only
+    "normalize_embedding_logits": lambda stored: stored["decoder_block"] == "gemma3",
+}
 MAX_YAML_BYTES = 1 << 20  # a config file or preset
 MAX_YAML_VALUES = 100_000  # values after YAML aliases are expanded (an alias bomb stops here)
 
@@ -86,6 +93,11 @@ def read_config_file(file: str | Path) -> dict[str, Any]:
     MaxText config (``config/maxtext.py``), its ``base_config:`` chain merged and every key
     checked against MaxText's table and the schema."""
     return _read_config(file)[0]
+
+
+def is_maxtext_file(file: str | Path) -> bool:
+    """Whether a config file is a MaxText config (``base_config:`` or MaxText-only keys: ``config/maxtext.py``)."""
+    return maxtext.is_maxtext_config(_read_file(file))
 
 
 def _read_config(file: str | Path) -> tuple[dict[str, Any], bool]:
@@ -277,12 +289,22 @@ def is_hf_directory(path: str | Path) -> bool:
     return (path / "config.json").is_file() and not (path / "config.yml").is_file()
 
 
+def with_legacy_values(stored: dict[str, Any]) -> dict[str, Any]:
+    """Stored model values (a run's ``config.yml``, a checkpoint's fingerprint) with each
+    ``LEGACY_VALUES`` key they lack (written before it existed) at the value they were computed
+    with; values without a ``decoder_block`` are not a model's and are returned as they are."""
+    if "decoder_block" not in stored:
+        return dict(stored)
+    return {**{key: value(stored) for key, value in LEGACY_VALUES.items() if key not in stored}, **stored}
+
+
 def run_values(run_dir: str | Path) -> dict[str, Any]:
     """The stored values of a run directory's ``config.yml`` without the ``MACHINE_SETTINGS``;
     a run that carries its tokenizer (``<run>/tokenizer/``) reads it from there, wherever
     the run has been moved."""
     run_dir = Path(run_dir)
     values = {k: v for k, v in read_config_file(run_dir / "config.yml").items() if k not in MACHINE_SETTINGS}
+    values = with_legacy_values(values)
     if (run_dir / RUN_TOKENIZER_DIR).is_dir() and values.get("tokenizer_type", "byte") != "byte":
         values["tokenizer_path"] = str(run_dir / RUN_TOKENIZER_DIR)
     return values

@@ -24,6 +24,7 @@ the same way; keys both have keep nnxtron's meaning.
 from __future__ import annotations
 
 import difflib
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,10 @@ from nnxtron.errors import ConfigError
 BASE_CONFIG = "base_config"
 MAX_BASE_CONFIG_DEPTH = 16
 MAXTEXT_ONLY = frozenset(key for key in KEYS if key not in Config.model_fields)
-PRESET_KEYS_KEPT_FROM_FILE = ("dtype",)  # MaxText's model configs leave these to base.yml / the config file
+PRESET_KEYS_KEPT_FROM_FILE = (
+    "dtype",
+    "normalize_embedding_logits",
+)  # MaxText's model configs leave these to base.yml / the config file
 DEFAULTS = {key: rule.default for key, rule in KEYS.items() if rule.default is not NOT_IN_BASE}
 MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor")  # reported together at start-up (Report.moe_line)
 NNXTRON_KEYS_UNDER_MAXTEXT = {  # nnxtron-only keys whose MaxText behaviour differs (docs/maxtext.md)
@@ -99,11 +103,15 @@ class Report:
         if self.ignored:
             changed = [f"{k}={v!r}" for k, v in self.ignored.items() if not same(v, KEYS[k].default)]
             at_default = len(self.ignored) - len(changed)
-            parts = ([f"{at_default} at MaxText's default values"] if at_default else []) + changed
-            lines.append(
-                "MaxText keys ignored (infrastructure nnxtron does not have, or a kernel choice computing the same "
-                f"function; `nnxtron config show` lists them): {', '.join(parts)}"
-            )
+            lines += _wrapped(
+                "", [f"MaxText keys ignored ({len(self.ignored)}; infrastructure nnxtron does not have, or a kernel "
+                     "choice computing the same function; docs/maxtext.md says why for each):"], "  "
+            )  # fmt: skip
+            values = f"{at_default} at MaxText's default values" + ("; set otherwise: " if changed else "")
+            lines += _wrapped(f"  {values}", changed, "    ")
+            for reason, keys in self.by_reason(lambda key, value: key).items():
+                lines += _wrapped("  ", [f"{_short(reason)} ({len(keys)}):"], "  ")
+                lines += _wrapped("    ", keys, "    ")
         if self.moe_kernels and cfg.num_experts > 1:
             lines.append(self.moe_line(cfg))
         return lines
@@ -132,13 +140,37 @@ class Report:
         if not self.ignored:
             return []
         lines = [f"# MaxText keys ignored ({len(self.ignored)}; docs/maxtext.md says why for each):"]
-        by_reason: dict[str, list[str]] = {}
-        for key, value in self.ignored.items():
-            by_reason.setdefault(KEYS[key].note, []).append(f"{key}={value!r}")
-        for reason, items in by_reason.items():
-            lines.append(f"#   {reason}:")
-            lines.append(f"#     {', '.join(items)}")
+        for reason, items in self.by_reason(lambda key, value: f"{key}={value!r}").items():
+            lines += _wrapped("#   ", [f"{reason}:"], "#   ")
+            lines += _wrapped("#     ", items, "#     ")
         return lines
+
+    def by_reason(self, item: Callable[[str, Any], str]) -> dict[str, list[str]]:
+        """``item(key, value)`` of each ignored key, grouped by the reason it is ignored (table order)."""
+        groups: dict[str, list[str]] = {}
+        for key, value in self.ignored.items():
+            groups.setdefault(KEYS[key].note, []).append(item(key, value))
+        return groups
+
+
+REPORT_WIDTH = 80  # columns of the ignored-keys listing (start-up and `config show`): an 80-column terminal shows it unbroken
+
+
+def _short(reason: str) -> str:
+    """A reason's first clause: "MaxText's checkpoint storage and recovery machinery (Orbax, ...); ..."
+    -> "MaxText's checkpoint storage and recovery machinery" (docs/maxtext.md has the whole reason)."""
+    for stop in (" (", ";", ":"):
+        reason = reason.split(stop, 1)[0]
+    return reason
+
+
+def _wrapped(first: str, items: list[str], indent: str) -> list[str]:
+    """``items`` joined by ", " in lines of at most ``REPORT_WIDTH`` columns (longer only where
+    a word is), the first starting with ``first``, the others with ``indent``; broken at spaces only."""
+    text = ", ".join(items)
+    return textwrap.wrap(
+        text, REPORT_WIDTH, initial_indent=first, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    ) or [first.rstrip()]
 
 
 def check_model_overrides(model_name: str, preset: Mapping[str, Any], cli: Mapping[str, Any], ctx: Mapping[str, Any]) -> None:

@@ -140,7 +140,7 @@ _honoured(
     use_qwix_quantization=False, weight_quantization_calibration_method='absmax', act_quantization_calibration_method='absmax',
     bwd_quantization_calibration_method='absmax', weight_dtype='float32',
     base_num_kv_heads=16, base_mlp_dim=7168, base_num_decoder_layers=16,
-    mlp_activations=['silu', 'linear'], logits_via_embedding=False, mtp_num_layers=0, mtp_loss_scaling_factor=0.1,
+    mlp_activations=['silu', 'linear'], logits_via_embedding=False, normalize_embedding_logits=True, mtp_num_layers=0, mtp_loss_scaling_factor=0.1,
     mtp_eval_target_module=0, num_experts=1, num_experts_per_tok=1, load_balance_loss_weight=0.0,
     first_num_dense_layers=0, shared_experts=0, routed_scaling_factor=1.0, routed_bias=False, routed_bias_update_rate=0.0,
     n_routing_groups=-1, first_num_hash_layers=0, topk_routing_group=-1, num_layers_per_pipeline_stage=1,
@@ -875,18 +875,6 @@ def _nnx(value: Any, ctx: Mapping[str, Any]) -> bool:
     return value is True
 
 
-def _embedding_logits(value: Any, ctx: Mapping[str, Any]) -> bool:
-    """MaxText's tied logits are ``(x @ E^T) / sqrt(emb_dim)`` with true. Gemma 3's table holds
-    ``sqrt(emb_dim)`` (MaxText folds the input scale in; nnxtron's = MaxText's / sqrt(emb_dim)), so
-    there true is HF's and nnxtron's head and false is not; elsewhere false is."""
-    return not ctx.get("logits_via_embedding") or value is (ctx.get("decoder_block") == "gemma3")
-
-
-_add("normalize_embedding_logits", Key(
-    REFUSED, True, "with logits_via_embedding=true MaxText divides the logits by sqrt(emb_dim), HF's (and nnxtron's) head "
-    "only for decoder_block gemma3, whose MaxText embedding table holds sqrt(emb_dim)",
-    "set normalize_embedding_logits=true for gemma3, false otherwise", check=_embedding_logits,
-))  # fmt: skip
 _add("grain_packing_type", Key(
     REFUSED, "first_fit", "nnxtron packs real data by concatenation (documents flow across rows; packing=false pads each)",
     "use grain_packing_type=concat_then_split", check=lambda v, c: v == "concat_then_split" or c.get("dataset_type") != "grain",

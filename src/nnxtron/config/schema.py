@@ -4,19 +4,33 @@ Types and constraints live here; default values live in ``presets/base.yml`` (ev
 field is required by the schema, so base.yml must name each one — a test checks it);
 closed lists of values in ``options.py``; cross-key checks in ``checks.py`` (and, for the
 DeepSeek-V4 keys, ``deepseek4.py``). Key names follow MaxText's where MaxText has one.
+
+This module is the bottom of ``config/``: it imports nothing of the package but
+``options``. The cross-key checks read the layout and pipeline arithmetic, which read
+``Config``; so ``checks.py`` sits above the schema and the package's ``__init__`` registers
+its ``check_combinations`` here (``register_cross_key_check``), which the validator runs.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from nnxtron.config import checks, deepseek4, options
+from nnxtron.config import options
 from nnxtron.errors import ConfigError
 
 T = TypeVar("T")
+
+# the cross-key checks every Config runs (``config/__init__.py`` registers ``checks.check_combinations``)
+_CROSS_KEY_CHECKS: list[Callable[[Config], None]] = []
+
+
+def register_cross_key_check(check: Callable[[Config], None]) -> None:
+    """Make every ``Config`` run ``check`` once its keys are parsed (it raises ``ConfigError``)."""
+    if check not in _CROSS_KEY_CHECKS:
+        _CROSS_KEY_CHECKS.append(check)
 
 
 class _ModelKey:
@@ -161,6 +175,7 @@ class Config(BaseModel):
     mtp_loss_scaling_factor: float = Field(ge=0)
     mtp_eval_target_module: int = Field(ge=0, le=MAX_COUNT)  # eval reports this MTP depth's acceptance rate (0 = off)
     logits_via_embedding: Model[bool]  # tied output head
+    normalize_embedding_logits: Model[bool]  # MaxText's tied logits / sqrt(emb_dim) (layers/embed.py: tied_logit_scale)
     tied_head_bf16: Model[bool]  # the tied head rounds its table to bfloat16 whatever dtype is (MaxText's, layers/embed.py)
     final_logits_soft_cap: Model[float] = Field(ge=0)  # 0 = off
     dtype: Model[DType]  # activations
@@ -361,8 +376,11 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _check_combinations(self) -> Config:
         """Cross-key checks (``checks.py``): a ``ConfigError`` goes through pydantic unchanged."""
+        if not _CROSS_KEY_CHECKS:  # never validate silently without them
+            raise RuntimeError("no cross-key checks registered: nnxtron/config/__init__.py registers config/checks.py")
         try:
-            checks.check_combinations(self)
+            for check in _CROSS_KEY_CHECKS:
+                check(self)
         except ConfigError as err:
             raise ConfigError(f"inconsistent config: {err}") from None
         return self
@@ -377,18 +395,6 @@ class Config(BaseModel):
         with ``scan_layers``, and always under a pipeline, whose ``stage`` axis shards the
         stacked dimension (``scan_layers=false`` then only unrolls the layer loop)."""
         return self.scan_layers or self.pipeline_stages > 1
-
-    @property
-    def layer_pattern_period(self) -> int:
-        """The smallest number of layers after which the layer kinds repeat (1: all alike)."""
-        periods = [self.sliding_window_pattern or 1, self.nope_layer_interval or 1]
-        if self.num_experts > 1:
-            periods.append(self.interleave_moe_layer_step)
-            if self.dense_layers:  # any set of layers: no shorter period in general
-                periods.append(self.base_num_decoder_layers)
-        if self.compress_ratios:
-            periods.append(deepseek4.period(self))
-        return math.lcm(*periods)
 
     @property
     def resolved_head_dim(self) -> int:

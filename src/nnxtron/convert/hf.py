@@ -28,9 +28,10 @@ from nnxtron.config.layout import layer_kinds
 from nnxtron.config.loader import load_config
 from nnxtron.config.schema import Config
 from nnxtron.config.stacks import layer_stacks
+from nnxtron.data.chat_template import find_chat_template, template_directory
 from nnxtron.data.sources import BYTE_MODEL_VOCAB_LIMIT, tokenizer_for
 from nnxtron.data.tokenizer import ByteTokenizer, Tokenizer
-from nnxtron.data.tokenizer_files import tokenizer_values, write_hf_tokenizer
+from nnxtron.data.tokenizer_files import GENERATION_FILE, tokenizer_values, write_chat_template, write_hf_tokenizer
 from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.layers.moe import ExpertLoad
 from nnxtron.models.build import abstract_model
@@ -41,7 +42,6 @@ from nnxtron.models.registry import family_for, family_for_hf
 __all__ = ["from_hf", "to_hf", "hf_config", "load_hf_weights", "read_hf_config", "hf_config_to_nnxtron"]
 
 CONFIG_FILE = "config.json"
-GENERATION_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = (
@@ -423,8 +423,11 @@ def _check_mtp_copies(reader: _Reader, cfg: Config) -> None:
                     )
 
 
-def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (HF names, ``weight_dtype``) to ``path``."""
+def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False, kept: Path | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (HF names, ``weight_dtype``) to ``path``,
+    with the tokenizer, its chat template and ``generation_config.json``. ``kept``: the directory
+    that keeps the model's tokenizer files (a run's ``tokenizer/``), read where the tokenizer has
+    no files of its own (the byte tokenizer's chat template and generation settings)."""
     root = Path(path)
     if not overwrite and ((root / WEIGHTS_FILE).exists() or (root / INDEX_FILE).exists()):
         raise CheckpointError(
@@ -446,19 +449,58 @@ def to_hf(model: Decoder, path: str | os.PathLike, overwrite: bool = False) -> P
             tensors.update(_hf_tensors(value[i] if m.stacked else value, prefix, m.wm))
     _check_covered(params, mapped, cfg.decoder_block)
     tensors = _join_split(tensors)
+    if cfg.logits_via_embedding and not hf_values["tie_word_embeddings"]:  # a tied head HF's tied head is not
+        tensors["lm_head.weight"] = _untied_head(model)
     family = family_for(cfg.decoder_block)
     for prefix in mtp_prefixes(cfg, family):  # the hub layout repeats the embedding and head in each MTP layer
-        tensors.update({prefix + own: tensors[_mtp_copy_source(cfg, top)] for own, top in family.mtp_copies})
+        tensors.update({prefix + own: tensors.get(top, tensors[_mtp_copy_source(cfg, top)]) for own, top in family.mtp_copies})
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, root / WEIGHTS_FILE)
     (root / CONFIG_FILE).write_text(json.dumps(hf_values, indent=2) + "\n", encoding="utf-8")
+    directories = [d for d in (_tokenizer_directory(tokenizer), kept) if d is not None]
     if tokenizer is not None:
         write_hf_tokenizer(tokenizer, root)
-    generation = {**ids, **sampling_settings(cfg)}
+        template, _ = find_chat_template(directories, tokenizer)
+        if template is not None and template_directory([root]) is None:  # written for tokenizers rebuilt as tokenizer.json
+            write_chat_template(tokenizer, root, template.template)
+    generation = generation_settings(cfg, ids, next((d for d in directories if (d / GENERATION_FILE).is_file()), None))
     (root / GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     return root
+
+
+def _tokenizer_directory(tokenizer: Tokenizer | None) -> Path | None:
+    """The directory of a tokenizer's files (a run's ``tokenizer/``, an HF directory); None for the byte tokenizer."""
+    path = getattr(tokenizer, "path", None)
+    return Path(path).parent if path else None
+
+
+def generation_settings(cfg: Config, ids: dict[str, int], directory: Path | None) -> dict[str, Any]:
+    """The ``generation_config.json`` of an export: the model's own, kept with its tokenizer
+    (an HF source's, carried through runs), else the ids and ``decode_sampling_*``."""
+    file = directory / GENERATION_FILE if directory is not None else None
+    if file is None or not file.is_file():
+        return {**ids, **sampling_settings(cfg)}
+    try:
+        kept = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"'{file}' is not readable JSON ({err}); repair or remove it") from None
+    if not isinstance(kept, dict):
+        raise CheckpointError(f"'{file}' holds no JSON object; repair or remove it")
+    return {**ids, **kept}
+
+
+def _untied_head(model: Decoder) -> np.ndarray:
+    """HF's ``lm_head.weight`` [V, D] computing a tied head that is not HF's ``x @ E^T``
+    (``normalize_embedding_logits``: ``layers/embed.py: tied_logit_scale``): ``E * scale / divisor``,
+    the scaled table rounded to bfloat16 first with ``tied_head_bf16`` (MaxText's head), in float32,
+    then ``weight_dtype``; the config says ``tie_word_embeddings=false``."""
+    scale, divisor = model.tied_scale
+    table = jnp.asarray(model.embed.embedding[...], jnp.float32) * scale
+    if model.config.tied_head_bf16:
+        table = table.astype(jnp.bfloat16).astype(jnp.float32)
+    return np.asarray((table / divisor).astype(model.config.weight_dtype))
 
 
 def model_tokenizer(cfg: Config) -> Tokenizer | None:

@@ -194,10 +194,12 @@ def checkpoint_config(file: str | None, overrides: list[str]) -> Config:
     the weights are then kept as MaxText stores them — a bit-exact round trip, and training
     that matches MaxText's (Adam sees the same parametrisation); ``query_pre_attn_scalar=0``
     gives HF-meaning kernels (rescaled; needed for `convert to-hf`). A tied head defaults to
-    MaxText's bfloat16 table (``tied_head_bf16=true``), so the converted model computes MaxText's
-    logits; ``tied_head_bf16=false`` gives HF's head."""
+    MaxText's bfloat16 table (``tied_head_bf16=true``) and MaxText's base.yml
+    ``normalize_embedding_logits=true`` (logits / sqrt(emb_dim); Gemma 3: HF's head), so the converted
+    model computes MaxText's logits; ``tied_head_bf16=false`` rounds no table."""
     cfg = load_config(file, overrides)
-    defaults: dict[str, Any] = {"tied_head_bf16": True} if cfg.logits_via_embedding else {}
+    tied = {"tied_head_bf16": True, "normalize_embedding_logits": True}
+    defaults: dict[str, Any] = dict(tied) if cfg.logits_via_embedding else {}
     if cfg.decoder_block in tree.FOLDED_QUERY_BLOCKS:
         defaults["query_pre_attn_scalar"] = 1.0
     # defaults: under the file and the command line

@@ -7,21 +7,33 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import yaml
 from flax import nnx
 
+from nnxtron.config.finetune import finetune_defaults
+from nnxtron.config.finetune import startup_lines as finetune_lines
 from nnxtron.config.fingerprint import MODEL_KEYS, check_same_model, fingerprint
-from nnxtron.config.loader import is_hf_directory, load_config, load_run_config, parse_overrides, run_values
+from nnxtron.config.loader import (
+    is_hf_directory,
+    is_maxtext_file,
+    load_config_report,
+    load_run_config,
+    parse_overrides,
+    run_values,
+)
 from nnxtron.config.schema import Config
 from nnxtron.convert.hf import from_hf, hf_config, load_hf_weights
 from nnxtron.convert.maxtext import is_maxtext_checkpoint, load_maxtext_model
 from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.layers.lora import base_config, merge_adapters, with_adapters
+from nnxtron.models.build import abstract_model
 from nnxtron.models.decoder import Decoder
 from nnxtron.parallel.mesh import make_mesh
+from nnxtron.train.run_dir import resolve_run_dir
 from nnxtron.train.state import frozen_shardings, init_non_params, model_shardings
 from nnxtron.train.weights import ParamsLoader, load_weights, lora_base, starting_weights
 
-__all__ = ["is_hf_directory", "run_config", "load_model", "init_config", "init_params"]
+__all__ = ["is_hf_directory", "run_config", "load_model", "model_from_state", "init_config", "init_config_report", "init_params"]
 
 # HF weights are cast on reading: a fine-tuning run chooses its own precision
 FREE_WITH_HF_SOURCE = ("dtype", "weight_dtype")
@@ -63,9 +75,19 @@ def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:
     abstract_base, base_sh = frozen_shardings(cfg, mesh)
     weights = starting_weights(cfg, init_params(cfg), {"params": abstract_base}, {"params": base_sh})
     base = lora_base(cfg, path, base_sh, weights, f"LoRA run '{path}': the base weights")
-    base_cfg = base_config(cfg)
-    base_graphdef = model_shardings(base_cfg, mesh)[0]
-    return nnx.merge(base_graphdef, merge_adapters(with_adapters(base, params), cfg.lora_alpha / cfg.lora_rank), rest)
+    return model_from_state(cfg, params, rest, base)
+
+
+def model_from_state(cfg: Config, params: Any, rest: Any, frozen: Any = None) -> Decoder:
+    """The model of a training state's pure dicts: ``params`` and ``rest`` (other state); with
+    ``lora_rank`` > 0 ``params`` are the adapters, merged into ``frozen`` (the base weights) as a
+    plain model of the base config."""
+    if not cfg.lora_rank:
+        return nnx.merge(nnx.split(abstract_model(cfg))[0], params, rest)
+    if frozen is None:
+        raise ValueError("a LoRA state needs its frozen base weights to form a model")
+    graphdef = nnx.split(abstract_model(base_config(cfg)))[0]
+    return nnx.merge(graphdef, merge_adapters(with_adapters(frozen, params), cfg.lora_alpha / cfg.lora_rank), rest)
 
 
 def _source_model(source: Path, given: dict[str, Any]) -> dict[str, Any]:
@@ -92,10 +114,17 @@ def _refuse_lora_source(source: Path, stored: dict[str, Any]) -> None:
 
 
 def init_config(file: str | None, overrides: Iterable[str], given: dict[str, Any]) -> Config:
+    """The config of a run that starts from ``init_from`` (``init_config_report`` without its start-up lines)."""
+    return init_config_report(file, overrides, given)[0]
+
+
+def init_config_report(file: str | None, overrides: Iterable[str], given: dict[str, Any]) -> tuple[Config, list[str]]:
     """The config of a run that starts from ``init_from`` (``given``: the file's and the
-    command line's values): the source's model keys and tokenizer under the user's values.
-    A model key the user sets to another value than the source's is refused (one line
-    naming it); training keys (steps, learning rate, data, mesh...) are the user's."""
+    command line's values) and its start-up lines: the source's model keys and tokenizer
+    under the user's values. A model key the user sets to another value than the source's is
+    refused (one line naming it); training keys (steps, learning rate, data, mesh...) are the
+    user's, and those the user leaves unset take the fine-tuning defaults
+    (``config/finetune.py``), or, when the run already exists (a resume), its recorded values."""
     source = Path(str(given["init_from"])).expanduser()
     values = _source_model(source, given)
     if "model_name" in given:
@@ -103,10 +132,26 @@ def init_config(file: str | None, overrides: Iterable[str], given: dict[str, Any
             f"model_name={given['model_name']} and init_from are both set; init_from brings the model "
             f"('{source}'): drop model_name"
         )
-    cfg = load_config(file, overrides, defaults=values)
+    maxtext_file = file is not None and is_maxtext_file(file)
+    defaults = finetune_defaults(given, None, maxtext_file)
+    cfg, report = load_config_report(file, overrides, defaults={**{d.key: d.value for d in defaults}, **values})
+    recorded = _recorded_values(resolve_run_dir(cfg)) if cfg.run_name else None
+    if recorded is not None:  # a resume: the keys the user leaves unset keep the run's values
+        defaults = finetune_defaults(given, recorded, maxtext_file)
+        cfg, report = load_config_report(file, overrides, defaults={**{d.key: d.value for d in defaults}, **values})
     fix = "the model comes from init_from: drop these keys, or start a new model without init_from"
     check_same_model({k: v for k, v in values.items() if k in MODEL_KEYS}, cfg, f"init_from '{source}'", fix)
-    return cfg
+    return cfg, [*report.startup_lines(cfg), *finetune_lines(defaults, cfg)]
+
+
+def _recorded_values(run_dir: Path) -> dict[str, Any] | None:
+    """The values of an existing run's ``config.yml`` (None: no run there yet, or a file the
+    training loop will refuse with its own message)."""
+    try:
+        stored = yaml.safe_load((run_dir / "config.yml").read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return stored if isinstance(stored, dict) else None
 
 
 def init_params(cfg: Config) -> ParamsLoader | None:

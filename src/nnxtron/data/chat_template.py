@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nnxtron.errors import UserError
 from nnxtron.scoped import scoped
 
-__all__ = ["TEMPLATE_FILE", "ChatTemplate", "Span", "find_chat_template"]
+__all__ = ["TEMPLATE_FILE", "ChatTemplate", "Span", "find_chat_template", "template_directory"]
 
 TEMPLATE_FILE = "chat_template.jinja"  # next to tokenizer_config.json; HF prefers it to the config's chat_template
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # HF fills the first two from whichever is given
@@ -42,8 +42,10 @@ class ChatTemplate:
             raise UserError(f"chat template does not parse: {_one_line(exc.message or '')} (template line {exc.lineno})") from exc
 
     @classmethod
-    def from_directory(cls, path: str | Path) -> ChatTemplate:
-        """The template of a tokenizer directory (``chat_template.jinja``, else tokenizer_config.json's ``chat_template``)."""
+    def from_directory(cls, path: str | Path, defaults: Mapping[str, SpecialToken] | None = None) -> ChatTemplate:
+        """The template of a tokenizer directory (``chat_template.jinja``, else tokenizer_config.json's
+        ``chat_template``); ``defaults``: special tokens the config does not name (the tokenizer's own
+        BOS / EOS, as HF's Llama tokenizer has ``<s>`` / ``</s>`` without a tokenizer_config.json)."""
         directory = Path(path)
         if not directory.is_dir():
             raise UserError(f"tokenizer directory {directory} does not exist: pass a directory holding tokenizer_config.json")
@@ -53,7 +55,8 @@ class ChatTemplate:
         file = directory / TEMPLATE_FILE
         text = file.read_text(encoding="utf-8") if file.is_file() else _config_template(config.get("chat_template"), directory)
         # HF passes every named special token: the standard ones and any other string (or AddedToken) under a "*_token" key
-        tokens = {k: v for k, v in config.items() if k.endswith("_token") and (isinstance(v, str) or _is_added_token(v))}
+        tokens = dict(defaults or {})
+        tokens.update({k: v for k, v in config.items() if k.endswith("_token") and (isinstance(v, str) or _is_added_token(v))})
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
         if isinstance(extra, Mapping):  # a dict of named model-specific tokens (a list names none)
             tokens.update(extra)
@@ -272,6 +275,11 @@ def _has_template(directory: Path) -> bool:
         return True  # unreadable: ChatTemplate.from_directory reports it
 
 
+def template_directory(directories: Sequence[Path]) -> Path | None:
+    """The first of ``directories`` that holds a chat template (None: none does)."""
+    return next((directory for directory in directories if _has_template(directory)), None)
+
+
 def find_chat_template(directories: Sequence[Path], tokenizer: Any, file: str | None = None) -> tuple[ChatTemplate | None, str]:
     """The chat template of the first of ``directories`` that has one (``file``: a Jinja file
     that replaces it, seeing the directories' special tokens): (template, "") or (None, why
@@ -279,9 +287,9 @@ def find_chat_template(directories: Sequence[Path], tokenizer: Any, file: str | 
     if file is not None:
         special = _special_tokens(directories, tokenizer)
         return ChatTemplate(Path(file).read_text(encoding="utf-8"), special), ""
-    for directory in directories:
-        if _has_template(directory):
-            return ChatTemplate.from_directory(directory), ""
+    directory = template_directory(directories)
+    if directory is not None:
+        return ChatTemplate.from_directory(directory, _special_tokens([], tokenizer)), ""
     where = " or ".join(str(d) for d in directories)
     return None, f"no {TEMPLATE_FILE} and no chat_template in tokenizer_config.json in {where}"
 

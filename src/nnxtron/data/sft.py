@@ -47,7 +47,7 @@ def check_tokenizer(tokenizer: Tokenizer) -> None:
     if not hasattr(tokenizer, "encode_with_offsets"):
         raise DataError(
             f"use_sft=true needs a tokenizer that reports each token's characters; the {tokenizer.name} tokenizer does "
-            "not: use tokenizer_type=hf (the model's tokenizer.json) or byte"
+            "not: use tokenizer_type=hf (the model's tokenizer.json), sentencepiece or byte"
         )
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from nnxtron.config.checks import mixture_sources
+from nnxtron.config.loader import RUN_TOKENIZER_DIR
 from nnxtron.config.schema import Config
-from nnxtron.data.chat_template import find_chat_template
+from nnxtron.data.chat_template import find_chat_template, template_directory
 from nnxtron.data.mixture import MixtureBatches, source_seed
 from nnxtron.data.pipeline import BatchSource, CorpusBatches, SyntheticBatches, split_documents
 from nnxtron.data.records import open_corpus
 from nnxtron.data.sft import SFTFormat, check_tokenizer
 from nnxtron.data.stream import RowSpec
 from nnxtron.data.tokenizer import Tokenizer, make_tokenizer
+from nnxtron.data.tokenizer_files import copy_tokenizer, write_chat_template
 from nnxtron.errors import ConfigError, DataError, UserError
 
 EVAL_SEED_OFFSET = 1_000_003  # synthetic eval batches come from a different stream
@@ -36,20 +38,63 @@ def tokenizer_for(cfg: Config) -> Tokenizer:
     return tokenizer
 
 
+def tokenizer_directories(cfg: Config, model: str | Path | None = None) -> list[Path]:
+    """Where a model's chat template and generation settings may be, in order: its tokenizer's
+    directory (a run's ``tokenizer/``, an HF directory), the ``tokenizer/`` of the model
+    directory ``model`` (a run: there even with the byte tokenizer) and ``model`` itself, then
+    the same of ``init_from`` (what a new run starts from)."""
+    found = []
+    if cfg.tokenizer_path:
+        path = Path(cfg.tokenizer_path).expanduser()
+        found.append(path if path.is_dir() else path.parent)
+    for source in (model, cfg.init_from or None):
+        if source is not None:
+            found += [Path(source).expanduser() / RUN_TOKENIZER_DIR, Path(source).expanduser()]
+    unique: list[Path] = []
+    for directory in found:
+        if directory.is_dir() and directory.resolve() not in [d.resolve() for d in unique]:
+            unique.append(directory)
+    return unique
+
+
 def sft_format(cfg: Config, tokenizer: Tokenizer) -> SFTFormat:
-    """How ``use_sft`` and ``use_dpo`` render records: ``chat_template_path``, else the tokenizer
-    directory's template (none: only plain-text records are usable)."""
+    """How ``use_sft`` and ``use_dpo`` render records: ``chat_template_path``, else the template
+    that came with the model (``tokenizer_directories``; none: only plain-text records are usable)."""
     check_tokenizer(tokenizer)
-    file = Path(cfg.chat_template_path).expanduser() if cfg.chat_template_path else None
-    if file is not None and not file.is_file():
-        raise ConfigError(f"chat_template_path={cfg.chat_template_path!r} is not a file; point it at a Jinja chat template")
-    tokenizer_path = Path(cfg.tokenizer_path).expanduser() if cfg.tokenizer_path else None
-    directories = [] if tokenizer_path is None else [tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent]
+    file = chat_template_file(cfg)
     try:
-        template, _ = find_chat_template(directories, tokenizer, None if file is None else str(file))
+        template, _ = find_chat_template(tokenizer_directories(cfg), tokenizer, None if file is None else str(file))
     except UserError as err:
         raise ConfigError(f"{'use_dpo' if cfg.use_dpo else 'use_sft'}=true: {err}") from None
     return SFTFormat(template, completion_only=cfg.sft_train_on_completion_only)
+
+
+def chat_template_file(cfg: Config) -> Path | None:
+    """``chat_template_path`` (checked to be a file), or None."""
+    file = Path(cfg.chat_template_path).expanduser() if cfg.chat_template_path else None
+    if file is not None and not file.is_file():
+        raise ConfigError(f"chat_template_path={cfg.chat_template_path!r} is not a file; point it at a Jinja chat template")
+    return file
+
+
+def keep_tokenizer(cfg: Config, dest: Path) -> str:
+    """Copy the config's tokenizer files into a run's ``dest`` (``copy_tokenizer``) with the chat
+    template the run uses when they do not hold it (``chat_template_path``, or one that came from
+    ``init_from``), so that the run's later users (``serve``, ``generate --chat``, ``init_from``,
+    ``convert to-hf``) find it; the path to read the tokenizer back from."""
+    tokenizer = make_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+    kept = copy_tokenizer(tokenizer, dest)
+    file = chat_template_file(cfg)
+    if file is None:
+        source = template_directory(tokenizer_directories(cfg))
+        if source is None or (dest.is_dir() and template_directory([dest]) is not None):
+            return kept  # no template, or the copied files hold it
+        template, _ = find_chat_template([source], tokenizer)
+        text = template.template
+    else:
+        text = file.read_text(encoding="utf-8")
+    write_chat_template(tokenizer, dest, text)
+    return kept
 
 
 def row_spec(cfg: Config, tokenizer: Tokenizer) -> RowSpec:

@@ -4,6 +4,7 @@ tiktoken BPE files, all read from local paths."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -174,10 +175,72 @@ class SentencePieceTokenizer:
         self.vocab_size = self._sp.GetPieceSize()
         self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
         self.pad_id = max(self._sp.pad_id(), 0)
+        # the pieces HF's Llama tokenizer adds as special tokens (control symbols and <unk>): matched in the text
+        self.specials = {
+            self._sp.IdToPiece(i): i
+            for i in range(self.vocab_size)
+            if (self._sp.IsControl(i) or self._sp.IsUnknown(i)) and self._sp.IdToPiece(i)
+        }
+        names = sorted(self.specials, key=len, reverse=True)  # the longest first, as HF matches added tokens
+        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+        settings = _read_json(file.parent / "tokenizer_config.json")
+        # HF splits the text around special tokens as SentencePiece would encode each part alone only with
+        # legacy=true, which transformers 5's Llama tokenizer no longer assumes when the setting is left out
+        llama = str(settings.get("tokenizer_class", "")).startswith("Llama")
+        self._legacy = settings.get("legacy", None if llama else True)
+
+    def _chunks(self, text: str) -> list[tuple[int, str]]:
+        """``(start character, text)`` of each plain chunk and special-token string of ``text``."""
+        if self._split is None:
+            return [(0, text)]
+        chunks, start = [], 0
+        for piece in self._split.split(text):
+            if piece:
+                chunks.append((start, piece))
+            start += len(piece)
+        if len(chunks) > 1 and self._legacy is not True:
+            setting = "sets legacy=false" if self._legacy is False else "names a Llama tokenizer without legacy=true"
+            raise DataError(
+                f"'{self.path}': its tokenizer_config.json {setting}, and HF then encodes the text around special tokens "
+                "(here a chat template's) in a way nnxtron's SentencePiece tokenizer does not reproduce; write the HF "
+                'tokenizer.json next to it once with `python -c "from transformers import AutoTokenizer as T; '
+                f"T.from_pretrained('{self.path.parent}').save_pretrained('{self.path.parent}')\"` and use it "
+                "(tokenizer_type=hf)"
+            )
+        return chunks
 
     def encode(self, text: str) -> np.ndarray:
-        """Ids of ``text`` (no BOS/EOS: the caller adds them)."""
-        return np.asarray(self._sp.EncodeAsIds(text), dtype=np.int32)
+        """Ids of ``text`` (no BOS/EOS: the caller adds them). Control symbols written in the text
+        (``<s>``, ``</s>``, ``<unk>``, e.g. by a chat template) are their ids and each text between
+        them is encoded alone, as HF's Llama tokenizer (``legacy``) encodes added special tokens."""
+        ids: list[int] = []
+        for _, chunk in self._chunks(text):
+            special = self.specials.get(chunk)
+            ids.extend([special] if special is not None else self._sp.EncodeAsIds(chunk))
+        return np.asarray(ids, dtype=np.int32)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``encode(text)`` and each token's ``[start, end)`` character span in ``text``, as HF's
+        offsets: a piece without characters of its own (the word marker SentencePiece adds
+        before a text) spans the character it stands before."""
+        ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for start, chunk in self._chunks(text):
+            special = self.specials.get(chunk)
+            if special is not None:
+                ids.append(special)
+                spans.append((start, start + len(chunk)))
+                continue
+            # byte offset -> character: the character holding each byte, and one past the last
+            owner = np.repeat(np.arange(len(chunk) + 1), [len(c.encode("utf-8")) for c in chunk] + [1])
+            for piece in self._sp.encode(chunk, out_type="proto").pieces:
+                first = int(owner[piece.begin])
+                spaces = len(piece.surface) - len(piece.surface.lstrip())
+                first += max(spaces - (len(piece.piece) - len(piece.piece.lstrip("▁"))), 0)  # merged spaces: HF's is the last
+                last = int(owner[piece.end - 1]) + 1 if piece.end > piece.begin else min(first + 1, len(chunk))
+                ids.append(piece.id)
+                spans.append((start + first, start + last))
+        return np.asarray(ids, dtype=np.int32), np.asarray(spans, dtype=np.int32).reshape(-1, 2)
 
     def decode(self, ids: object) -> str:
         """Text of ``ids``; control ids (BOS/EOS/PAD) are dropped."""

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nnxtron.data.chat_template import TEMPLATE_FILE
 from nnxtron.data.tokenizer import (
     LLAMA3_PATTERN,
     ByteTokenizer,
@@ -36,6 +37,8 @@ HF_FILES = (
     "chat_template.jinja",
 )  # copied with an HF tokenizer
 MODEL_FILE = "tokenizer.model"  # SentencePiece model or tiktoken ranks
+GENERATION_FILE = "generation_config.json"  # the model's generation settings: they travel with its tokenizer
+CARRIED = (*HF_FILES[1:], GENERATION_FILE)  # copied from beside any tokenizer file
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+\r?$")
 
 
@@ -85,19 +88,26 @@ def copy_tokenizer(tokenizer: Tokenizer, dest: Path) -> str:
         return ""
     dest.mkdir(parents=True, exist_ok=True)
     source = Path(tokenizer.path)
+    shutil.copyfile(source, dest / ("tokenizer.json" if isinstance(tokenizer, HFTokenizer) else MODEL_FILE))
+    for name in CARRIED:  # HF settings (added tokens, BOS handling, chat template) and generation settings
+        if (source.parent / name).is_file() and (source.parent / name).resolve() != (dest / name).resolve():
+            shutil.copyfile(source.parent / name, dest / name)
     if isinstance(tokenizer, HFTokenizer):
-        shutil.copyfile(source, dest / "tokenizer.json")
-        for name in HF_FILES[1:]:
-            if (source.parent / name).is_file():
-                shutil.copyfile(source.parent / name, dest / name)
         if not (dest / "tokenizer_config.json").is_file():  # ids from config.json: name them by their tokens
             _write_json(dest / "tokenizer_config.json", _special_tokens(tokenizer))
         return str(dest)
-    shutil.copyfile(source, dest / MODEL_FILE)
-    for name in HF_FILES[1:]:  # a SentencePiece model's HF settings (added tokens, BOS handling)
-        if (source.parent / name).is_file():
-            shutil.copyfile(source.parent / name, dest / name)
     return str(dest / MODEL_FILE)
+
+
+def write_chat_template(tokenizer: Tokenizer, dest: Path, text: str) -> None:
+    """Keep the chat template ``text`` in the tokenizer directory ``dest`` where HF's
+    ``AutoTokenizer`` and ``ChatTemplate.from_directory`` read it: ``chat_template.jinja`` and
+    tokenizer_config.json's ``chat_template`` (with the special tokens the template sees)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / TEMPLATE_FILE).write_text(text, encoding="utf-8")
+    config = dest / "tokenizer_config.json"
+    settings = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+    _write_json(config, {**_special_tokens(tokenizer), **settings, "chat_template": text})
 
 
 def write_hf_tokenizer(tokenizer: Tokenizer, dest: Path) -> list[str]:

@@ -28,13 +28,14 @@ from flax import nnx
 
 from nnxtron.data.sources import tokenizer_for
 from nnxtron.data.tokenizer import Tokenizer
-from nnxtron.errors import UserError
+from nnxtron.errors import DataError, UserError
 from nnxtron.infer.decode import bucket, decode
 from nnxtron.infer.score import score_tokens
 
 try:
     from lm_eval import utils as lm_eval_utils
     from lm_eval.api.model import LM
+    from lm_eval.api.task import Task
 except ImportError as err:  # pragma: no cover - exercised by the CLI's message
     raise UserError("the lm-eval adapter needs the lm-eval package: pip install 'nnxtron[lmeval]'") from err
 
@@ -197,11 +198,45 @@ def evaluate_tasks(
             f"unknown lm-eval task {', '.join(repr(t) for t in unknown)}: not one of the harness's tasks{where}; "
             "list them with `lm-eval ls tasks`"
         )
-    out = simple_evaluate(
-        model=NnxtronLM(model, batch_size=batch_size), tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-        task_manager=manager, log_samples=False, bootstrap_iters=0,
-    )  # fmt: skip
+    try:
+        out = simple_evaluate(
+            model=NnxtronLM(model, batch_size=batch_size), tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+            task_manager=manager, log_samples=False, bootstrap_iters=0,
+        )  # fmt: skip
+    except OSError as err:  # a task's dataset: not downloadable (offline), not found, not readable
+        known = _dataset_error(err)
+        if known is None:
+            raise
+        raise known from None
     return {
         task: {metric: float(value) for metric, value in metrics.items() if isinstance(value, (int, float))}
         for task, metrics in out["results"].items()
     }
+
+
+def _dataset_error(err: OSError) -> UserError | None:
+    """The one line for an error raised while a harness task loads its dataset (a ``Task`` of
+    lm-eval's is on the traceback: the task and its ``dataset_path`` are named); None: the
+    error came from elsewhere."""
+    task = None
+    frame = err.__traceback__
+    while frame is not None:
+        candidate = frame.tb_frame.f_locals.get("self")
+        task = candidate if isinstance(candidate, Task) else task
+        frame = frame.tb_next
+    if task is None:
+        return None
+    config = getattr(task, "config", None)
+    name = getattr(config, "task", None) or type(task).__name__
+    dataset = f" '{config.dataset_path}'" if getattr(config, "dataset_path", None) else ""
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    local = "or run a task of your own over local files with --include-path DIR (docs/post-training.md)"
+    if isinstance(err, ConnectionError):
+        return DataError(
+            f"lm-eval task '{name}' needs its dataset{dataset} downloaded from the HF Hub, which cannot be reached "
+            f"({reason}); run it once with network access (the HF datasets cache then serves it offline), {local}"
+        )
+    return DataError(
+        f"lm-eval task '{name}' cannot load its dataset{dataset} ({reason}); check the task's dataset_path and "
+        f"dataset_kwargs, {local}"
+    )

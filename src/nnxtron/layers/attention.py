@@ -303,7 +303,10 @@ class Attention(nnx.Module):
                 f"implementation={implementation!r} is not one of {ATTENTION_IMPLEMENTATIONS} (resolve attention=auto first)"
             )
         kw = dict(dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
-        self.query = Linear([emb_dim], [num_heads, head_dim], ("embed", "q_heads", "head_dim"), **kw)
+        # unscaled logits without a qk-norm (MaxText's llama2 / mistral / mixtral, query_pre_attn_scalar=1):
+        # the query kernel starts / sqrt(head_dim), MaxText's initialiser (its logits at init: unit scale)
+        fold = head_dim**-0.5 if scale == 1.0 and qk_norm == "none" else 1.0
+        self.query = Linear([emb_dim], [num_heads, head_dim], ("embed", "q_heads", "head_dim"), init_scale=fold, **kw)
         self.key = Linear([emb_dim], [num_kv_heads, head_dim], ("embed", "kv_heads", "head_dim"), **kw)
         self.value = Linear([emb_dim], [num_kv_heads, head_dim], ("embed", "kv_heads", "head_dim"), **kw)
         self.out = Linear([num_heads, head_dim], [emb_dim], ("q_heads", "head_dim", "embed"), **kw)

@@ -12,6 +12,16 @@ from flax import nnx
 from nnxtron.layers.lora import adapter_input, adapters_for, lora_delta
 from nnxtron.layers.matmul import contract_last
 
+# the standard deviation of a standard normal truncated to [-2, 2]: jax's truncated_normal(stddev=s)
+# draws std 0.88 s; dividing by it gives std s, as MaxText's variance_scaling(1, fan_in, truncated_normal)
+TRUNCATED_STD = 0.87962566103423978
+
+
+def fan_in_init(fan_in: int, scale: float = 1.0) -> jax.nn.initializers.Initializer:
+    """MaxText's kernel initialiser (``nd_dense_init(1.0, "fan_in", "truncated_normal")``): a normal
+    truncated at two standard deviations with std ``scale / sqrt(fan_in)``."""
+    return jax.nn.initializers.truncated_normal(stddev=scale / math.sqrt(fan_in) / TRUNCATED_STD)
+
 
 class Linear(nnx.Module):
     """``y = x @ kernel (+ bias)`` contracting the last ``len(in_shape)`` axes of ``x``.
@@ -32,6 +42,7 @@ class Linear(nnx.Module):
         weight_dtype: jnp.dtype,
         rngs: nnx.Rngs,
         use_bias: bool = False,
+        init_scale: float = 1.0,
     ):
         self.in_shape = tuple(in_shape)
         self.out_shape = tuple(out_shape)
@@ -39,7 +50,7 @@ class Linear(nnx.Module):
         if len(axes) != len(shape):
             raise ValueError(f"Linear: {len(axes)} axis names for a kernel of rank {len(shape)}")
         fan_in = math.prod(self.in_shape)
-        init = jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
+        init = fan_in_init(fan_in, init_scale)  # init_scale: MaxText's query kernel folds 1/sqrt(head_dim)
         # drawn in float32 then cast: the same seed gives the same model for any weight_dtype
         key = rngs.params()
         self.kernel = nnx.Param(init(key, shape, jnp.float32).astype(weight_dtype), out_sharding=tuple(axes))

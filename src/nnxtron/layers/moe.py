@@ -41,7 +41,7 @@ from flax import nnx
 
 from nnxtron.config.options import CAPACITY_SCOPES
 from nnxtron.config.schema import Config
-from nnxtron.layers.linear import Linear
+from nnxtron.layers.linear import Linear, fan_in_init
 from nnxtron.layers.mlp import ACTIVATIONS, GatedMLP, Intermediate, glu
 from nnxtron.layers.router import RouterSpec, expert_counts, load_balance_loss, load_balance_weight, route
 from nnxtron.parallel.expert import capacity_keep, dispatch
@@ -93,7 +93,7 @@ def keep_mask(indices: jax.Array, num_experts: int, factor: float, scope: str) -
 def _expert_weight(
     rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, weight_dtype: jnp.dtype, axes: tuple[str, ...]
 ) -> nnx.Param:
-    init = jax.nn.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
+    init = fan_in_init(fan_in)
     return nnx.Param(init(rngs.params(), shape, jnp.float32).astype(weight_dtype), out_sharding=axes)
 
 
@@ -121,9 +121,10 @@ class MoE(nnx.Module):
             self.router_bias = RouterBias(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
         if cfg.routed_bias_update_rate > 0 and not hash_routed:
             self.expert_load = ExpertLoad(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
-        self.wi_0 = _expert_weight(rngs, (experts, dim, hidden), dim, weight_dtype, ("exp", "embed", "mlp"))
-        self.wi_1 = _expert_weight(rngs, (experts, dim, hidden), dim, weight_dtype, ("exp", "embed", "mlp"))
-        self.wo = _expert_weight(rngs, (experts, hidden, dim), hidden, weight_dtype, ("exp", "mlp", "embed"))
+        # MaxText's initialiser counts the expert axis into the fan-in (variance_scaling over [E, in, out])
+        self.wi_0 = _expert_weight(rngs, (experts, dim, hidden), experts * dim, weight_dtype, ("exp", "embed", "mlp"))
+        self.wi_1 = _expert_weight(rngs, (experts, dim, hidden), experts * dim, weight_dtype, ("exp", "embed", "mlp"))
+        self.wo = _expert_weight(rngs, (experts, hidden, dim), experts * hidden, weight_dtype, ("exp", "mlp", "embed"))
         if cfg.shared_experts > 0:
             self.shared = GatedMLP(
                 dim,

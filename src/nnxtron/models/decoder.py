@@ -30,7 +30,7 @@ from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
 from nnxtron.config.stacks import built_stacks
 from nnxtron.layers import dropout
-from nnxtron.layers.embed import Embed
+from nnxtron.layers.embed import Embed, table_stddev, tied_logit_scale
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.lora import building as building_lora
 from nnxtron.layers.lora import select_targets as select_lora_targets
@@ -80,7 +80,16 @@ class Decoder(nnx.Module):
         family = family_for(cfg.decoder_block)
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         k_embed, k_layers, k_head = jax.random.split(rngs.params(), 3)
-        self.embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype=dtype, weight_dtype=weight_dtype, rngs=nnx.Rngs(k_embed))
+        self.embed_scale = cfg.base_emb_dim**0.5 if family.scale_embeddings else 0.0
+        tied, normalize = cfg.logits_via_embedding, cfg.normalize_embedding_logits
+        self.embed = Embed(
+            cfg.vocab_size,
+            cfg.base_emb_dim,
+            dtype=dtype,
+            weight_dtype=weight_dtype,
+            rngs=nnx.Rngs(k_embed),
+            stddev=table_stddev(cfg.base_emb_dim, self.embed_scale, tied, normalize),  # tied: unit-scale logits
+        )
         if cfg.trainable_position_size:
             self.position_embed = Embed(
                 cfg.trainable_position_size,
@@ -90,7 +99,6 @@ class Decoder(nnx.Module):
                 rngs=nnx.Rngs(jax.random.fold_in(k_embed, 1)),
                 axes=(None, "embed"),
             )
-        self.embed_scale = cfg.base_emb_dim**0.5 if family.scale_embeddings else 0.0
         if family.make_stream_head is not None:  # the residual is several streams (hyper-connections)
             self.hyper_head = family.make_stream_head(cfg, nnx.Rngs(jax.random.fold_in(k_head, 2)))
         self.takes_tokens = family.block_takes_tokens
@@ -146,6 +154,8 @@ class Decoder(nnx.Module):
             )
         self.config = cfg  # static (hashable) metadata: HF export and checkpoints read it
         self.tied = cfg.logits_via_embedding
+        # the tied head x @ (E * scale)^T / divisor: MaxText's, normalize_embedding_logits included
+        self.tied_scale = tied_logit_scale(cfg.base_emb_dim, self.embed_scale, cfg.normalize_embedding_logits)
         self.soft_cap = cfg.final_logits_soft_cap
 
     @matmul_precision
@@ -236,8 +246,8 @@ class Decoder(nnx.Module):
     def output_head(self, x: jax.Array) -> jax.Array:
         """The LM head on normed hidden states [B, S, D] (also MTP's, after its own norm) ->
         float32 logits [B, S, V]."""
-        if self.tied:  # tied_head_bf16: MaxText's head (its table holds embed_scale, Embed.attend)
-            logits = self.embed.attend(x, (self.embed_scale or 1.0) if self.config.tied_head_bf16 else 0.0)
+        if self.tied:  # MaxText's head (its table holds embed_scale; tied_head_bf16 rounds it: Embed.attend)
+            logits = self.embed.attend(x, *self.tied_scale, self.config.tied_head_bf16)
         else:
             logits = self.logits(x)
         logits = logits.astype(jnp.float32)

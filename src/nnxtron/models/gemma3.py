@@ -32,7 +32,7 @@ from nnxtron.layers.attention import gqa_attention
 from nnxtron.layers.mlp import GatedMLP
 from nnxtron.layers.norms import RMSNorm, rms_norm
 from nnxtron.models.family import Family, WeightMap
-from nnxtron.models.hf_common import common_config_to_hf, gated_mlp_weights, top_weights
+from nnxtron.models.hf_common import common_config_to_hf, gated_mlp_weights, hf_ties_head, top_weights
 from nnxtron.parallel.sharding import RESIDUAL, constrain
 
 
@@ -135,6 +135,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": int(hf["vocab_size"]),
         "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", True)),
+        "normalize_embedding_logits": True,  # HF's tied head: MaxText's table holds sqrt(emb_dim), divided again
         "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0.0),
         "mlp_activations": ["gelu", "linear"],
         "use_qk_norm": True,
@@ -174,6 +175,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
         },
         final_logit_softcapping=cfg.final_logits_soft_cap or None,
         attn_logit_softcapping=None,
+        tie_word_embeddings=hf_ties_head(cfg, input_scale=True),  # the input scale sqrt(emb_dim): normalize is HF's
         max_position_embeddings=cfg.max_position_embeddings,
     )
     return hf

@@ -34,6 +34,7 @@ from nnxtron.layers.linear import Linear
 from nnxtron.layers.mlp import MLP
 from nnxtron.layers.norms import LayerNorm
 from nnxtron.models.family import Family, WeightMap
+from nnxtron.models.hf_common import hf_ties_head
 from nnxtron.parallel.ring_attention import ContextParallel
 from nnxtron.parallel.sharding import RESIDUAL, constrain
 
@@ -127,14 +128,14 @@ def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
 
 
 def top_weights(cfg: Config) -> tuple[WeightMap, ...]:
-    if not cfg.logits_via_embedding:
-        raise ConfigError("decoder_block gpt3 ties its output head: set logits_via_embedding=true")
-    return (
+    maps = (
         WeightMap("embed/embedding", "transformer.wte.weight"),
         WeightMap("position_embed/embedding", "transformer.wpe.weight"),
         WeightMap("final_norm/scale", "transformer.ln_f.weight"),
         WeightMap("final_norm/bias", "transformer.ln_f.bias"),
     )
+    # untied: HF GPT-2's own lm_head (tie_word_embeddings=false, e.g. an export of a normalized tied head)
+    return maps if cfg.logits_via_embedding else (*maps, WeightMap("logits/kernel", "lm_head.weight", 1))
 
 
 UNSUPPORTED_GPT2 = {
@@ -164,7 +165,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "base_num_decoder_layers": int(hf["n_layer"]),
         "vocab_size": int(hf["vocab_size"]),
         "normalization_layer_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
-        "logits_via_embedding": True,
+        "logits_via_embedding": bool(hf.get("tie_word_embeddings", True)),
+        "normalize_embedding_logits": False,  # HF's tied head: x @ E^T
         "mlp_activations": ["gelu"],
         "trainable_position_size": positions,
         "max_position_embeddings": positions,
@@ -175,8 +177,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 def config_to_hf(cfg: Config) -> dict[str, Any]:
     if cfg.base_num_kv_heads != cfg.base_num_query_heads or cfg.resolved_head_dim * cfg.base_num_query_heads != cfg.base_emb_dim:
         raise ConfigError("HF GPT-2 needs base_num_kv_heads = base_num_query_heads and head_dim x heads = base_emb_dim")
-    if tuple(cfg.mlp_activations) != ("gelu",) or not cfg.trainable_position_size or not cfg.logits_via_embedding:
-        raise ConfigError("HF GPT-2 needs mlp_activations=[gelu], trainable_position_size > 0 and logits_via_embedding=true")
+    if tuple(cfg.mlp_activations) != ("gelu",) or not cfg.trainable_position_size:
+        raise ConfigError("HF GPT-2 needs mlp_activations=[gelu] and trainable_position_size > 0")
     if cfg.final_logits_soft_cap:
         raise ConfigError("HF GPT-2 has no final_logits_soft_cap; export needs 0")
     return {
@@ -190,7 +192,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "layer_norm_epsilon": cfg.normalization_layer_epsilon,
         "activation_function": "gelu_new",
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": hf_ties_head(cfg),
         "attn_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "resid_pdrop": 0.0,

@@ -133,12 +133,23 @@ def common_config_from_hf(hf: dict[str, Any], decoder_block: str) -> dict[str, A
         "vocab_size": int(hf["vocab_size"]),
         "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+        "normalize_embedding_logits": False,  # HF's tied head: x @ E^T
         "sliding_window_size": int(hf.get("sliding_window") or 0),
         "rope_interleave": False,
         "mlp_activations": ["silu", "linear"],
     }
+    if hf.get("max_position_embeddings"):  # the context the model was made for: generate, serve and the export keep it
+        values["max_position_embeddings"] = int(hf["max_position_embeddings"])
     values.update(rope_from_hf(hf))
     return values
+
+
+def hf_ties_head(cfg: Config, input_scale: bool = False) -> bool:
+    """Whether HF's tied head (``x @ E^T``) is this config's: tied, and the tied logits are not
+    rescaled (``layers/embed.py: tied_logit_scale``: ``normalize_embedding_logits`` divides by
+    ``sqrt(emb_dim)``, which a family with an ``input_scale`` of ``sqrt(emb_dim)`` multiplies back).
+    Otherwise the HF export unties the head (``convert/hf.py``: ``lm_head`` = the scaled table)."""
+    return cfg.logits_via_embedding and cfg.normalize_embedding_logits == input_scale
 
 
 def common_config_to_hf(cfg: Config, model_type: str, architecture: str) -> dict[str, Any]:
@@ -155,7 +166,7 @@ def common_config_to_hf(cfg: Config, model_type: str, architecture: str) -> dict
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.normalization_layer_epsilon,
         "hidden_act": "silu",
-        "tie_word_embeddings": cfg.logits_via_embedding,
+        "tie_word_embeddings": hf_ties_head(cfg),
         "rope_parameters": rope_to_hf(cfg),
         "max_position_embeddings": max(cfg.max_target_length, cfg.max_position_embeddings),
         "attention_bias": False,

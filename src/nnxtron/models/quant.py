@@ -206,10 +206,6 @@ def summary(cfg: Config) -> str:
     )
 
 
-def is_quantized(model: nnx.Module) -> bool:
-    return hasattr(type(model), "_unquantized_type")
-
-
 def check_backend(cfg: Config) -> None:
     """One quantized matmul, forward and backward, on the default backend: a mode this
     backend cannot compile or run fails here with one line, not inside the first step."""

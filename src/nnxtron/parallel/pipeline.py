@@ -41,6 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnxtron.config.pipeline import PipelineSpec
+from nnxtron.errors import ConfigError
 from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
 from nnxtron.parallel.remat import OFFLOAD_DST, RematSpec, jax_policy
 from nnxtron.parallel.row_keys import Keys, fold
@@ -64,8 +65,17 @@ class PipelinedStack(LayerStack):
     The parameters are exactly a scanned stack's (same paths, same ``[P, ...]`` layout),
     so checkpoints and HF conversion do not change. The schedule runs when the active
     mesh (``parallel.sharding.activate``) has a ``stage`` axis of ``pipeline.stages``
-    devices; with no mesh (e.g. eager sampling) the blocks are applied in order — the
-    same function, which the parity tests prove.
+    devices (a mesh with another number of ``stage`` devices is refused).
+
+    With no active mesh at all, ``sequential_without_mesh`` decides, explicitly:
+
+    * ``True`` (the default, what ``models/decoder.py`` builds): the blocks are applied in
+      order — the same function, which the parity tests prove. Callers rely on it: a model
+      built from a pipelined config and run outside any mesh (an eager forward on one
+      device, the sequential reference of ``tests/unit/test_pipeline.py``, the full forward
+      that ``tests/parity/test_kv_cache.py`` compares cached decoding with, scoring);
+    * ``False``: the call raises ``ConfigError`` naming what is missing (a mesh with a
+      ``stage`` axis, ``ici_pipeline_parallelism``) instead of running without the schedule.
     """
 
     def __init__(
@@ -78,17 +88,29 @@ class PipelinedStack(LayerStack):
         axis_name: str,
         pipeline: PipelineSpec,
         unroll: bool = False,
+        sequential_without_mesh: bool = True,
     ):
         """``unroll``: each stage applies its blocks in a Python loop (``scan_layers=false``),
-        not a scan; the weights stay stacked either way (the stage axis shards them)."""
+        not a scan; the weights stay stacked either way (the stage axis shards them).
+        ``sequential_without_mesh``: with no active mesh, apply the blocks in order (True) or
+        refuse (False); see the class docstring."""
         if num_layers != pipeline.blocks:
             raise ValueError(f"the pipeline schedules {pipeline.blocks} blocks but the stack has {num_layers}")
         super().__init__(make_block, num_layers, key=key, scan=True, remat=remat, axis_name=axis_name, unroll=unroll)
         self.pipeline = pipeline
+        self.sequential_without_mesh = sequential_without_mesh
 
     def __call__(self, x: jax.Array, *args: Any, dropout_keys: Keys | None = None) -> tuple[jax.Array, Aux]:
         active = active_mesh()
         if active is None:
+            if not self.sequential_without_mesh:
+                raise ConfigError(
+                    f"the pipelined stack '{self.axis_name}' runs its {self.pipeline.stages}-stage schedule over a mesh "
+                    f"with a '{STAGE}' axis of {self.pipeline.stages} devices, and no mesh is active: build it with "
+                    f"parallel.mesh.make_mesh(cfg) (ici_pipeline_parallelism x dcn_pipeline_parallelism = "
+                    f"{self.pipeline.stages}) and call it under parallel.sharding.activate(mesh, rules), or build the "
+                    "stack with sequential_without_mesh=True to apply its blocks in order"
+                )
             return super().__call__(x, *args, dropout_keys=dropout_keys)
         mesh, rules = active
         stages = mesh.shape.get(STAGE, 1)

@@ -21,7 +21,7 @@ import uvicorn
 from nnxtron.config.schema import Config
 from nnxtron.convert.runs import load_model
 from nnxtron.data.chat_template import ChatTemplate, find_chat_template
-from nnxtron.data.sources import tokenizer_for
+from nnxtron.data.sources import tokenizer_directories, tokenizer_for
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import UserError
 from nnxtron.infer.engine import Engine
@@ -104,26 +104,12 @@ def load(path: str | Path, overrides: Iterable[str] = (), chat_template: str | N
     return Loaded(model, tokenizer, template, reason, name or Path(path).resolve().name)
 
 
-def template_directories(path: str | Path, cfg: Config) -> list[Path]:
-    """Where a model's chat template may be: its tokenizer's directory (a run's ``tokenizer/``,
-    an HF directory itself), then the model directory."""
-    found = []
-    if cfg.tokenizer_path:
-        tokenizer = Path(cfg.tokenizer_path).expanduser()
-        found.append(tokenizer if tokenizer.is_dir() else tokenizer.parent)
-    found.append(Path(path).expanduser())
-    unique: list[Path] = []
-    for directory in found:
-        if directory.resolve() not in [d.resolve() for d in unique]:
-            unique.append(directory)
-    return unique
-
-
 def load_chat_template(
     path: str | Path, cfg: Config, tokenizer: Tokenizer, file: str | None = None
 ) -> tuple[ChatTemplate | None, str]:
-    """(template, "") or (None, why there is none). A template that is there but broken is an error."""
-    return find_chat_template(template_directories(path, cfg), tokenizer, file)
+    """(template, "") or (None, why there is none): ``file``, else the one that came with the model
+    (``tokenizer_directories``: a run's ``tokenizer/``, an HF directory). A template that is there but broken is an error."""
+    return find_chat_template(tokenizer_directories(cfg, path), tokenizer, file)
 
 
 def make_engine(model: Any, options: ServeOptions) -> Engine:

@@ -21,9 +21,7 @@ from nnxtron.config.loader import RUN_TOKENIZER_DIR, run_config_to_yaml
 from nnxtron.config.schema import Config
 from nnxtron.config.stacks import pipeline_summary
 from nnxtron.data.pipeline import BatchSource, DataIterator
-from nnxtron.data.sources import make_sources
-from nnxtron.data.tokenizer import make_tokenizer
-from nnxtron.data.tokenizer_files import copy_tokenizer
+from nnxtron.data.sources import keep_tokenizer, make_sources
 from nnxtron.errors import CheckpointError, DataError, TrainingError, UserError
 from nnxtron.models.quant import summary
 from nnxtron.parallel.mesh import make_mesh
@@ -64,6 +62,7 @@ class TrainResult:
     skipped_steps: list[int] = field(default_factory=list)  # non-finite updates dropped (non_finite_policy=skip)
     stopped_by: int | None = None  # the signal (SIGTERM, SIGINT) that stopped the run early, after a checkpoint
     state: TrainState | None = None
+    frozen: Any = None  # lora_rank > 0: the frozen base parameters the adapters in ``state`` apply to
 
 
 def _check_same_model(run_dir: Path, cfg: Config) -> list[str]:
@@ -256,7 +255,7 @@ class Trainer:
         if note:
             self.notes.append(note)
         if jax.process_index() == 0 and not (self.run_dir / "config.yml").exists():  # the inputs are valid: record the run
-            copy_tokenizer(make_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path), self.run_dir / RUN_TOKENIZER_DIR)
+            keep_tokenizer(cfg, self.run_dir / RUN_TOKENIZER_DIR)  # its files, with the chat template the run uses
             (self.run_dir / "config.yml").write_text(run_config_to_yaml(cfg))
         if ckpt is None and not self.restart:
             _check_no_history(self.run_dir)
@@ -338,6 +337,7 @@ class Trainer:
         if writer:
             writer.close()
         result.state = state
+        result.frozen = self.step_args[0].frozen if cfg.lora_rank else None
         return result
 
 

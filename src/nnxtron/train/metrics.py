@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.progress import Progress, Task
+from rich.text import Text
 
 from nnxtron.config.schema import Config
 from nnxtron.train.wandb_logger import WandbLogger
@@ -79,24 +80,106 @@ def _truncate_after(path: Path, step: int) -> None:
         os.replace(tmp, path)
 
 
+# The live line's fields by priority (0 first): a terminal narrower than all of them drops
+# whole fields from the end of this order, never cuts one (docs/logging.md).
+STEP, LOSS, TOKENS, ETA, MFU, BAR, AUX, TFLOPS, ELAPSED, LABEL = range(10)
+BAR_WIDTH = (10, 40)  # the bar's narrowest and widest: it takes the room the fields leave, within these
+FIELD_GAP = "  "
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--:--"
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def line_fields(
+    step: int, total: int, record: dict[str, Any] | None, elapsed: float | None, remaining: float | None
+) -> list[tuple[int, str]]:
+    """The live line's fields in display order, each ``(priority, text)`` (the bar is placed by
+    ``fit_line``). Before the first record: the step and the ETA only."""
+    fields = [(LABEL, "train"), (STEP, f"{step}/{total}")]
+    if record is not None:
+        fields.append((LOSS, f"loss {record['loss']:.4f}"))
+        fields += [(AUX, f"{k[4:]} {v:.4f}") for k, v in record.items() if k.startswith("aux/")]
+        fields += [
+            (TOKENS, f"{record['tokens_per_s']:,.0f} tok/s"),
+            (TFLOPS, f"{record['tflops']:.3f} TFLOP/s"),
+            (MFU, f"MFU {100 * record['mfu']:.1f}%"),
+        ]
+    fields += [(ELAPSED, _clock(elapsed)), (ETA, f"ETA {_clock(remaining)}")]
+    return fields
+
+
+def fit_line(fields: list[tuple[int, str]], width: int, done: float) -> Text:
+    """The fields taken by priority while they fit in ``width`` columns together (the first
+    that does not fit ends the line, so the layout does not jump as values change length),
+    shown in display order; the bar (``done``: 0..1, at least ``BAR_WIDTH[0]`` columns, then
+    the room left) goes where the label is."""
+    kept: set[int] = set()
+    used, bar = 0, 0
+    order = sorted(range(len(fields) + 1), key=lambda i: BAR if i == len(fields) else fields[i][0])
+    for index in order:
+        size = BAR_WIDTH[0] if index == len(fields) else len(fields[index][1])
+        cost = size + (len(FIELD_GAP) if kept or bar else 0)
+        if used + cost > width:
+            break
+        used += cost
+        if index == len(fields):
+            bar = size
+        else:
+            kept.add(index)
+    if bar:
+        bar = min(BAR_WIDTH[1], bar + width - used)
+    line = Text(no_wrap=True, overflow="crop")
+    for index, (priority, text) in enumerate(fields):
+        if index in kept:
+            if line:
+                line.append(FIELD_GAP)
+            line.append(text, style="bold" if priority == LABEL else "")
+        if bar and priority == LABEL:
+            if line:
+                line.append(FIELD_GAP)
+            filled = round(bar * min(max(done, 0.0), 1.0))
+            line.append("━" * filled, style="bar.finished" if filled == bar else "bar.complete")
+            line.append("━" * (bar - filled), style="bar.back")
+    return line
+
+
+class _Line:
+    """One task's live line, fitted to the width the console gives it at each refresh."""
+
+    def __init__(self, task: Task):
+        self.task = task
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        task = self.task
+        total = int(task.total or 0)
+        fields = line_fields(int(task.completed), total, task.fields.get("record"), task.elapsed, task.time_remaining)
+        yield fit_line(fields, options.max_width, task.completed / total if total else 0.0)
+
+
+class _LineProgress(Progress):
+    """rich's ``Progress`` (live refresh, speed and ETA estimates) drawing each task as one
+    ``_Line`` instead of a table of fixed columns, which a narrow terminal cuts mid-field."""
+
+    def get_renderables(self):
+        for task in self.tasks:
+            yield _Line(task)
+
+
 class ProgressBar:
-    """A rich progress bar showing step, loss, tokens/s, TFLOP/s and MFU (stderr)."""
+    """A live line on stderr: step/steps, loss, tokens/s, ETA, MFU, a bar, auxiliary losses,
+    TFLOP/s and elapsed time — as many whole fields, in that priority, as the terminal's width
+    holds (``line_fields``, ``fit_line``)."""
 
     def __init__(self, total_steps: int, start_step: int, enabled: bool | None = None, silent: bool = False):
         console = Console(file=sys.stderr)
         self.silent = silent  # processes other than 0 of a multi-host run print nothing
         self.enabled = (console.is_terminal if enabled is None else enabled) and not silent
-        self.progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=console,
-            disable=not self.enabled,
-        )
-        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+        self.progress = _LineProgress(console=console, disable=not self.enabled)
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, record=None)
         self.console = console
 
     def __enter__(self) -> "ProgressBar":
@@ -107,12 +190,7 @@ class ProgressBar:
         self.progress.stop()
 
     def update(self, step: int, record: dict[str, Any]) -> None:
-        aux = "".join(f"{k[4:]} {v:.4f}  " for k, v in record.items() if k.startswith("aux/"))
-        stats = (
-            f"loss {record['loss']:.4f}  {aux}{record['tokens_per_s']:,.0f} tok/s  "
-            f"{record['tflops']:.3f} TFLOP/s  MFU {100 * record['mfu']:.1f}%"
-        )
-        self.progress.update(self.task, completed=step, stats=stats)
+        self.progress.update(self.task, completed=step, record=record)
 
     def log(self, message: str) -> None:
         """A line above the bar (or plain stderr when the bar is off)."""

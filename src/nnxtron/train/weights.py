@@ -36,7 +36,7 @@ def checkpoint_model(meta: dict[str, Any]) -> dict[str, Any]:
     HF checkpoints of older versions have none, and nothing is compared)."""
     model = meta.get("model")
     if isinstance(model, dict):
-        return model
+        return of_stored(model)  # one written before a model key existed: the value it had then
     config = meta.get("config")
     return of_stored(config) if isinstance(config, dict) else {}
 
@@ -96,11 +96,6 @@ def load_weights(path: str | Path, cfg: Config, abstract: dict[str, Any], shardi
         wanted.pop("rest")  # a converted checkpoint of a model with only counters: they start at zero
     restored, _ = ckpt.restore(step, wanted, {key: shardings[key] for key in wanted}, subset=True)
     return restored["params"], restored.get("rest")
-
-
-def load_parameters(path: str | Path, cfg: Config, abstract_params: Any, param_shardings: Any) -> Any:
-    """The parameters alone of ``load_weights``."""
-    return load_weights(path, cfg, {"params": abstract_params}, {"params": param_shardings})[0]
 
 
 def starting_weights(

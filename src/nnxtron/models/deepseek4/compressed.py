@@ -43,7 +43,7 @@ from flax import nnx
 
 from nnxtron.config.schema import Config
 from nnxtron.layers.kv_cache import CacheSpec, TokenCache, cache_mask, cache_size
-from nnxtron.layers.linear import Linear
+from nnxtron.layers.linear import Linear, fan_in_init
 from nnxtron.layers.norms import RMSNorm, l2_norm
 from nnxtron.layers.rope import RopeSpec, apply_rope
 from nnxtron.layers.router import top_k
@@ -235,7 +235,7 @@ class CompressedAttention(nnx.Module):
         self.wkv = Linear([cfg.base_emb_dim], [hd], ("embed", "head_dim"), **kw)
         self.kv_norm = _norm(hd, cfg, dtype)
         per_group = heads * hd // groups
-        init = jax.nn.initializers.truncated_normal(stddev=per_group**-0.5)
+        init = fan_in_init(per_group)
         shape = (groups, cfg.o_lora_rank, per_group)  # HF o_a_proj rows, group-major; contracted per group
         self.wo_a = nnx.Param(init(rngs.params(), shape, jnp.float32).astype(weight_dtype), out_sharding=(None, None, "embed"))
         self.wo_b = Linear([groups * cfg.o_lora_rank], [cfg.base_emb_dim], (None, "embed"), **kw)

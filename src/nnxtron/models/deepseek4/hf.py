@@ -155,6 +155,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": int(hf["vocab_size"]),
         "normalization_layer_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+        "normalize_embedding_logits": False,  # HF's (the head is untied)
         "num_experts": int(hf["n_routed_experts"]),
         "num_experts_per_tok": int(hf["num_experts_per_tok"]),
         "base_moe_mlp_dim": int(hf["moe_intermediate_size"]),

@@ -1,6 +1,6 @@
 """Worker processes for `nnxtron plan --search`: compile jobs in parallel, on fake devices.
 
-Each worker is ``python -m nnxtron.tools.search_worker`` started with
+Each worker is ``python -m nnxtron.tools.search.worker`` started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and ``JAX_PLATFORMS=cpu``; it takes
 one job at a time, and is replaced after ``jobs_per_worker`` jobs (every compiled program
 holds memory mappings of its own; a fresh process starts from none). ``close`` kills
@@ -25,7 +25,7 @@ JOBS_PER_WORKER = 8
 class _Worker:
     def __init__(self, devices: int, results: queue.Queue):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nnxtron.tools.search_worker"],
+            [sys.executable, "-m", "nnxtron.tools.search.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

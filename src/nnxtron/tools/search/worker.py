@@ -1,12 +1,12 @@
 """A worker process of `nnxtron plan --search`: compiles candidates on fake CPU devices.
 
-``python -m nnxtron.tools.search_worker`` reads one JSON job per line on stdin
+``python -m nnxtron.tools.search.worker`` reads one JSON job per line on stdin
 (``{"id", "file", "overrides", "devices_per_node"}``), compiles the real train step of that
 config ahead of time on the process's devices (``tools.plan``'s lowering: nothing is
 allocated), and writes one JSON line per job on stdout: the XLA memory analysis, the
 train state per device, every collective of the compiled program
-(``search_hlo.collectives``) and its matmul FLOPs and memory traffic
-(``search_hlo_cost.program_cost``). A job that cannot be set up or compiled answers with its
+(``hlo.collectives``) and its matmul FLOPs and memory traffic
+(``hlo_cost.program_cost``). A job that cannot be set up or compiled answers with its
 error instead. The parent starts it with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
 and replaces it after a few jobs, so the memory mappings of compiled programs never pile
 up in one process (Linux allows 65,530).
@@ -25,8 +25,8 @@ import jax
 from nnxtron.config import load_config
 from nnxtron.errors import ConfigError
 from nnxtron.tools.plan import lower_train_step, memory_stats, prepare_train_step, tree_shard_bytes
-from nnxtron.tools.search_hlo import collectives
-from nnxtron.tools.search_hlo_cost import program_cost
+from nnxtron.tools.search.hlo import collectives
+from nnxtron.tools.search.hlo_cost import program_cost
 
 
 def compile_candidate(cfg: Any, devices_per_node: int) -> dict[str, Any]:

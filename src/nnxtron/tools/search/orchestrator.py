@@ -1,17 +1,17 @@
 """`nnxtron plan --search`: the parallel configuration that fits and runs fastest.
 
-1. **Enumerate** (``search_space``): every mesh factorisation of the devices the cheap rules
+1. **Enumerate** (``space``): every mesh factorisation of the devices the cheap rules
    allow, with the pipeline microbatch counts; keys the user set are pinned.
 2. **Prune cheaply**: ``derive``'s batch checks and the pipeline schedule; the train state's
    lower bound (parameters + optimizer state over every axis but ``data``) against the
    device memory, offloading it to the host when that is what makes it fit.
-3. **Rank before compiling**: the cost model (``search_cost.step_cost``) with collectives
-   estimated from the config (``search_cost.analytic_collectives``).
+3. **Rank before compiling**: the cost model (``cost.step_cost``) with collectives
+   estimated from the config (``cost.analytic_collectives``).
 4. **Compile best-first** on fake CPU devices in ``workers`` parallel processes
-   (``search_pool``) until the time budget is spent: each result gives the XLA memory
+   (``pool``) until the time budget is spent: each result gives the XLA memory
    peak and the compiled program's collectives, so its prediction uses the real
    communication. A candidate that fits spawns the next lighter remat policy; one that
-   does not spawns the memory knobs (``search_space.memory_saving``: attention in query
+   does not spawns the memory knobs (``space.memory_saving``: attention in query
    blocks, the experts in token pieces), then more gradient-accumulation steps, then host
    offload. A candidate whose
    compute alone is slower than the best prediction so far is not compiled.
@@ -35,18 +35,18 @@ from nnxtron.config.derived import MESH_AXES, derive
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError, UserError
 from nnxtron.parallel.mesh import make_mesh
-from nnxtron.tools.search_cost import (
+from nnxtron.tools.search.cost import (
     analytic_collectives,
     estimate_peak_bytes,
     microbatch_tokens_per_device,
     step_cost,
     update_bytes,
 )
-from nnxtron.tools.search_hlo import Collective
-from nnxtron.tools.search_hlo_cost import ProgramCost
-from nnxtron.tools.search_pool import WorkerPool
-from nnxtron.tools.search_presets import DevicePreset
-from nnxtron.tools.search_space import (
+from nnxtron.tools.search.hlo import Collective
+from nnxtron.tools.search.hlo_cost import ProgramCost
+from nnxtron.tools.search.pool import WorkerPool
+from nnxtron.tools.search.presets import DevicePreset
+from nnxtron.tools.search.space import (
     ACCUMULATION_STEPS,
     AXIS_KEYS,
     MEMORY_KEYS,
@@ -103,7 +103,7 @@ class _Queued:
     order: int
     candidate: Candidate
     cfg: Config
-    estimated_peak: float  # search_cost.estimate_peak_bytes, before calibration
+    estimated_peak: float  # cost.estimate_peak_bytes, before calibration
 
 
 def state_totals(file: str | None, overrides: list[str]) -> Totals:

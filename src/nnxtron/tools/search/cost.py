@@ -12,9 +12,9 @@ host offload traffic, per device:
   is bandwidth-bound, and runs below peak), over 1 - the pipeline bubble fraction (the
   idle stage-iterations of the schedule, ``config.pipeline``). On a device that runs the
   compiled program itself (the ``cpu`` preset) the compiled program's ``dot`` FLOPs
-  replace that count (``search_hlo_cost``: recompute and bubble iterations included).
+  replace that count (``hlo_cost``: recompute and bubble iterations included).
 - **memory traffic**: on a device that runs the compiled program, the bytes its non-matmul
-  instructions read and write per step (``search_hlo_cost.ProgramCost.other_bytes``:
+  instructions read and write per step (``hlo_cost.ProgramCost.other_bytes``:
   norms, activations, softmax, saved activations, the optimizer update ...), at the
   device's memory bandwidth. On an accelerator, only the optimizer update's traffic
   (``update_bytes``: state and gradients read, state written, after the backward pass):
@@ -24,7 +24,7 @@ host offload traffic, per device:
 - **fresh temporaries**: the compiled step's temporary bytes x the preset's
   ``fresh_temp_seconds_per_byte`` (XLA:CPU faults its temporaries in anew each step; 0 on
   accelerators).
-- **communication**: every collective of the compiled step (``search_hlo.collectives``:
+- **communication**: every collective of the compiled step (``hlo.collectives``:
   kind, bytes, group, executions per step from the loop trip counts), each taking
   ``wire_bytes / bandwidth + latency`` (the preset's ``collective_latency_s``), over the intra-node links when its group stays in
   one node and the inter-node links when it does not.
@@ -51,9 +51,9 @@ from nnxtron.config.flops import _attention_params, _ffn_params, _keys_seen, tra
 from nnxtron.config.layout import layer_kinds
 from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.schema import Config
-from nnxtron.tools.search_hlo import Collective
-from nnxtron.tools.search_hlo_cost import ProgramCost
-from nnxtron.tools.search_presets import DevicePreset
+from nnxtron.tools.search.hlo import Collective
+from nnxtron.tools.search.hlo_cost import ProgramCost
+from nnxtron.tools.search.presets import DevicePreset
 
 OVERLAPPABLE_AXES = frozenset({"data", "fsdp", "stage"})
 

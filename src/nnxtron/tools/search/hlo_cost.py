@@ -2,7 +2,7 @@
 
 ``program_cost(hlo_text)`` reads the optimized HLO text of a (per-device, SPMD-partitioned)
 program and returns its ``dot`` FLOPs and the bytes its instructions read and write, with
-every computation counted as often as it runs in one step (``search_hlo``'s loop trip
+every computation counted as often as it runs in one step (``hlo``'s loop trip
 counts: a scanned layer stack counts its body once per layer, which XLA's own
 ``cost_analysis`` does not). The cost model of `nnxtron plan --search` turns the bytes into
 time at the device's memory bandwidth.
@@ -30,7 +30,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from nnxtron.tools.search_hlo import (
+from nnxtron.tools.search.hlo import (
     KINDS,
     _computations,
     _counts,
