@@ -124,6 +124,11 @@ def test_strategy_matches_baseline(strategy, baseline):
 # reduction is O(1)). Context parallelism, int8 under sharding, microbatching and sharded
 # MoE dispatch differ by more: their rows and bounds are in test_quantization.py.
 SHARDED_QUANT_BOUNDS = dict(loss_rtol=1e-5, rel=1e-3, abs_frac=2e-5, aggregate_rel=1e-3)
+# Splitting the heads over `tensor` flips more of them: with docs/init.md's initialisers
+# (2026-12-05) the fsdp4 x tensor2 row measures loss 6.3e-7, input cotangent 8.6e-3, aggregate
+# 6.1e-3, worst large leaf 1.5e-2, worst leaf 4.0e-3 of the total (data2 x fsdp4: all <= 3.2e-7).
+# Its bounds sit ~3x above that, still far below a real bug's O(1).
+TENSOR_QUANT_BOUNDS = dict(loss_rtol=1e-5, rel=5e-2, abs_frac=1.2e-2, aggregate_rel=2.5e-2)
 
 
 def _quantized(mode: str) -> tuple[tuple[str, object], ...]:
@@ -141,7 +146,8 @@ QUANT_ROWS = [
 @pytest.mark.parametrize("strategy", QUANT_ROWS, ids=lambda s: s.id)
 def test_quantized_strategy_matches_quantized_baseline(strategy):
     baseline = run(Strategy(extra=strategy.extra))
-    bounds = BOUNDS if MESHES[strategy.mesh] is None else SHARDED_QUANT_BOUNDS
+    sharded = TENSOR_QUANT_BOUNDS if "tensor" in strategy.mesh else SHARDED_QUANT_BOUNDS
+    bounds = BOUNDS if MESHES[strategy.mesh] is None else sharded
     assert_grad_parity(run(strategy), baseline, **bounds)
 
 

@@ -25,14 +25,16 @@ from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config
 
 LLAMA = dict(base_num_decoder_layers=2)
-# measured aggregate gradient / input-cotangent / loss errors vs float32 (llama3.1-tiny, 2 layers):
-#   int8 1.8e-2 / 1.8e-2 / 5.6e-4, fp8_e4m3 6.6e-2 / 7.0e-2 / 2.2e-4, fp8_e5m2 1.3e-1 / 1.4e-1 / 4.1e-4,
-#   fp8_full 7.9e-2 / 8.8e-2 / 2.2e-4
+# measured aggregate gradient / input-cotangent / loss errors vs float32 (llama3.1-tiny, 2 layers,
+# the initialisers of docs/init.md, 2026-12-05; worst leaf relative / worst leaf of the total in brackets):
+#   int8 3.8e-2 / 4.0e-2 / 3.8e-5 (5.0e-2 / 2.0e-2), fp8_e4m3 1.5e-1 / 1.7e-1 / 1.3e-3 (2.1e-1 / 8.3e-2),
+#   fp8_e5m2 3.0e-1 / 3.3e-1 / 2.7e-3 (4.3e-1 / 1.6e-1), fp8_full 1.7e-1 / 2.0e-1 / 1.3e-3 (2.3e-1 / 9.5e-2);
+# with the earlier initialisers (a std-1 tied table, kernels at 0.88x their std) they were about half these
 VS_FLOAT32 = {
-    "int8": dict(loss_rtol=1.5e-3, rel=6e-2, abs_frac=2e-2, aggregate_rel=4e-2),
-    "fp8_e4m3": dict(loss_rtol=1e-3, rel=2.5e-1, abs_frac=6e-2, aggregate_rel=1.5e-1),
-    "fp8_e5m2": dict(loss_rtol=1e-3, rel=5e-1, abs_frac=1.2e-1, aggregate_rel=3e-1),
-    "fp8_full": dict(loss_rtol=1e-3, rel=3e-1, abs_frac=8e-2, aggregate_rel=1.8e-1),
+    "int8": dict(loss_rtol=1.5e-3, rel=1.2e-1, abs_frac=4e-2, aggregate_rel=8e-2),
+    "fp8_e4m3": dict(loss_rtol=3e-3, rel=4.5e-1, abs_frac=1.7e-1, aggregate_rel=3.5e-1),
+    "fp8_e5m2": dict(loss_rtol=6e-3, rel=9e-1, abs_frac=3.3e-1, aggregate_rel=7e-1),
+    "fp8_full": dict(loss_rtol=3e-3, rel=5e-1, abs_frac=2e-1, aggregate_rel=4e-1),
 }
 VISIBLE = 1e-3  # every mode moves the gradients by more than this (float32 strategies agree to ~1e-7)
 

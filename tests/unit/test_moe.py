@@ -207,7 +207,7 @@ def _imbalance(load: np.ndarray) -> float:
 def test_loss_free_balancing_reduces_imbalance():
     moe, _ = make(routed_score_func="sigmoid", routed_bias=True, routed_bias_update_rate=0.02)
     moe.router_bias[...] = jnp.zeros(4)
-    moe.router.kernel[...] = moe.router.kernel[...].at[:, 0].add(0.05)  # with inputs of mean 1: skewed to expert 0
+    moe.router.kernel[...] = moe.router.kernel[...].at[:, 0].add(0.06)  # with inputs of mean 1: skewed to expert 0
     graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
     x = inputs(batch=4, seq=16) + 1.0
@@ -224,10 +224,11 @@ def test_loss_free_balancing_reduces_imbalance():
     for _ in range(12):
         load, pure = step(pure)
         history.append(_imbalance(np.asarray(load)))
-    # measured: 1.69, 1.69, 1.47, 1.28, 1.16, 1.12, 1.06, then 1.06 (oscillating near balance)
+    # measured (docs/init.md's initialisers, 2026-12-05): 1.78, 1.69, 1.66, 1.44, 1.25, 1.16, 1.09, then
+    # 1.09-1.13 (oscillating a token's share from balance: 64 routed tokens over 4 experts)
     assert history[0] > 1.5, history
     assert history[0] > history[3] > history[6], history
-    assert max(history[8:]) < 1.1, history
+    assert max(history[8:]) < 1.15, history
 
 
 def test_router_bias_rate_does_not_change_gradients():
