@@ -34,6 +34,7 @@ Output: ``benchmarks/results/from_scratch-<backend>.md`` and ``.json``. Not run 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -108,14 +109,7 @@ def run_nnxtron(keys: list[str], batches: dict[str, np.ndarray]) -> dict[str, An
     losses, seconds, rates = [], [], []
     for i in range(cfg.steps):
         t0 = time.perf_counter()
-        host = {
-            "inputs": batches["inputs"][i],
-            "targets": batches["targets"][i],
-            "positions": batches["inputs_position"][i],
-            "segment_ids": batches["inputs_segmentation"][i],
-            "loss_mask": (batches["targets_segmentation"][i] != 0).astype(np.float32),
-        }
-        state, metrics = step(state, device_batch(host, shardings))
+        state, metrics = step(state, device_batch(maxtext_reference.nnxtron_batch(batches, i), shardings))
         metrics = jax.device_get(metrics)
         losses.append(float(metrics["loss"]))
         rates.append(float(metrics["learning_rate"]))
@@ -210,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=300, help="train steps a run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="init_weights_seed of each round")
     parser.add_argument("--data-seed", type=int, default=1234)
+    parser.add_argument("--date", default=datetime.date.today().isoformat(), help="the date the results are headed with")
     parser.add_argument("--python", default="python3.12", help="a Python >= 3.12 to make the MaxText environment with")
     parser.add_argument("--env", type=Path, default=maxtext_reference.DEFAULT_ENV, help="the MaxText environment")
     parser.add_argument("--skip-maxtext", action="store_true", help="nnxtron's runs only")
@@ -222,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab, seq, batch = int(values["vocab_size"]), int(values["max_target_length"]), int(values["per_device_batch_size"])
     batches = make_batches(args.steps, batch, seq, vocab, args.data_seed)
     about: dict[str, Any] = {
-        "date": "2026-12-05",
+        "date": args.date,
         "machine": machine(),
         "keys": list(MODEL),
         "steps": args.steps,

@@ -18,7 +18,11 @@ For one config (MaxText ``key=value`` overrides on MaxText's ``base.yml``) it
    state of the model, keyed by its '/'-joined MaxText path), ``batches.npz``, ``logits.npz`` and
    ``metrics.json`` to ``--out``.
 
-Usage (see scripts/maxtext_reference.py): ``python driver.py --out DIR --base-yml BASE -- k=v ...``
+With ``--init-statistics`` it stops after 1. and writes only ``initial_statistics.json``: for
+every tensor of MaxText's initial model its shape, mean, standard deviation, minimum and maximum
+(float64), what tests/parity/test_init_parity.py compares — a few kB instead of the tensors.
+
+Usage (see scripts/maxtext_reference.py): ``python driver.py --out DIR --base-yml BASE [--init-statistics] -- k=v ...``
 """
 
 from __future__ import annotations
@@ -111,6 +115,15 @@ def make_batches(steps: int, batch: int, length: int, vocab: int, seed: int) -> 
     return out
 
 
+def statistics(params: dict[str, np.ndarray]) -> dict[str, dict]:
+    """Per tensor: shape, mean, standard deviation, minimum and maximum (float64)."""
+    out = {}
+    for name, value in sorted(params.items()):
+        x = np.asarray(value, np.float64)
+        out[name] = {"shape": list(x.shape), "mean": x.mean(), "std": x.std(), "min": x.min(), "max": x.max()}
+    return out
+
+
 def setup(argv: list[str]):
     config, recorder = train.initialize(argv)
     (_, _, state_mesh_shardings, _, mesh, lr_schedule, _, _, _, _, state) = train_utils.setup_train_loop(config, recorder)
@@ -135,6 +148,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--base-yml", required=True)
     parser.add_argument("--data-seed", type=int, default=1234)
+    parser.add_argument("--init-statistics", action="store_true", help="write initial_statistics.json only")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     out: Path = args.out
@@ -145,6 +159,11 @@ def main() -> None:
     # 1. MaxText's initial parameters, saved with MaxText's param-only checkpoint writer
     config, mesh, state, _, _ = setup([*common, "run_name=init"])
     initial = model_state(state)
+    if args.init_statistics:
+        stats = statistics({k: v for k, v in initial.items() if "rngs" not in k})
+        (out / "initial_statistics.json").write_text(json.dumps(stats, indent=1) + "\n")
+        shutil.rmtree(work, ignore_errors=True)
+        return
     checkpoint = out / "initial_checkpoint"
     if checkpoint.exists():
         shutil.rmtree(checkpoint)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,9 @@ from nnxtron.params import flatten
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import init_state, setup
 from nnxtron.train.step import batch_sharding, device_batch, make_train_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the MaxText reference helpers
+from maxtext_reference import nnxtron_batch  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "maxtext"
 REFERENCE = ASSETS / "reference"
@@ -109,14 +113,7 @@ def reproduce(family: str, *extra: str) -> Run:
     batches = npz(family, "batches.npz")
     metrics = []
     for i in range(cfg.steps):
-        host = {
-            "inputs": batches["inputs"][i],
-            "targets": batches["targets"][i],
-            "positions": batches["inputs_position"][i],
-            "segment_ids": batches["inputs_segmentation"][i],
-            "loss_mask": (batches["targets_segmentation"][i] != 0).astype(np.float32),
-        }
-        state, step_metrics = step(state, device_batch(host, shardings))
+        state, step_metrics = step(state, device_batch(nnxtron_batch(batches, i), shardings))
         metrics.append({k: float(v) for k, v in jax.device_get(step_metrics).items()})
     params_out = flatten(jax.tree.map(np.asarray, state["params"]))
     state_out = flatten(jax.tree.map(np.asarray, state["rest"]))
@@ -196,7 +193,7 @@ def test_a_different_optimizer_setting_is_caught() -> None:
     """adam_b2=0.99 instead of MaxText's 0.95 moves both the loss curve and the final parameters
     past the bounds above (measured: loss 4.1e-5, parameters 8.8e-4). nnxtron's own weight-decay
     mask (matrices only: 2.8e-4 / 1.0e-3) and schedule arithmetic (2.6e-4 / 1.4e-3) are caught
-    too: mutants maxtext-decay-on-matrices-only and maxtext-optax-schedule (tests/mutation/run.py)."""
+    too: mutants maxtext-decay-on-matrices-only and maxtext-optax-schedule (tests/mutation/mutants.py)."""
     run = reproduce("llama2", "adam_b2=0.99")
     loss = loss_differences(run, "llama2")["loss"].max()
     params = max(parameter_differences(run, "llama2").values())

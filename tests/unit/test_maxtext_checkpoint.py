@@ -29,7 +29,7 @@ from nnxtron.convert.maxtext import (
     write_maxtext_checkpoint,
 )
 from nnxtron.convert.runs import load_model
-from nnxtron.errors import CheckpointError
+from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.params import flatten, unstack_layers
 
 ASSETS = Path(__file__).parents[1] / "assets" / "maxtext" / "checkpoints"
@@ -163,6 +163,19 @@ def test_normalize_embedding_logits_is_honoured(model, value):
     cfg = load_config(MAXTEXT_BASE, [f"model_name={model}", *tied, f"normalize_embedding_logits={value}"])
     assert cfg.logits_via_embedding and cfg.normalize_embedding_logits is (value == "true")
     assert load_config(MAXTEXT_BASE, [f"model_name={model}", *tied]).normalize_embedding_logits
+
+
+@pytest.mark.parametrize("model", ["gpt3-52k", "gpt3-6b", "qwen3-0.6b"])
+def test_a_maxtext_model_config_that_sets_normalize_embedding_logits_wins_over_base_yml(model):
+    """MaxText's configs/models/{gpt3-*,qwen3-*}.yml set normalize_embedding_logits: false over
+    base.yml's true: a MaxText config of these tied models computes HF's head x @ E^T, as MaxText
+    does; setting the key against the model config is MaxText's conflict (override_model_config)."""
+    cfg = load_config(MAXTEXT_BASE, [f"model_name={model}"])
+    assert cfg.logits_via_embedding and cfg.normalize_embedding_logits is False
+    with pytest.raises(ConfigError, match="normalize_embedding_logits"):
+        load_config(MAXTEXT_BASE, [f"model_name={model}", "normalize_embedding_logits=true"])
+    overridden = ["override_model_config=true", "normalize_embedding_logits=true"]
+    assert load_config(MAXTEXT_BASE, [f"model_name={model}", *overridden]).normalize_embedding_logits
 
 
 @pytest.mark.parametrize("family", ["llama2", "deepseek3", "gemma3"])

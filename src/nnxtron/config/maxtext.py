@@ -40,7 +40,24 @@ MAXTEXT_ONLY = frozenset(key for key in KEYS if key not in Config.model_fields)
 PRESET_KEYS_KEPT_FROM_FILE = (
     "dtype",
     "normalize_embedding_logits",
-)  # MaxText's model configs leave these to base.yml / the config file
+)  # MaxText's model configs leave these to base.yml / the config file, except MODEL_CONFIGS_SETTING's
+# the MaxText 0.2.5 model configs (configs/models/<name>.yml) that set one of those keys themselves:
+# MaxText's model config overrides base.yml there, so the preset's value (the same) is the model's
+MODEL_CONFIGS_SETTING: dict[str, frozenset[str]] = {
+    "normalize_embedding_logits": frozenset({"gpt3-175b", "gpt3-22b", "gpt3-52k", "gpt3-6b", "qwen3-0.6b", "qwen3-8b"}),
+}
+
+
+def preset_under_maxtext(model_name: str, preset: dict[str, Any]) -> dict[str, Any]:
+    """The preset's values a MaxText config takes: without the keys MaxText's model config of
+    ``model_name`` leaves to base.yml and the config file."""
+    return {
+        k: v
+        for k, v in preset.items()
+        if k not in PRESET_KEYS_KEPT_FROM_FILE or model_name in MODEL_CONFIGS_SETTING.get(k, frozenset())
+    }
+
+
 DEFAULTS = {key: rule.default for key, rule in KEYS.items() if rule.default is not NOT_IN_BASE}
 MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor")  # reported together at start-up (Report.moe_line)
 NNXTRON_KEYS_UNDER_MAXTEXT = {  # nnxtron-only keys whose MaxText behaviour differs (docs/maxtext.md)
