@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import select
 import sys
@@ -16,7 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nnxtron.errors import ConfigError, UserError
-from nnxtron.runtime.distributed import PEER_TIMEOUT_S
+from nnxtron.runtime import interrupt
+from nnxtron.runtime.distributed import INIT_TIMEOUT_S, PEER_TIMEOUT_S
 
 EXIT_USER_ERROR = 2
 EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a process that SIGPIPE ended (the reader of stdout left)
@@ -34,6 +36,31 @@ class _Parser(argparse.ArgumentParser):
         if kwargs.get("nargs") == "*" and names and not names[0].startswith("-"):
             kwargs.setdefault("default", [])
         return super().add_argument(*names, **kwargs)
+
+
+MAX_SEARCH_WORKERS = os.cpu_count() or 1  # plan --search: one compile process per core at most
+
+
+def _number(kind: type[int] | type[float], *, at_least: float = -math.inf, above: float = -math.inf,
+            at_most: float = math.inf, why: str = ""):  # fmt: skip
+    """An argparse ``type``: a finite ``kind`` (``int`` or ``float``) ``>= at_least``, ``> above`` and
+    ``<= at_most``; anything else is argparse's one error line naming the option, the range and
+    ``why`` the bound is there."""
+    noun = "an integer" if kind is int else "a number"
+    bounds = [f">= {at_least}" if at_least > -math.inf else "", f"> {above}" if above > -math.inf else "",
+              f"<= {at_most}" if at_most < math.inf else ""]  # fmt: skip
+    wanted = f"{noun} {' and '.join(b for b in bounds if b)}".strip()
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not (at_least <= value <= at_most and value > above):
+            raise argparse.ArgumentTypeError(f"must be {wanted}{why}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _split_file_and_overrides(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -73,6 +100,17 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
+    """``nnxtron train``; a Ctrl-C at any moment of the start-up stops it (``runtime/interrupt.py``)."""
+    with interrupt.installed():
+        try:
+            return _train_command(ns)
+        except BaseException as err:  # after a Ctrl-C, what it cut short (an extension's import, a Rust panic) is no news
+            if not isinstance(err, (KeyboardInterrupt, SystemExit)):
+                interrupt.stop_if_interrupted()
+            raise
+
+
+def _train_command(ns: argparse.Namespace) -> int:
     from nnxtron.config.loader import load_config_report, parse_overrides, read_config_file
     from nnxtron.convert.runs import init_config_report, init_params
     from nnxtron.data.sources import tokenizer_for
@@ -99,7 +137,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             notes = [*notes, f"no sample after training: {err} (sample_after_training=0 drops this note)"]
             sample = 0
     loader = init_params(cfg)
-    if not initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout):
+    joined = initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout, ns.init_timeout)
+    if not joined:
         return _train_and_report(cfg, ns, loader, sample, notes=notes)
     import jax
 
@@ -180,20 +219,30 @@ def _print_sample_from_state(cfg, result, max_new_tokens: int) -> None:
 
     frozen = None if result.frozen is None else on_device(result.frozen)
     model = model_from_state(cfg, on_device(result.state["params"]), result.state["rest"], frozen)  # LoRA: merged
+    from nnxtron.infer.decode import DegenerateLogits
+
     text, stream = _sample(model, model.config, max_new_tokens)
-    ids = list(stream)
+    try:
+        ids = list(stream)
+    except DegenerateLogits as err:  # the training itself finished: say why there is no sample
+        print(f"no sample: {err}")
+        return
     text.push(ids)
     print(f"--- sample ({cfg.decode_sampling_strategy}, {len(ids)} tokens) ---")
     print(text.text())
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
+    from nnxtron.config.loader import is_hf_directory, parse_overrides
+    from nnxtron.convert.hf import check_tokenizer
     from nnxtron.convert.runs import load_model
     from nnxtron.runtime.compile_cache import enable_compilation_cache
 
     overrides = list(ns.overrides)
     if ns.prompt is not None:
         overrides.append(f"prompt={ns.prompt}")
+    if is_hf_directory(ns.path):
+        check_tokenizer(ns.path, parse_overrides(overrides))
     model = load_model(ns.path, overrides)  # an HF directory or a run brings its own tokenizer
     cfg = model.config
     template = None
@@ -222,6 +271,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
     from nnxtron.config.loader import is_hf_directory, parse_overrides
+    from nnxtron.convert.hf import check_tokenizer
     from nnxtron.convert.runs import load_model
     from nnxtron.infer.score import CORPUS_KEYS, held_out_by_training, run_corpus_line, score_corpus
     from nnxtron.runtime.compile_cache import enable_compilation_cache
@@ -239,6 +289,8 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
             f"nnxtron eval {ns.path}: an HF directory has no training corpus to score; give one with dataset_type= and "
             "dataset_path= (or lm-eval harness tasks with --tasks)"
         )
+    if is_hf_directory(ns.path):
+        check_tokenizer(ns.path, parse_overrides(ns.overrides))
     model = load_model(ns.path, list(ns.overrides))  # the data keys among the overrides choose the corpus
     cfg = model.config
     enable_compilation_cache(cfg)
@@ -287,7 +339,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         model_name=ns.served_model_name, max_length=ns.max_length, max_sequences=ns.max_sequences, block_size=ns.block_size,
         kv_blocks=ns.kv_blocks, prefill_chunk=ns.prefill_chunk, max_queue=ns.max_queue,
         request_timeout=None if ns.request_timeout == 0 else ns.request_timeout, chat_template=ns.chat_template,
-        log_level=ns.log_level,
+        log_level=ns.log_level, max_body_bytes=ns.max_body_bytes, read_timeout=ns.read_timeout,
+        max_connections=ns.max_connections, drain_timeout=ns.drain_timeout,
     )  # fmt: skip
     serve(ns.path, ns.overrides, options)
     return 0
@@ -297,10 +350,17 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     from nnxtron.config.fingerprint import fingerprint
     from nnxtron.config.loader import parse_overrides, run_config_to_yaml
     from nnxtron.convert import hf
-    from nnxtron.convert.runs import load_model
+    from nnxtron.convert.runs import check_output_directory, load_model
 
-    if ns.adapter_only and ns.direction != "to-hf":
-        raise UserError(f"--adapter-only is read by `convert to-hf` of a LoRA run, not by {ns.direction}; drop it")
+    for flag, given, reader in (
+        ("--adapter-only", ns.adapter_only, "to-hf"),
+        ("--overwrite", ns.overwrite, "to-hf"),
+        ("--scanned" if ns.scanned else "--unscanned", ns.scanned is not None, "to-maxtext"),
+    ):
+        if given and ns.direction != reader:
+            raise UserError(f"{flag} is read by `convert {reader}`, not by {ns.direction}; drop it")
+    if ns.direction in ("to-hf", "to-maxtext"):
+        check_output_directory(ns.dest)  # before the model is loaded
     if ns.direction == "to-maxtext":
         from nnxtron.convert.maxtext import export_maxtext
 
@@ -417,8 +477,6 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     from nnxtron.config import load_config
     from nnxtron.tools.plan import format_plan, make_plan, to_json_ready
 
-    if ns.device_memory_gib is not None and ns.device_memory_gib <= 0:
-        raise UserError(f"--device-memory-gib must be positive, got {ns.device_memory_gib}")
     cfg = load_config(*_split_file_and_overrides(args))
     plan = make_plan(cfg, device_memory_gib=ns.device_memory_gib)
     print(json.dumps(to_json_ready(plan), indent=1) if ns.json else format_plan(plan).rstrip("\n"))
@@ -438,11 +496,6 @@ def _plan_search(ns: argparse.Namespace, args: list[str], devices: int | None) -
     """``plan --search``: rank the parallel configurations of ``devices`` devices (tools/search/)."""
     if devices is None:
         raise UserError("plan --search needs devices=N: the number of devices to plan for, e.g. devices=64")
-    for name, value in (("--top", ns.top), ("--time-budget", ns.time_budget), ("--workers", ns.workers)):
-        if value is not None and value <= 0:
-            raise UserError(f"{name} must be positive, got {value}")
-    if ns.device_memory_gib is not None and ns.device_memory_gib <= 0:
-        raise UserError(f"--device-memory-gib must be positive, got {ns.device_memory_gib}")
     if "jax" not in sys.modules:  # the cpu preset's probes run on the same fake devices as the compiles
         import os
 
@@ -471,12 +524,9 @@ def _jax_has_cpu_devices(devices: int) -> bool:
     its backends are not started yet: their flags can no longer be trusted to apply)."""
     import jax
 
-    try:
-        from jax._src import xla_bridge
+    from nnxtron.runtime.private_api import backends_are_initialized
 
-        if not xla_bridge.backends_are_initialized():
-            return False
-    except (ImportError, AttributeError):
+    if not backends_are_initialized():
         return False
     return jax.default_backend() == "cpu" and jax.device_count() == devices
 
@@ -558,15 +608,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="with enable_checkpointing=false: start a run that has logged steps again at step 0, replacing its metrics",
     )  # fmt: skip
     p.add_argument("--coordinator-address", help="multi-host: HOST:PORT of process 0 (with --num-processes, --process-id)")
-    p.add_argument("--num-processes", type=int, help="multi-host: how many processes take part")
-    p.add_argument("--process-id", type=int, help="multi-host: this process's number, 0 .. num-processes - 1")
+    p.add_argument("--num-processes", type=_number(int, at_least=1), help="multi-host: how many processes take part")
+    p.add_argument(
+        "--process-id", type=_number(int, at_least=0), help="multi-host: this process's number, 0 .. num-processes - 1"
+    )
     p.add_argument(
         "--distributed", action="store_true",
         help="multi-host: let JAX detect the coordinator, count and id (SLURM, Open MPI, TPU VMs, Kubernetes)",
     )  # fmt: skip
     p.add_argument(
-        "--peer-timeout", type=int, default=PEER_TIMEOUT_S, metavar="SECONDS",
+        "--peer-timeout", type=_number(int, at_least=1), default=PEER_TIMEOUT_S, metavar="SECONDS",
         help=f"multi-host: a process that has not been heard from for this long is dead and the others stop (default {PEER_TIMEOUT_S})",
+    )  # fmt: skip
+    p.add_argument(
+        "--init-timeout", type=_number(int, at_least=1), default=INIT_TIMEOUT_S, metavar="SECONDS",
+        help=f"multi-host: stop with one line when the coordinator and every process have not joined within this long (default {INIT_TIMEOUT_S})",
     )  # fmt: skip
     p.set_defaults(func=_cmd_train)
 
@@ -585,12 +641,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "overrides", nargs="*", help="key=value: the corpus (dataset_type, dataset_path, dataset_text_field, use_sft, ...)"
     )
-    p.add_argument("--batch-rows", type=int, default=8, help="rows of max_target_length tokens scored per call (default 8)")
+    p.add_argument(
+        "--batch-rows",
+        type=_number(int, at_least=1),
+        default=8,
+        help="rows of max_target_length tokens scored per call (default 8)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tasks", default="", help="lm-eval harness tasks, comma-separated (needs nnxtron[lmeval])")
     p.add_argument("--include-path", default=None, help="a directory of lm-eval task YAML files (with --tasks)")
-    p.add_argument("--limit", type=int, default=None, help="with --tasks: at most this many documents per task")
-    p.add_argument("--num-fewshot", type=int, default=None, help="with --tasks: few-shot examples per prompt")
+    p.add_argument(
+        "--limit", type=_number(int, at_least=1), default=None, help="with --tasks: at most this many documents per task"
+    )
+    p.add_argument(
+        "--num-fewshot", type=_number(int, at_least=0), default=None, help="with --tasks: few-shot examples per prompt"
+    )
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("serve", help="serve a run directory or an HF directory over an OpenAI-compatible HTTP API")
@@ -620,6 +685,20 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file replacing the tokenizer's")
     p.add_argument("--log-level", default="info", help="uvicorn log level: critical, error, warning, info, debug")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="a larger request body is refused with 413 (default 8 MiB)"
+    )
+    p.add_argument(
+        "--read-timeout", type=float, default=30.0,
+        help="seconds a client has to send a request's headers, and again its body, before 408 (default 30)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connections", type=int, default=512, help="open connections and requests together; more get 503 (default 512)"
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0,
+        help="after SIGTERM / SIGINT, seconds the requests in flight get to finish (default 30)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("convert", help="convert between HF or MaxText checkpoints and nnxtron runs")
@@ -650,7 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="compile and time the train step (or decoding); prints one JSON line")
     p.add_argument("args", nargs="*", help=file_help)
-    p.add_argument("--steps", type=int, default=10, help="timed steps after warm-up (median reported)")
+    p.add_argument("--steps", type=_number(int, at_least=1), default=10, help="timed steps after warm-up (median reported)")
     p.add_argument(
         "--decode", action="store_true",
         help="time KV-cached decoding instead: prefill of the global batch x max_target_length, then max_new_tokens steps",
@@ -663,7 +742,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("args", nargs="*", help=file_help + "; devices=N plans over N fake CPU devices")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    p.add_argument("--device-memory-gib", type=float, default=None, help="say whether the peak fits in this much device memory")
+    p.add_argument(
+        "--device-memory-gib",
+        type=_number(float, above=0),
+        default=None,
+        help="say whether the peak fits in this much device memory",
+    )
     p.add_argument(
         "--search", action="store_true",
         help="search the mesh, remat, accumulation, pipeline and offload settings that fit and run fastest (docs/plan.md)",
@@ -671,9 +755,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device", default=None, help="--search: accelerator preset (h100, h200, b200, tpu-v5e, tpu-v5p, tpu-v6e, cpu)"
     )
-    p.add_argument("--top", type=int, default=None, help="--search: how many configurations to print (default 5)")
-    p.add_argument("--time-budget", type=float, default=None, help="--search: seconds for the whole search (default 600)")
-    p.add_argument("--workers", type=int, default=None, help="--search: parallel compile processes (default 2)")
+    p.add_argument(
+        "--top", type=_number(int, at_least=1), default=None, help="--search: how many configurations to print (default 5)"
+    )
+    p.add_argument(
+        "--time-budget", type=_number(float, above=0), default=None, help="--search: seconds for the whole search (default 600)"
+    )
+    p.add_argument(
+        "--workers", type=_number(int, at_least=1, at_most=MAX_SEARCH_WORKERS, why=" (one compile process per CPU core)"),
+        default=None, help=f"--search: parallel compile processes (default 2, at most the {MAX_SEARCH_WORKERS} CPU cores)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_plan)
     return parser
 
@@ -709,8 +800,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always one line
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        print(str(err) or "interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         if not _stdout_reader_gone():

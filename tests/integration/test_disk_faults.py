@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from nnxtron.runtime.fake_devices import fake_device_env
-from tests.integration.conftest import train_overrides
+from tests.integration.conftest import assert_user_error, run_cli, train_overrides
 from tests.integration.test_preemption import _assert_same_params
 
 STEPS = 6
@@ -99,3 +100,83 @@ def test_a_resume_past_a_truncated_checkpoint_prints_no_orbax_dump(tmp_path):
     proc = _train(tmp_path, "cut")
     assert proc.returncode == 0 and "skipped checkpoint 4:" in proc.stderr, proc.stderr
     assert not any(word in proc.stderr for word in ("Exception ignored", "Traceback")), proc.stderr
+
+
+def _fill(directory: Path) -> None:
+    """Take every free byte of the file system holding ``directory``."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for size in (1 << 16, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * size)
+    finally:
+        os.close(fd)
+
+
+def test_a_disk_that_fills_between_checkpoints_with_tensorboard_is_one_line(tmp_path):
+    """The TensorBoard writer thread died on ENOSPC, its queue filled, and the run (and then a
+    SIGTERM) waited forever; a flush on the main thread gave a traceback instead. The logs'
+    disk fills after checkpoint 4 (the checkpoints have a disk of their own, mounted inside
+    the run, so that the logs meet the full disk first)."""
+    with _mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=1m", "tmpfs") as small:
+        with _mounted(small / "tb" / "checkpoints", "-t", "tmpfs", "-o", "size=20m", "tmpfs") as checkpoints:
+            args = train_overrides("", str(small), "tb", steps=100_000, checkpoint_period=4, eval_interval=-1, log_period=10,
+                                   enable_tensorboard=True, dataset_type="synthetic", dataset_path="[]",
+                                   eval_split_fraction=0.0, sample_after_training=0, max_num_checkpoints_to_keep=2)  # fmt: skip
+            command = [sys.executable, "-m", "nnxtron", "train", *args, "--no-progress"]
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, **fake_device_env(1)})  # fmt: skip
+            try:
+                while not (checkpoints / "4").is_dir():
+                    assert proc.poll() is None, proc.communicate()
+                    time.sleep(0.05)
+                _fill(small)
+                out, err = proc.communicate(timeout=120)  # it used to wait here forever
+            finally:
+                proc.kill()
+            kept = _steps(small / "tb")
+            _one_error_line(subprocess.CompletedProcess(command, proc.returncode, out, err), "cannot write the run's log",
+                            "(no space left on device: ENOSPC)", f"(checkpoints up to step {kept[-1]} are kept)")  # fmt: skip
+            assert kept[-1] >= 4
+
+
+def test_a_full_disk_at_start_is_one_line(tmp_path, capsys):
+    """Writing the run lock's pid on a full disk was an OSError traceback."""
+    with _mounted(tmp_path / "full", "-t", "tmpfs", "-o", "size=256k", "tmpfs") as full:
+        _fill(full)
+        args = train_overrides("", str(full), "r", steps=1, eval_interval=-1, enable_tensorboard=True, dataset_type="synthetic",
+                               dataset_path="[]", eval_split_fraction=0.0)  # fmt: skip
+        code, _, err = run_cli(capsys, "train", *args, "--no-progress")
+        assert_user_error(code, err, "(no space left on device: ENOSPC)")
+        assert sorted(p.name for p in full.iterdir()) == ["filler"]  # the run directory this start made is removed
+
+
+def test_the_metrics_writer_meets_a_full_disk_in_the_caller(tmp_path):
+    """Steps logged between flushes on a full disk: tensorboardX's writer thread died on
+    ENOSPC and the next ``add_scalar`` waited forever on its full queue (the reported hang;
+    here in a thread, so that the test fails instead of hanging). Now the flush says it."""
+    from nnxtron.config import load_config
+    from nnxtron.train.metrics import LogWriteError, MetricsWriter
+
+    with _mounted(tmp_path / "full", "-t", "tmpfs", "-o", "size=256k", "tmpfs") as full:
+        writer = MetricsWriter(full, load_config(None, ["enable_tensorboard=true"]))
+        _fill(full)
+        raised: list[BaseException] = []
+
+        def log() -> None:
+            try:
+                for step in range(1, 2001):
+                    writer.write({"step": step, "loss": 1.0 / step, "grad_norm": 0.5, "tokens_per_s": 1e4})
+                writer.flush()
+            except BaseException as err:  # noqa: BLE001 - handed to the test thread
+                raised.append(err)
+
+        thread = threading.Thread(target=log, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "logging on a full disk hangs"
+        assert len(raised) == 1 and isinstance(raised[0], LogWriteError), raised
+        assert "(no space left on device: ENOSPC)" in str(raised[0]) and str(full) in str(raised[0])
+        writer.file.close()
+        writer.tb.file.close()

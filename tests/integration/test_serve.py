@@ -10,6 +10,7 @@ also checks that the EOS stops a sequence (``finish_reason="stop"``).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -27,13 +28,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nnxtron.serve.app import create_app
 from nnxtron.serve.sequences import ServeState
-from nnxtron.serve.server import ServeOptions, listen, load, make_engine
+from nnxtron.serve.server import ServeOptions, listen, load, make_engine, make_server
 from tests.integration.conftest import assert_user_error, run_cli
 
 GOLDEN = Path(__file__).parents[1] / "assets" / "golden" / "llama2"
@@ -85,10 +84,9 @@ class Served:
         return openai.OpenAI(base_url=f"{self.url}/v1", timeout=60, **kwargs)
 
     def post(self, path: str, body=None, content: bytes | None = None, headers: dict | None = None) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {API_KEY}", **(headers or {})}
+        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **(headers or {})}
         if content is None:
             content = json.dumps(body).encode()
-            headers.setdefault("Content-Type", "application/json")
         return httpx.post(self.url + path, content=content, headers=headers, timeout=60)
 
     def wait_idle(self, timeout: float = 20.0) -> dict:
@@ -106,15 +104,15 @@ class Served:
 def served(tmp_path_factory):
     directory = write_model_dir(tmp_path_factory.mktemp("serve") / "tiny-llama2")
     loaded = load(directory)
-    options = ServeOptions(max_length=MAX_LENGTH, max_sequences=8, prefill_chunk=32, max_queue=64)
+    options = ServeOptions(max_length=MAX_LENGTH, max_sequences=8, prefill_chunk=32, max_queue=64, log_level="warning")
     engine = make_engine(loaded.model, options)
     engine.start()
     state = ServeState(
         engine, loaded.tokenizer, loaded.name, loaded.config.vocab_size, loaded.chat_template, loaded.no_chat_template,
-        api_key=API_KEY, request_timeout=120,
+        api_key=API_KEY, request_timeout=120, limits=options.limits(),
     )  # fmt: skip
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
+    server = make_server(state, options, 0)  # the server `nnxtron serve` runs: its protocol and limits
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -387,6 +385,12 @@ BAD_INPUT = [  # (endpoint, body or raw bytes, status, param, code)
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs", None),
     ("/v1/nothing", {"prompt": "hi"}, 404, None, "not_found"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ["hi", ""]}, 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "hi \\ud800"}', 400, "prompt", None),  # a lone surrogate, as JSON can write it
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"\\ud83d": 1}]}', 400, "tools", None),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi"}', 400, "model", None),  # echoed, it could not be encoded
 ]
 
 
@@ -397,6 +401,72 @@ def test_bad_input_is_an_openai_error(served, endpoint, body, status, param, cod
     assert response.status_code == status, error
     assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
     assert (error["param"], error["code"]) == (param, code)
+
+
+def raw_http(served: Served, data: bytes, wait: float = 10.0) -> bytes:
+    """Send ``data`` on a new connection and read until the server closes it (or ``wait`` seconds pass)."""
+    with socket.create_connection(("127.0.0.1", served.port), timeout=wait) as sock:
+        sock.sendall(data)
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except TimeoutError:
+            pass
+    return answer
+
+
+def http_error(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)["error"]
+
+
+def test_large_and_slow_requests_are_refused(served):
+    """413 for a body over --max-body-bytes (by its Content-Length, before it is read; or as it streams),
+    408 for headers or a body that do not arrive within --read-timeout (a slow-loris client), and the
+    server serves on."""
+    limits, head = served.state.limits, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+    start = time.monotonic()
+    status, error = http_error(raw_http(served, f"{head}Content-Length: 40000000\r\n\r\n{{".encode()))
+    assert (status, error["code"]) == (413, "request_too_large") and "8,388,608 bytes" in error["message"]
+    assert time.monotonic() - start < 5  # answered without waiting for (or reading) the 40 MB
+    saved = limits.max_body_bytes, limits.read_timeout
+    limits.max_body_bytes, limits.read_timeout = 4096, 0.3
+    try:
+        chunked = served.post("/v1/completions", content=iter([b'{"prompt": "' + b"a" * 3000, b"a" * 3000 + b'"}']))
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+        for partial in (f'{head}Content-Length: 100\r\n\r\n{{"prompt"', head, ""):  # a body, headers, nothing
+            start = time.monotonic()
+            status, error = http_error(raw_http(served, partial.encode()))
+            assert (status, error["code"]) == (408, "request_timeout"), error
+            assert 0.25 < time.monotonic() - start < 5
+    finally:
+        limits.max_body_bytes, limits.read_timeout = saved
+    assert complete(served, "Hello", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_prompts_are_tokenized_and_rendered_off_the_event_loop(served, monkeypatch):
+    """Tokenizing a prompt and rendering a chat template run in worker threads: the event loop
+    (which answers /health and every other client) never waits for them."""
+    on_loop = []
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            try:
+                on_loop.append(asyncio.get_running_loop() is not None)
+            except RuntimeError:  # no event loop runs in this thread
+                on_loop.append(False)
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(served.state.tokenizer, "encode", recorded(served.state.tokenizer.encode))
+    monkeypatch.setattr(served.state.chat_template, "render", recorded(served.state.chat_template.render))
+    complete(served, "Hello", max_tokens=2)
+    served.client().chat.completions.create(
+        model=served.state.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert len(on_loop) == 3 and not any(on_loop), on_loop
 
 
 def test_the_server_keeps_serving_after_bad_input(served):
@@ -540,9 +610,40 @@ def test_serve_bad_input_is_one_line(served, capsys, tmp_path):
     assert_user_error(code, err, "max_position_embeddings")
 
 
-def test_serve_command_answers_and_stops_on_sigterm(served, tmp_path):
+def test_serve_limit_flags_reach_the_server(served, capsys, monkeypatch):
+    """--max-body-bytes, --read-timeout, --max-connections and --drain-timeout: the options, the limits the
+    application and protocol read, and uvicorn's settings; a value that cannot work is one line."""
+    import nnxtron.serve.server as server_module
+    from nnxtron.serve.limits import KEEP_ALIVE_SECONDS, MAX_HEADER_BYTES, Limits
+
+    given = []
+    monkeypatch.setattr(server_module, "serve", lambda path, overrides, options: given.append(options))
+    flags = ["--max-body-bytes", "1234", "--read-timeout", "2.5", "--max-connections", "7", "--drain-timeout", "4"]
+    code, _, err = run_cli(capsys, "serve", str(served.directory), *flags)
+    assert code == 0, err
+    (options,) = given
+    assert options.limits() == Limits(max_body_bytes=1234, read_timeout=2.5)
+    state = ServeState(served.engine, served.state.tokenizer, "x", 256, limits=options.limits())
+    config = make_server(state, options, 0).config
+    assert (config.limit_concurrency, config.timeout_graceful_shutdown) == (7, 4)
+    assert (config.timeout_keep_alive, config.h11_max_incomplete_event_size) == (KEEP_ALIVE_SECONDS, MAX_HEADER_BYTES)
+    assert config.http.__name__ == "ReadTimeoutProtocol"
+    monkeypatch.undo()
+    for flag, value in (
+        ("--read-timeout", "0"),
+        ("--drain-timeout", "-1"),
+        ("--max-body-bytes", "0"),
+        ("--max-connections", "0"),
+    ):
+        code, _, err = run_cli(capsys, "serve", str(served.directory), flag, value)
+        assert_user_error(code, err, flag)
+
+
+def test_serve_command_answers_and_drains_on_sigterm(served, tmp_path):
     """``nnxtron serve`` in its own process: one line naming the URL, a completion with the API key
-    from $NNXTRON_API_KEY, the end after SIGTERM. A nonexistent path: one line, status 2."""
+    from $NNXTRON_API_KEY, --max-body-bytes applied. SIGTERM in the middle of a stream: new
+    connections are refused, the stream still runs to its end, then the process exits with 0.
+    A nonexistent path: one line, status 2."""
     env = {**os.environ, "NNXTRON_API_KEY": "sk-env", "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-m", "nnxtron", "serve", str(tmp_path / "missing")], capture_output=True, text=True, env=env,
@@ -554,19 +655,41 @@ def test_serve_command_answers_and_stops_on_sigterm(served, tmp_path):
         "`nnxtron train` or `nnxtron convert from-hf`, or an HF model directory"
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nnxtron", "serve", str(served.directory), "--port", "0", "--max-length", "64",
-         "--served-model-name", "tiny", "--log-level", "warning"],
+        [sys.executable, "-m", "nnxtron", "serve", str(served.directory), "--port", "0", "--max-length", str(MAX_LENGTH),
+         "--served-model-name", "tiny", "--log-level", "warning", "--max-body-bytes", "100000", "--drain-timeout", "60"],
         stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
         line = proc.stderr.readline()
-        match = re.search(r"serving 'tiny' at (http://127\.0\.0\.1:(\d+)/v1) \(context 64 tokens", line)
+        match = re.search(r"serving 'tiny' at (http://127\.0\.0\.1:(\d+)/v1) \(context 512 tokens", line)
         assert match, line
-        client = openai.OpenAI(base_url=match.group(1), api_key="sk-env", timeout=60)
+        url, port = match.group(1), int(match.group(2))
+        client = openai.OpenAI(base_url=url, api_key="sk-env", timeout=60, max_retries=0)
         answer = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
         assert answer.choices[0].finish_reason in ("length", "stop") and answer.usage.completion_tokens >= 1
-        proc.terminate()  # uvicorn shuts down gracefully, then re-raises the signal: the process ends by SIGTERM
-        assert proc.wait(timeout=60) == -signal.SIGTERM
+        big = httpx.post(f"{url}/completions", headers={"Authorization": "Bearer sk-env"}, content=b" " * 200_000)
+        assert big.status_code == 413 and "100,000 bytes" in big.json()["error"]["message"]
+
+        stream = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=160, temperature=0, stream=True,
+                                           extra_body={"return_token_ids": True})  # fmt: skip
+        chunks = iter(stream)
+        tokens = list(next(chunks).choices[0].model_extra["token_ids"])
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while True:  # the listening socket closes at once
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+            time.sleep(0.05)
+        assert proc.poll() is None  # draining: the stream is still being answered
+        reasons = []
+        for chunk in chunks:  # the request in flight runs to its end
+            tokens += chunk.choices[0].model_extra["token_ids"]
+            reasons.append(chunk.choices[0].finish_reason)
+        assert len(tokens) == 160 and reasons[-1] == "length"
+        assert proc.wait(timeout=60) == 0  # drained, then a clean exit (not death by SIGTERM)
     finally:
         proc.kill()
         proc.stderr.close()

@@ -111,3 +111,18 @@ def test_sft_from_an_hf_directory_uses_its_chat_template(tmp_path, capsys):
         scores[name] = json.loads(out.strip().splitlines()[-1])
     assert scores["tuned"]["tokens"] == scores["source"]["tokens"] > 0 and scores["source"]["bits_per_byte"] is None
     assert scores["tuned"]["loss"] < 0.6 * scores["source"]["loss"], scores
+
+
+def test_a_chat_template_that_never_ends_is_one_line(sft_data, tmp_path, capsys, monkeypatch):
+    """A template whose loop would run for hours: training stops after one rendering's time limit (each
+    later record is refused at once), with one line naming the limit and the fix, and exit status 2."""
+    import nnxtron.data.chat_template as chat_template
+    from tests.integration.conftest import assert_user_error
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.3)
+    template = tmp_path / "loop.jinja"
+    template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    overrides = [o for o in sft_overrides(sft_data, str(tmp_path), "loop", steps=1) if not o.startswith("chat_template_path=")]
+    code, _, err = run_cli(capsys, "train", *overrides, f"chat_template_path={template}", "--no-progress")
+    assert_user_error(code, err, "chat template did not finish rendering within 0.3 s")
+    assert "chat_template_path" in err

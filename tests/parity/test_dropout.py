@@ -11,7 +11,7 @@ data2 / fsdp2 vs one device: loss 0, aggregate 1.8e-7; GPipe 4 stages: loss 2.2e
 7.4e-7; circular 2x2: loss 1.1e-7, aggregate 7.5e-7 — as without dropout. The bounds are the
 strategy-parity ones (tests/parity/test_pipeline.py), >= 6x each measurement; a mask that
 depends on the strategy (a pipeline repeat or a tail stack folding the wrong block index)
-moves the loss by 1.2e-1 (the dropout mutants in tests/mutation/run.py).
+moves the loss by 1.2e-1 (the dropout mutants in tests/mutation/mutants.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the batch (``nnxtron.tools.parity.assert_grad_parity``). Measured on this CPU in
 (2026-11): every case agrees to <= 1e-6 relative (aggregate gradients ~8e-7, loss
 ~1e-7); the bounds leave headroom and are far below what a schedule bug produces (a
 missed stage shift, a wrong circular order or a dropped microbatch changes the loss
-and gradients by O(1) — see the pipeline mutants in tests/mutation/run.py).
+and gradients by O(1) — see the pipeline mutants in tests/mutation/mutants.py).
 """
 
 from __future__ import annotations

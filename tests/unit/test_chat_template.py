@@ -358,3 +358,50 @@ def test_syntax_error_is_a_user_error():
 def test_malformed_messages(messages, match):
     with pytest.raises(UserError, match=match):
         ChatTemplate(CHATML).render(messages)
+
+
+# ---- limits: a template is code from a model directory ------------------------------------
+
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    ("template", "match"),
+    [
+        ("{{ 'x' * 10**9 }}", "needs more than 512 MiB"),  # refused by the allocation, not after it
+        ("{{ 'ab'|center(10**9) }}", "needs more than 512 MiB"),  # a filter with a constant argument: not run while compiling
+        ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "512 MiB"),
+        ("{% for i in range(20) %}{{ 'x' * 1000000 }}{% endfor %}", "output exceeds 16,777,216 characters"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses too deeply"),
+        (LOOP, "did not finish rendering within 0.5 s"),
+    ],
+)  # fmt: skip
+def test_rendering_is_bounded_in_time_memory_and_output(template, match, monkeypatch):
+    """Each is one UserError naming the limit, from the rendering process; this process neither
+    allocates nor waits, and the next rendering works (a killed process is replaced)."""
+    import nnxtron.data.chat_template as chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+    with pytest.raises(UserError, match=match):
+        ChatTemplate(template).render(CONVERSATIONS["user"])
+    assert ChatTemplate(CHATML).render(CONVERSATIONS["user"]).startswith("<|im_start|>system")
+
+
+def test_a_template_nested_too_deeply_to_compile_is_a_user_error():
+    with pytest.raises(UserError, match="nests too deeply to compile"):
+        ChatTemplate("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}")
+
+
+def test_a_timed_out_template_is_not_retried_for_each_training_record(monkeypatch):
+    import time
+
+    import nnxtron.data.chat_template as chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.3)
+    template = ChatTemplate(LOOP)
+    with pytest.raises(chat_template.TemplateTimeout, match="within 0.3 s"):
+        template.assistant_spans(CONVERSATIONS["user"])
+    start = time.monotonic()
+    with pytest.raises(chat_template.TemplateTimeout, match="within 0.3 s"):
+        template.assistant_spans(CONVERSATIONS["user"])
+    assert time.monotonic() - start < 0.2

@@ -219,7 +219,7 @@ VALUES: dict[str, Flag] = {
     "quantization_tile_size": F(16, base=QUANT),
     "quantization_bwd_tile_size": F(16, base=QUANT),
     # --- data
-    "dataset_type": F("synthetic", "data", D, DATA),
+    "dataset_type": F("synthetic", "data", D, DATA, also={"dataset_path": ()}),  # synthetic reads no dataset_path
     "dataset_path": F((C["text_a"],), "data", D, DATA),
     "dataset_weights": F((0.9, 0.1), "data", D, {**DATA, "dataset_path": (C["text_a"], C["text_b"])}),
     "grain_train_files": F(

@@ -2,8 +2,8 @@
 
 ``Config``'s validator runs ``check_combinations`` (``config/__init__.py`` registers it with
 the schema, which sits below this module and imports nothing of it); each check raises ``ConfigError``
-with one line that names the key and the fix. The DeepSeek-V4 keys are checked in
-``deepseek4.py`` and the pipeline layout in ``pipeline.py``.
+with one line that names the key and the fix. A family's own rules are in ``config/<family>.py``
+(``families.py`` lists them, ``check_family`` runs them) and the pipeline layout in ``pipeline.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from nnxtron.config import deepseek4, options
+from nnxtron.config import families, options
 from nnxtron.config.layout import is_moe_layer, layer_pattern_period
 from nnxtron.config.pipeline import check_pipeline_options
 from nnxtron.errors import ConfigError
@@ -37,11 +37,6 @@ def check_combinations(cfg: Config) -> None:
         )
     if cfg.head_dim == 0 or cfg.resolved_head_dim % 2:
         raise ConfigError(f"head_dim must be a positive even number for RoPE, got {cfg.resolved_head_dim}")
-    if cfg.decoder_block == "gpt3" and len(cfg.mlp_activations) != 1:
-        raise ConfigError(
-            f"decoder_block gpt3 has a plain (ungated) MLP, so mlp_activations={list(cfg.mlp_activations)} cannot apply; "
-            "use one activation, e.g. mlp_activations=[gelu]"
-        )
     if tuple(cfg.mlp_activations) not in options.SUPPORTED_MLP_ACTIVATIONS:
         raise ConfigError(
             f"mlp_activations {list(cfg.mlp_activations)} is not supported by decoder_block "
@@ -51,7 +46,7 @@ def check_combinations(cfg: Config) -> None:
     check_mla_and_mtp(cfg)
     check_attention(cfg)
     check_layer_pattern(cfg)
-    deepseek4.check(cfg)
+    check_family(cfg)
     check_pipeline_options(cfg)
     check_quantization(cfg)
     if cfg.rope_type == "linear" and cfg.rope_scaling_factor < 1:
@@ -65,21 +60,24 @@ def check_combinations(cfg: Config) -> None:
     check_wandb(cfg)
     check_init_from(cfg)
     check_optimization(cfg)
-    check_fused_qkv_remat(cfg)
 
 
-def check_fused_qkv_remat(cfg: Config) -> None:
-    """GPT-3 computes q, k and v in one fused projection (one named activation, ``qkv_proj``):
-    a custom remat choice that differs between them cannot be applied."""
-    if cfg.remat_policy != "custom" or cfg.decoder_block != "gpt3":
-        return
-    own = {name: getattr(cfg, name) for name in ("query_proj", "key_proj", "value_proj")}
-    resolved = {name: cfg.qkv_proj if choice == "remat" else choice for name, choice in own.items()}
-    if len(set(resolved.values())) > 1:
-        raise ConfigError(
-            f"decoder_block=gpt3 computes query, key and value in one fused projection, so remat_policy=custom "
-            f"cannot treat them differently (got {resolved}); set qkv_proj=remat|device|offload instead"
-        )
+def check_family(cfg: Config) -> None:
+    """The family's own rules (``config/families.py``), and every other family's keys and values
+    left alone: a key only one family reads is at its "off" value elsewhere."""
+    for name, rules in families.RULES.items():
+        if name == cfg.decoder_block:
+            continue
+        for key, value in rules.own_values.items():
+            if getattr(cfg, key) == value:
+                raise ConfigError(f"decoder_block={name} and {key}={value} go together; set both or neither")
+        for key, off in rules.own_keys.items():
+            if getattr(cfg, key) != off:
+                hint = "leave it empty" if off == () else f"leave it at {off} for {cfg.decoder_block}"
+                raise ConfigError(f"{key} is read by decoder_block={name} only; {hint}")
+    check = families.rules_for(cfg.decoder_block).check
+    if check is not None:
+        check(cfg)
 
 
 def check_init_from(cfg: Config) -> None:
@@ -112,7 +110,8 @@ def check_data(cfg: Config) -> None:
             if is_set:
                 raise ConfigError(f"{key} is read only with use_sft=true (instruction data); set use_sft=true or unset it")
     if cfg.dataset_type == "synthetic":
-        unread = {"dataset_text_field": cfg.dataset_text_field != "", "packing": cfg.packing != "concat",
+        unread = {"dataset_path": cfg.dataset_path not in ((), DEFAULT_DATASET_PATH),  # () or base.yml's: unset
+                  "dataset_text_field": cfg.dataset_text_field != "", "packing": cfg.packing != "concat",
                   "truncate_documents": cfg.truncate_documents, "skip_bad_records": cfg.skip_bad_records,
                   "data_num_epochs": cfg.data_num_epochs != -1, "use_sft": cfg.use_sft, "use_dpo": cfg.use_dpo}  # fmt: skip
         for key, is_set in unread.items():

@@ -71,16 +71,11 @@ def keys_seen(cfg: Config, attention: str) -> float:
 
 
 def check(cfg: Config) -> None:
-    """The DeepSeek-V4 keys: set only with decoder_block=deepseek4, and consistent there."""
-    v4 = cfg.decoder_block == "deepseek4"
-    if v4 != (cfg.attention_type == "compressed"):
+    """The DeepSeek-V4 keys, consistent with decoder_block=deepseek4 (``config/families.py`` runs
+    this for it only; ``checks.check_family`` keeps ``OPTIONS_OFF`` and attention_type=compressed
+    to it)."""
+    if cfg.attention_type != "compressed":
         raise ConfigError("decoder_block=deepseek4 and attention_type=compressed go together; set both or neither")
-    if not v4:
-        for name, off in OPTIONS_OFF.items():
-            if getattr(cfg, name) != off:
-                hint = "leave it empty" if name == "compress_ratios" else f"leave it at {off} for {cfg.decoder_block}"
-                raise ConfigError(f"{name} is read by decoder_block=deepseek4 only; {hint}")
-        return
     layers = cfg.base_num_decoder_layers
     if len(cfg.compress_ratios) != layers:
         raise ConfigError(

@@ -13,6 +13,7 @@ import pydantic
 import yaml
 
 from nnxtron.config import maxtext
+from nnxtron.config.families import rules_for
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 
@@ -32,8 +33,8 @@ RUN_TOKENIZER_DIR = "tokenizer"  # a run's copy of its tokenizer files (data/tok
 # with (from its other values): reading a run or checkpoint written before the key existed gives
 # that value (``with_legacy_values``), never today's default, so the stored model stays the same
 LEGACY_VALUES = {
-    # before it, every tied head was HF's x @ E^T: MaxText's normalize=true for Gemma 3 only
-    "normalize_embedding_logits": lambda stored: stored["decoder_block"] == "gemma3",
+    # before it, every tied head was HF's x @ E^T: MaxText's normalize=true for Gemma 3 only (families.py)
+    "normalize_embedding_logits": lambda stored: rules_for(stored["decoder_block"]).legacy_normalize_embedding_logits,
 }
 MAX_YAML_BYTES = 1 << 20  # a config file or preset
 MAX_YAML_VALUES = 100_000  # values after YAML aliases are expanded (an alias bomb stops here)
@@ -245,7 +246,7 @@ def load_config_report(
     model_name = str(merged.get("model_name", resolved["model_name"]))
     preset = _load_preset(model_name) if model_name != "default" else {}
     if is_maxtext:
-        preset = {k: v for k, v in preset.items() if k not in maxtext.PRESET_KEYS_KEPT_FROM_FILE}
+        preset = maxtext.preset_under_maxtext(model_name, preset)
     if is_maxtext or cli_values.get("override_model_config") is False:
         maxtext.check_model_overrides(model_name, preset, cli_values, {**file_values, **cli_values})
     if is_maxtext:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nnxtron.config import options
+from nnxtron.config.families import rules_for
 from nnxtron.config.schema import MAX_STEPS
 from nnxtron.errors import ConfigError
 
@@ -827,14 +828,13 @@ def _rope_interleave(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
     return {"rope_interleave": rope_type == "llama3.1" or str(ctx.get("model_name", "")).startswith("llama3.1")}
 
 
-UNSCALED_QUERY_BLOCKS = ("llama2", "mistral", "mixtral")  # MaxText's plain Attention without query_pre_attn_scalar
-
-
 def _decoder_block(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
-    """MaxText's plain attention (these blocks, without qk-norm) computes softmax(q.k): 1/sqrt(head_dim)
-    is folded into the query kernel's initialiser, not applied; nnxtron's query_pre_attn_scalar=1 is that."""
+    """MaxText's plain attention (the ``maxtext_query_folded`` families of ``families.py``, without
+    qk-norm) computes softmax(q.k): 1/sqrt(head_dim) is folded into the query kernel's initialiser,
+    not applied; nnxtron's query_pre_attn_scalar=1 is that."""
     block = ctx.get("decoder_block", value)
-    unscaled = block in UNSCALED_QUERY_BLOCKS and not ctx.get("use_qk_norm") and ctx.get("attention_type", "global") == "global"
+    folded = rules_for(block).maxtext_query_folded
+    unscaled = folded and not ctx.get("use_qk_norm") and ctx.get("attention_type", "global") == "global"
     return {"decoder_block": value, **({"query_pre_attn_scalar": 1.0} if unscaled else {})}
 
 
@@ -842,10 +842,10 @@ def _norm_topk_prob(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
     """MaxText's router (layers/moe.py get_topk) takes the softmax over the top-k logits, which is
     renormalised whatever norm_topk_prob says; DeepSeek's routing renormalises sigmoid /
     sqrtsoftplus scores and never softmax ones; only Llama 4's reads norm_topk_prob."""
-    block = ctx.get("decoder_block", "llama2")
-    if block in ("deepseek", "deepseek4"):
+    renorm = rules_for(ctx.get("decoder_block", "llama2")).maxtext_topk_renorm
+    if renorm == "score_func":
         return {"norm_topk_prob": ctx.get("routed_score_func") in ("sigmoid", "sqrtsoftplus")}
-    return {"norm_topk_prob": value if block == "llama4" else True}
+    return {"norm_topk_prob": value if renorm == "flag" else True}
 
 
 _translated("norm_topk_prob", False, "true (MaxText's softmax over the top-k logits is renormalised); DeepSeek: true for "

@@ -13,10 +13,11 @@ its ``check_combinations`` here (``register_cross_key_check``), which the valida
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from nnxtron.config import options
 from nnxtron.errors import ConfigError
@@ -49,6 +50,7 @@ MAX_SIZE = 2**24  # widths, lengths, vocabulary, batch
 MAX_COUNT = 2**16  # layers, heads, experts, mesh axes, microbatches
 MAX_STEPS = 2**40  # steps and periods
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it a value computes as 0 or loses its digits
 MAX_RUN_NAME = 200  # characters (file systems allow 255 bytes per name)
 
 
@@ -332,15 +334,48 @@ class Config(BaseModel):
     @field_validator("run_name")
     @classmethod
     def _run_name_is_one_directory_name(cls, value: str) -> str:
+        odd = next((c for c in value if not c.isprintable()), None)
         bad = (
             "a path separator" if "/" in value or "\\" in value
             else "'.' or '..'" if value in (".", "..")
-            else "a control character" if any(ord(c) < 32 or ord(c) == 127 for c in value)
+            else f"{'a control' if unicodedata.category(odd) == 'Cc' else 'a non-printable'} character "
+                 f"(U+{ord(odd):04X})" if odd is not None
             else f"more than {MAX_RUN_NAME} characters" if len(value) > MAX_RUN_NAME
             else None
         )  # fmt: skip
         if bad:
-            raise ValueError(f"must be one directory name under base_output_directory, but it has {bad}; choose another name")
+            raise ValueError(
+                f"must be one directory name under base_output_directory, but it has {bad}; choose a name of at most "
+                f"{MAX_RUN_NAME} printable characters (letters, digits, spaces, punctuation) without '/' or '\\'"
+            )
+        return value
+
+    @field_validator("base_output_directory")
+    @classmethod
+    def _output_directory_is_named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty (runs would land in the current directory); name a directory, e.g. runs or .")
+        return value
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: object, info: ValidationInfo) -> object:
+        """``steps=true`` is a mistake, not 1: pydantic would take a bool for an int or float."""
+        items = value if isinstance(value, list | tuple) else (value,)
+        if info.field_name in _NUMBER_KEYS and any(isinstance(item, bool) for item in items):
+            raise ValueError("must be a number, not true/false")
+        return value
+
+    @field_validator("*")
+    @classmethod
+    def _float32_representable(cls, value: object) -> object:
+        """A float the model's float32 arithmetic keeps: finite and, unless 0, at least the
+        smallest normal float32 in size (``learning_rate=1e-300`` would silently train with 0)."""
+        for number in value if isinstance(value, tuple) else (value,):
+            if isinstance(number, float) and abs(number) > FLOAT32_MAX:
+                raise ValueError("is beyond float32's range (±3.4e38): it would compute as inf; give a smaller value")
+            if isinstance(number, float) and 0 < abs(number) < FLOAT32_TINY:
+                raise ValueError("is smaller than float32 can hold (1.2e-38): it would compute as 0; give a larger value")
         return value
 
     @field_validator("*")
@@ -399,3 +434,11 @@ class Config(BaseModel):
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim > 0 else self.base_emb_dim // self.base_num_query_heads
+
+
+# the keys whose values are numbers (``_no_boolean_for_a_number``): int, float or tuples of them
+_NUMBER_KEYS = frozenset(
+    name
+    for name, field in Config.model_fields.items()
+    if field.annotation in (int, float) or str(field.annotation) in ("tuple[int, ...]", "tuple[float, ...]")
+)

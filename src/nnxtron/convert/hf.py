@@ -13,7 +13,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,15 +31,21 @@ from nnxtron.config.stacks import layer_stacks
 from nnxtron.data.chat_template import find_chat_template, template_directory
 from nnxtron.data.sources import BYTE_MODEL_VOCAB_LIMIT, tokenizer_for
 from nnxtron.data.tokenizer import ByteTokenizer, Tokenizer
-from nnxtron.data.tokenizer_files import GENERATION_FILE, tokenizer_values, write_chat_template, write_hf_tokenizer
+from nnxtron.data.tokenizer_files import (
+    GENERATION_FILE,
+    detect_tokenizer,
+    tokenizer_values,
+    write_chat_template,
+    write_hf_tokenizer,
+)
 from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.layers.moe import ExpertLoad
 from nnxtron.models.build import abstract_model
 from nnxtron.models.decoder import Decoder
 from nnxtron.models.family import Family, WeightMap
-from nnxtron.models.registry import family_for, family_for_hf
+from nnxtron.models.registry import FAMILIES, family_for, family_for_hf
 
-__all__ = ["from_hf", "to_hf", "hf_config", "load_hf_weights", "read_hf_config", "hf_config_to_nnxtron"]
+__all__ = ["check_tokenizer", "from_hf", "to_hf", "hf_config", "load_hf_weights", "read_hf_config", "hf_config_to_nnxtron"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -75,11 +81,8 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 # Multimodal hub wrappers whose text decoder nnxtron reads: model_type -> key prefixes of the
 # vision parts (not imported). The text keys are ``language_model.<text model key>`` (what
 # save_pretrained writes) or ``model.language_model.<key without "model.">`` (transformers>=5
-# in-memory names); the text config is ``text_config``.
-MULTIMODAL = {
-    "gemma3": ("vision_tower.", "multi_modal_projector."),
-    "llama4": ("vision_model.", "multi_modal_projector."),
-}
+# in-memory names); the text config is ``text_config``. Each family names its wrapper (``Family.hf_multimodal_type``).
+MULTIMODAL = {f.hf_multimodal_type: f.hf_vision_prefixes for f in FAMILIES.values() if f.hf_multimodal_type}
 
 
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -105,11 +108,69 @@ def _text_key(key: str, model_type: str) -> str | None:
     return key
 
 
+class _Fractional(float):
+    """A ``config.json`` number with a fractional part, as the families' mappers see it: a float
+    wherever a float is read, but ``int()`` of it (a size or a count: ``num_attention_heads: 4.5``)
+    raises rather than truncating."""
+
+    key: str
+
+    def __new__(cls, value: float, key: str) -> _Fractional:
+        number = super().__new__(cls, value)
+        number.key = key
+        return number
+
+    def __int__(self) -> int:
+        raise ValueError(f"{self.key}={float(self)!r} where a whole number (a size or a count) belongs")
+
+
+class _Flag(int):
+    """A ``config.json`` true/false, as the mappers see it: a truth value wherever one is read,
+    but ``int()`` or ``float()`` of it (``num_attention_heads: true``) raises rather than giving 1."""
+
+    key: str
+
+    def __new__(cls, value: bool, key: str) -> _Flag:
+        flag = super().__new__(cls, int(value))
+        flag.key = key
+        return flag
+
+    def __int__(self) -> int:
+        raise ValueError(f"{self.key}={'true' if self else 'false'} where a number belongs")
+
+    __float__ = __int__  # type: ignore[assignment]
+
+
+def _marked(value: Any, key: str = "") -> Any:
+    """``value`` with every true/false a ``_Flag`` and every number with a fractional part a
+    ``_Fractional`` (in nested dicts and lists)."""
+    if isinstance(value, dict):
+        return {k: _marked(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_marked(v, key) for v in value]
+    if isinstance(value, bool):
+        return _Flag(value, key)
+    if isinstance(value, float) and math.isfinite(value) and not value.is_integer():
+        return _Fractional(value, key)
+    return value
+
+
+def _unmarked(value: Any) -> Any:
+    """``value`` with every ``_Flag`` and ``_Fractional`` a plain bool and float again (what the config holds)."""
+    if isinstance(value, dict):
+        return {k: _unmarked(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_unmarked(v) for v in value)
+    if isinstance(value, _Flag):
+        return bool(value)
+    return float(value) if isinstance(value, _Fractional) else value
+
+
 def _map_config(hf: dict[str, Any], origin: Path) -> dict[str, Any]:
-    hf = _text_config(hf)
+    hf = _marked(_text_config(hf))
     _, family = family_for_hf(str(hf["model_type"]))  # ConfigError naming unsupported types
     try:
-        values = family.config_from_hf(hf)
+        values = _unmarked(family.config_from_hf(hf))
         if values.get("mtp_num_layers") and not _holds_mtp_layers(origin.parent, family, values["base_num_decoder_layers"]):
             values["mtp_num_layers"] = 0  # transformers' save_pretrained drops the MTP layers its config counts
         return values
@@ -364,6 +425,19 @@ def hf_config(path: str | os.PathLike, dtype: str | None = None, **overrides: An
     mapped = _map_config(read_hf_config(root), root / CONFIG_FILE)
     values = {**mapped, "dtype": dtype, "weight_dtype": dtype, **tokenizer_values(root, overrides), **overrides}
     return load_config(values=values)
+
+
+def check_tokenizer(path: str | os.PathLike, given: Mapping[str, Any]) -> None:
+    """Before text is read or written with an HF directory's model: refuse a directory that holds
+    no tokenizer file, unless ``given`` (the user's keys) chooses one: the byte tokenizer nnxtron
+    would otherwise use is a guess at what the model's ids mean."""
+    if "tokenizer_type" in given or "tokenizer_path" in given or detect_tokenizer(path) is not None:
+        return
+    raise CheckpointError(
+        f"'{path}' holds no tokenizer file (tokenizer.json, tokenizer.model, *.tiktoken), so its token ids have no "
+        "text; copy the model's tokenizer files into it, or pass tokenizer_type=... tokenizer_path=... "
+        "(tokenizer_type=byte for a byte-level model)"
+    )
 
 
 def from_hf(path: str | os.PathLike, dtype: str | None = None, **overrides: Any) -> Decoder:

@@ -24,10 +24,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from nnxtron.config.families import rules_for
 from nnxtron.config.loader import load_config
 from nnxtron.config.schema import Config
 from nnxtron.convert import maxtext_tree as tree
-from nnxtron.errors import CheckpointError
+from nnxtron.errors import CheckpointError, reason
 from nnxtron.layers.moe import ExpertLoad
 from nnxtron.models.build import abstract_model
 from nnxtron.models.decoder import Decoder
@@ -177,8 +178,7 @@ def read_maxtext_checkpoint(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def _short(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:200]}"
+    return reason(err)
 
 
 def _abstract(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -200,7 +200,7 @@ def checkpoint_config(file: str | None, overrides: list[str]) -> Config:
     cfg = load_config(file, overrides)
     tied = {"tied_head_bf16": True, "normalize_embedding_logits": True}
     defaults: dict[str, Any] = dict(tied) if cfg.logits_via_embedding else {}
-    if cfg.decoder_block in tree.FOLDED_QUERY_BLOCKS:
+    if rules_for(cfg.decoder_block).maxtext_query_folded:
         defaults["query_pre_attn_scalar"] = 1.0
     # defaults: under the file and the command line
     return load_config(file, overrides, defaults=defaults) if defaults else cfg

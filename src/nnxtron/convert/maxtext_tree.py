@@ -18,6 +18,9 @@ gave the same names. Below the params root a tree is:
   Gemma 3 scans blocks of six layers: ``decoder/layers/layers_{j}/...`` (layer ``6 b + j`` at
   index ``b``) and ``decoder/layers_remainder/layers_{j}/...`` (the last ``L % 6`` layers).
 
+The names per family are the family's ``MaxTextMap`` (``Family.maxtext``, ``models/maxtext_map.py``:
+layer rules, top-level rules, layer prefixes, the scanned block length); this module applies them.
+
 Kernels have nnxtron's layout (``[*in, *out]``, heads split), so a name map suffices, plus the
 value conventions where MaxText's parametrisation differs from nnxtron's (HF's):
 
@@ -46,30 +49,12 @@ from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.config.stacks import layer_stacks
 from nnxtron.errors import CheckpointError
+from nnxtron.models.maxtext_map import BIAS_COLLECTION, EMBED_SCALE, NONE, NORM_OFFSET, QUERY, MaxTextMap, Rule
+from nnxtron.models.registry import FAMILIES, family_for
 
 PARAM_SCAN_AXIS = 1
-GEMMA3_CYCLE = 6  # MaxText's GEMMA3_ATTENTION_PATTERN length: the scanned block
-FOLDED_QUERY_BLOCKS = ("llama2", "mistral", "mixtral")
-SUPPORTED = ("llama2", "mistral", "mixtral", "deepseek", "gemma3")
-
-NONE, QUERY, NORM_OFFSET, EMBED_SCALE = "", "query", "norm_offset", "embed_scale"
-BIAS_COLLECTION = "MoEBiasVar"  # MaxText's nnx.Variable type of the router bias: its collection name
+SUPPORTED = tuple(name for name, family in FAMILIES.items() if family.maxtext is not None)
 STATE_SCAN_AXIS = 0
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One parameter: its MaxText name, its nnxtron name (relative to the layer or the model),
-    the value convention between them, and whether nnxtron holds it as model state."""
-
-    maxtext: str
-    nnxtron: str
-    convention: str = NONE
-    state: bool = False
-
-    def name(self, prefix: str) -> str:
-        """The full MaxText name under layer (or module) ``prefix``; state in its collection."""
-        return f"{BIAS_COLLECTION}/{prefix}/{self.maxtext}" if self.state else f"{prefix}/{self.maxtext}"
 
 
 @dataclass(frozen=True)
@@ -83,70 +68,26 @@ class Entry:
     block: int | None = None
 
 
-def _attention(cfg: Config) -> tuple[Rule, ...]:
-    if cfg.attention_type == "mla":
-        names = ["wkv_a/kernel", "wkv_b/kernel", "kv_norm/scale", "out/kernel"]
-        names += ["wq_a/kernel", "wq_b/kernel", "q_norm/scale"] if cfg.q_lora_rank else ["query/kernel"]
-        return tuple(Rule(f"self_attention/{n}", f"attention/{n}") for n in names)
-    query = QUERY if cfg.decoder_block in FOLDED_QUERY_BLOCKS else NONE
-    rules = [Rule("self_attention/query/kernel", "attention/query/kernel", query)]
-    rules += [Rule(f"self_attention/{n}/kernel", f"attention/{n}/kernel") for n in ("key", "value", "out")]
-    return tuple(rules)
-
-
-def _mlp(prefix: str, to: str) -> tuple[Rule, ...]:
-    return tuple(Rule(f"{prefix}{n}/kernel", f"{to}{n}/kernel") for n in ("wi_0", "wi_1", "wo"))
-
-
-def _experts(prefix: str) -> tuple[Rule, ...]:
-    return (Rule(f"{prefix}gate/kernel", "mlp/router/kernel"),) + tuple(
-        Rule(f"{prefix}{n}", f"mlp/{n}") for n in ("wi_0", "wi_1", "wo")
-    )
+def maxtext_map(cfg: Config) -> MaxTextMap:
+    """The MaxText names of ``cfg``'s family; refuses a family without them."""
+    check_supported(cfg)
+    mapping = family_for(cfg.decoder_block).maxtext
+    assert mapping is not None  # check_supported
+    return mapping
 
 
 def layer_rules(cfg: Config, kind: LayerKind) -> tuple[Rule, ...]:
     """The parameters of one layer of ``kind``: MaxText names -> nnxtron names."""
-    block = cfg.decoder_block
-    if block == "gemma3":
-        norms = ("pre_self_attention_norm", "post_self_attention_norm", "pre_ffw_norm", "post_ffw_norm")
-        to = ("pre_attention_norm", "post_attention_norm", "pre_ffw_norm", "post_ffw_norm")
-        rules = [Rule(f"{a}/scale", f"{b}/scale", NORM_OFFSET) for a, b in zip(norms, to, strict=True)]
-        rules += [Rule(f"self_attention/{n}_norm/scale", f"attention/{n}_norm/scale", NORM_OFFSET) for n in ("query", "key")]
-        return (*_attention(cfg), *rules, *_mlp("mlp/", "mlp/"))
-    norms = (
-        Rule("pre_self_attention_layer_norm/scale", "pre_attention_norm/scale"),
-        Rule("post_self_attention_layer_norm/scale", "post_attention_norm/scale"),
-    )
-    if not kind.moe:
-        return (*_attention(cfg), *norms, *_mlp("mlp/", "mlp/"))
-    if block == "mixtral":
-        return (*_attention(cfg), *norms, *_experts("MoeBlock_0/"))
-    if block == "deepseek":
-        moe = "DeepSeekMoeBlock_0/"
-        rules = [*_experts(f"{moe}MoeBlock_0/"), *_mlp(f"{moe}shared_experts/", "mlp/shared/")]
-        if cfg.routed_bias:
-            rules.append(Rule(f"{moe}MoeBlock_0/gate/bias", "mlp/router_bias", state=True))
-        return (*_attention(cfg), *norms, *rules)
-    raise CheckpointError(f"decoder_block={block} has MoE layers MaxText conversion does not cover; use {SUPPORTED}")
+    return maxtext_map(cfg).layer_rules(cfg, kind)
 
 
 def top_rules(cfg: Config) -> tuple[Rule, ...]:
-    gemma = cfg.decoder_block == "gemma3"
-    rules = [
-        Rule("token_embedder/embedding", "embed/embedding", EMBED_SCALE if gemma else NONE),
-        Rule("decoder/decoder_norm/scale", "final_norm/scale", NORM_OFFSET if gemma else NONE),
-    ]
-    if not cfg.logits_via_embedding:
-        rules.append(Rule("decoder/logits_dense/kernel", "logits/kernel"))
-    return tuple(rules)
+    return maxtext_map(cfg).top_rules(cfg)
 
 
 def maxtext_layer_prefix(cfg: Config, layer: int) -> str:
     """MaxText's unscanned name of decoder layer ``layer``."""
-    if cfg.decoder_block == "deepseek":
-        dense = cfg.first_num_dense_layers
-        return f"decoder/dense_layers_{layer}" if layer < dense else f"decoder/moe_layers_{layer - dense}"
-    return f"decoder/layers_{layer}"
+    return maxtext_map(cfg).layer_prefix(cfg, layer)
 
 
 def check_supported(cfg: Config) -> None:
@@ -159,16 +100,16 @@ def check_supported(cfg: Config) -> None:
 
 def entries(cfg: Config) -> Iterator[Entry]:
     """Every MaxText array of ``cfg``'s model (unscanned names) and its nnxtron place."""
-    check_supported(cfg)
-    for rule in top_rules(cfg):
+    mapping = maxtext_map(cfg)
+    for rule in mapping.top_rules(cfg):
         yield Entry(rule.maxtext, rule.nnxtron, rule)
     for stack in layer_stacks(cfg):
         for position, kind in enumerate(stack.kinds):
             sub = "/".join(map(str, stack.sub_path(position)))
             sub = f"{sub}/" if sub else ""
-            for rule in layer_rules(cfg, kind):
+            for rule in mapping.layer_rules(cfg, kind):
                 for block in range(stack.num_layers):
-                    prefix = maxtext_layer_prefix(cfg, stack.hf_layer(block, position))
+                    prefix = mapping.layer_prefix(cfg, stack.hf_layer(block, position))
                     if cfg.stacked_layers:
                         yield Entry(rule.name(prefix), f"{stack.name}/layers/{sub}{rule.nnxtron}", rule, block)
                     else:
@@ -193,7 +134,7 @@ def _mtp_entries(cfg: Config, depth: int) -> Iterator[Entry]:
 
 
 def query_factor(cfg: Config) -> float:
-    """nnxtron query kernel = MaxText's x this (folded families; 1.0 = same values)."""
+    """nnxtron query kernel = MaxText's x this (``maxtext_query_folded`` families; 1.0 = same values)."""
     scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else cfg.head_dim**-0.5
     return 1.0 / scale
 
@@ -242,13 +183,13 @@ def is_scanned(flat: dict[str, np.ndarray]) -> bool:
 
 def unscan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
     """A scanned MaxText tree under its unscanned names (one array per layer)."""
-    gemma = cfg.decoder_block == "gemma3"
-    blocks = cfg.base_num_decoder_layers // GEMMA3_CYCLE
+    cycle = maxtext_map(cfg).scan_cycle
+    blocks = cfg.base_num_decoder_layers // cycle
     out: dict[str, np.ndarray] = {}
     for key, value in flat.items():
         rem, scanned = _REMAINDER.match(key), _SCANNED.match(key)
         if rem:
-            out[f"{rem[1]}decoder/layers_{blocks * GEMMA3_CYCLE + int(rem[2])}/{rem[3]}"] = value
+            out[f"{rem[1]}decoder/layers_{blocks * cycle + int(rem[2])}/{rem[3]}"] = value
             continue
         if not scanned:
             out[key] = value
@@ -261,21 +202,23 @@ def unscan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
                 f"axis {axis}; the checkpoint does not match the config"
             )
         position = 0
-        if gemma:
+        if cycle > 1:
             inner = re.match(r"^layers_(\d+)/(.*)$", rest)
             if not inner:
-                raise CheckpointError(f"MaxText array '{key}' is not in a Gemma 3 scanned block (layers/layers_j/...)")
+                raise CheckpointError(
+                    f"MaxText array '{key}' is not in a {cfg.decoder_block} scanned block of {cycle} layers (layers/layers_j/...)"
+                )
             position, rest = int(inner[1]), inner[2]
         for index in range(value.shape[axis]):
-            layer = index * GEMMA3_CYCLE + position if gemma else index
+            layer = index * cycle + position
             out[f"{collection}decoder/{group}_{layer}/{rest}"] = np.take(value, index, axis=axis)
     return out
 
 
 def scan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
     """The inverse of ``unscan``: layers stacked on ``PARAM_SCAN_AXIS``."""
-    gemma = cfg.decoder_block == "gemma3"
-    blocks = cfg.base_num_decoder_layers // GEMMA3_CYCLE
+    cycle = maxtext_map(cfg).scan_cycle
+    blocks = cfg.base_num_decoder_layers // cycle
     groups: dict[str, dict[int, np.ndarray]] = {}
     out: dict[str, np.ndarray] = {}
     for key, value in flat.items():
@@ -284,8 +227,8 @@ def scan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
             out[key] = value
             continue
         collection, group, layer, rest = m[1], m[2], int(m[3]), m[4]
-        if gemma:
-            block, position = divmod(layer, GEMMA3_CYCLE)
+        if cycle > 1:
+            block, position = divmod(layer, cycle)
             if block >= blocks:
                 out[f"{collection}decoder/layers_remainder/layers_{position}/{rest}"] = value
                 continue

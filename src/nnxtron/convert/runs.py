@@ -3,6 +3,7 @@ sample from, export, or start a fine-tuning run from (``init_from``)."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from nnxtron.config.loader import (
     run_values,
 )
 from nnxtron.config.schema import Config
-from nnxtron.convert.hf import from_hf, hf_config, load_hf_weights
+from nnxtron.convert.hf import check_tokenizer, from_hf, hf_config, load_hf_weights
 from nnxtron.convert.maxtext import is_maxtext_checkpoint, load_maxtext_model
 from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.layers.lora import base_config, merge_adapters, with_adapters
@@ -33,10 +34,38 @@ from nnxtron.train.run_dir import resolve_run_dir
 from nnxtron.train.state import frozen_shardings, init_non_params, model_shardings
 from nnxtron.train.weights import ParamsLoader, load_weights, lora_base, starting_weights
 
-__all__ = ["is_hf_directory", "run_config", "load_model", "model_from_state", "init_config", "init_config_report", "init_params"]
+__all__ = [
+    "check_output_directory",
+    "is_hf_directory",
+    "run_config",
+    "load_model",
+    "model_from_state",
+    "init_config",
+    "init_config_report",
+    "init_params",
+]
 
 # HF weights are cast on reading: a fine-tuning run chooses its own precision
 FREE_WITH_HF_SOURCE = ("dtype", "weight_dtype")
+
+
+def check_output_directory(dest: str | Path) -> None:
+    """Raise one line now, before a model is loaded, when an export could not be written to
+    ``dest``: it, or the nearest folder above it that exists, must be a directory this process
+    can create files in. Nothing is created."""
+    path = Path(dest).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+    reason = None
+    if not existing.is_dir():
+        reason = f"'{existing}' is a file, not a directory"
+    else:
+        try:  # a read-only or full file system, missing permissions: the probe says which
+            with tempfile.TemporaryFile(dir=existing, prefix=".nnxtron-probe-"):
+                pass
+        except OSError as err:
+            reason = f"cannot write in '{existing}' ({err.strerror or err})"
+    if reason is not None:
+        raise CheckpointError(f"output directory '{dest}': {reason}; choose a writable directory")
 
 
 def run_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
@@ -139,6 +168,8 @@ def init_config_report(file: str | None, overrides: Iterable[str], given: dict[s
     if recorded is not None:  # a resume: the keys the user leaves unset keep the run's values
         defaults = finetune_defaults(given, recorded, maxtext_file)
         cfg, report = load_config_report(file, overrides, defaults={**{d.key: d.value for d in defaults}, **values})
+    if is_hf_directory(source) and cfg.dataset_type != "synthetic":  # its corpus is text
+        check_tokenizer(source, given)
     fix = "the model comes from init_from: drop these keys, or start a new model without init_from"
     check_same_model({k: v for k, v in values.items() if k in MODEL_KEYS}, cfg, f"init_from '{source}'", fix)
     return cfg, [*report.startup_lines(cfg), *finetune_lines(defaults, cfg)]

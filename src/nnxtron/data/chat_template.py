@@ -1,25 +1,42 @@
-"""HuggingFace chat templates (Jinja), rendered as ``transformers``' ``apply_chat_template(..., tokenize=False)`` does."""
+"""HuggingFace chat templates (Jinja), rendered as ``transformers``' ``apply_chat_template(..., tokenize=False)`` does.
+
+A template is code from a model directory, so it is rendered in Jinja's sandbox *and* in a
+child process (``_Renderers``) that has a time limit (``RENDER_SECONDS``: the process is
+killed), an address-space limit (``RENDER_MEMORY_BYTES``, Linux: an allocation past it fails
+at once) and an output limit (``MAX_RENDERED_CHARS``). A template that breaks one, or that
+recurses too deeply, is a one-line :class:`UserError` naming the limit.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import functools
 import json
+import os
 import re
+import subprocess
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.nodes
+from jinja2.compiler import CodeGenerator
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nnxtron.errors import UserError
 from nnxtron.scoped import scoped
 
-__all__ = ["TEMPLATE_FILE", "ChatTemplate", "Span", "find_chat_template", "template_directory"]
+__all__ = [
+    "MAX_RENDERED_CHARS", "RENDER_MEMORY_BYTES", "RENDER_SECONDS", "TEMPLATE_FILE", "ChatTemplate", "Span",
+    "TemplateTimeout", "find_chat_template", "template_directory",
+]  # fmt: skip
 
 TEMPLATE_FILE = "chat_template.jinja"  # next to tokenizer_config.json; HF prefers it to the config's chat_template
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # HF fills the first two from whichever is given
@@ -28,6 +45,15 @@ Span = tuple[int, int]  # [start, end) characters of a rendered text
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 _MARKS = ("\U000f0000", "\U000f0001")  # private-use characters around {% generation %} bodies while spans are found
 _MARKING = contextvars.ContextVar("nnxtron_chat_template_marking", default=False)
+RENDER_SECONDS = 10.0  # one rendering's wall time, after which its process is killed
+RENDER_MEMORY_BYTES = 512 << 20  # the rendering process's address space (RLIMIT_AS, Linux)
+MAX_RENDERED_CHARS = 1 << 24  # characters one rendering may produce (16 Mi)
+RENDERERS = 4  # rendering processes at most (started when needed)
+_LIMIT_FIX = "fix the template (or pass another with --chat-template / chat_template_path)"
+
+
+class TemplateTimeout(UserError):
+    """A chat template that did not finish rendering within ``RENDER_SECONDS``."""
 
 
 class ChatTemplate:
@@ -36,10 +62,8 @@ class ChatTemplate:
     def __init__(self, template: str, special_tokens: Mapping[str, SpecialToken] | None = None) -> None:
         self.template = template
         self.special_tokens = {name: _token_text(name, tok) for name, tok in (special_tokens or {}).items() if tok is not None}
-        try:
-            self._compiled = _environment().from_string(template)
-        except jinja2.TemplateSyntaxError as exc:
-            raise UserError(f"chat template does not parse: {_one_line(exc.message or '')} (template line {exc.lineno})") from exc
+        self._compiled = _compile(template)
+        self._timed_out: str | None = None  # the message of an assistant_spans rendering that ran out of time
 
     @classmethod
     def from_directory(cls, path: str | Path, defaults: Mapping[str, SpecialToken] | None = None) -> ChatTemplate:
@@ -66,12 +90,7 @@ class ChatTemplate:
         """The prompt text of ``messages``; ``extra`` (tools, documents, enable_thinking, ...) reaches the template."""
         context = {**self.special_tokens, "tools": None, "documents": None, **extra}  # extra overrides special tokens, as in HF
         context.update(messages=_checked_messages(messages), add_generation_prompt=add_generation_prompt)
-        try:
-            return self._compiled.render(context)
-        except jinja2.TemplateError as exc:
-            raise UserError(f"chat template failed to render: {_one_line(str(exc))}") from exc
-        except (TypeError, ValueError, ArithmeticError, LookupError) as exc:  # a template's own bad operation, e.g. "a" + 1
-            raise UserError(f"chat template failed to render: {type(exc).__name__}: {_one_line(str(exc))}") from exc
+        return _RENDERERS.render(self.template, context, _MARKING.get())
 
     @property
     def marks_generation(self) -> bool:
@@ -86,7 +105,19 @@ class ChatTemplate:
         HF's ``return_assistant_tokens_mask`` marks. Without them, assistant message ``i`` is
         the text that rendering the first ``i + 1`` messages adds to the first ``i`` rendered
         with the generation prompt (its answer and the template's end of turn); that needs a
-        template whose shorter conversations render to prefixes of longer ones."""
+        template whose shorter conversations render to prefixes of longer ones.
+
+        Training renders every record with this: once a rendering has run out of time, later
+        calls raise the same :class:`TemplateTimeout` at once instead of waiting again."""
+        if self._timed_out is not None:
+            raise TemplateTimeout(self._timed_out)
+        try:
+            return self._assistant_spans(messages, **extra)
+        except TemplateTimeout as err:
+            self._timed_out = str(err)
+            raise
+
+    def _assistant_spans(self, messages: Sequence[Mapping[str, Any]], **extra: Any) -> tuple[str, list[Span]]:
         chat = _checked_messages(messages)
         assistants = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
         if any(mark in json.dumps(chat, ensure_ascii=False) for mark in _MARKS):
@@ -185,9 +216,24 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _RuntimeOnly(CodeGenerator):
+    """Jinja's code generator without compile-time evaluation of output expressions, which
+    would compute e.g. ``{{ 'x' * 10**9 }}`` while compiling, in the calling process."""
+
+    def _output_child_to_const(self, node: jinja2.nodes.Expr, frame: Any, finalize: Any) -> str:
+        if not isinstance(node, jinja2.nodes.TemplateData):
+            raise jinja2.nodes.Impossible()
+        return super()._output_child_to_const(node, frame, finalize)
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    code_generator_class = _RuntimeOnly
+
+
 @functools.cache
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    # optimized=False: no constant folding either (it evaluates expressions and filters while compiling)
+    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols], optimized=False)
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace)
     return env
@@ -312,3 +358,183 @@ def _special_tokens(directories: Sequence[Path], tokenizer: Any) -> dict[str, An
                     tokens[key] = value
             break
     return tokens
+
+
+# ---- rendering under limits --------------------------------------------------------------
+
+
+def _compile(template: str) -> jinja2.Template:
+    """The compiled template; one-line errors for one that does not parse or nests too deeply."""
+    try:
+        return _environment().from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise UserError(f"chat template does not parse: {_one_line(exc.message or '')} (template line {exc.lineno})") from exc
+    except (RecursionError, MemoryError):
+        raise UserError(f"chat template nests too deeply to compile; {_LIMIT_FIX}") from None
+
+
+_compiled_template = functools.lru_cache(maxsize=16)(_compile)
+
+
+def _render_here(template: str, context: Mapping[str, Any], marking: bool) -> str:
+    """``template`` rendered in this process with the output limit (the rendering process's side); one-line errors."""
+    pieces, size = [], 0
+    try:
+        with scoped(_MARKING, marking):
+            for piece in _compiled_template(template).generate(context):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise UserError(f"chat template output exceeds {MAX_RENDERED_CHARS:,} characters; {_LIMIT_FIX}")
+                pieces.append(piece)
+        return "".join(pieces)
+    except UserError:
+        raise
+    except jinja2.TemplateError as exc:
+        raise UserError(f"chat template failed to render: {_one_line(str(exc))}") from None
+    except RecursionError:
+        raise UserError(f"chat template recurses too deeply (a macro or recursive loop without an end?); {_LIMIT_FIX}") from None
+    except MemoryError:
+        raise UserError(
+            f"chat template needs more than {RENDER_MEMORY_BYTES >> 20} MiB to render (e.g. 'x' * 10**9); {_LIMIT_FIX}"
+        ) from None
+    except Exception as exc:  # a template's own bad operation, e.g. "a" + 1
+        raise UserError(f"chat template failed to render: {type(exc).__name__}: {_one_line(str(exc))}") from None
+
+
+def _serve_renders(fd_in: int, fd_out: int) -> None:
+    """The rendering process: limit its memory, say it is ready, then answer ``(template, context,
+    marking)`` requests with ``("ok", text)`` or ``("error", message)`` until the pipe closes."""
+    try:
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        limit = RENDER_MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(hard, RENDER_MEMORY_BYTES)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ImportError, ValueError, OSError):  # not Linux: the time and output limits still hold
+        pass
+    requests, answers = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
+    answers.send_bytes(json.dumps(["ready", ""]).encode())
+    while True:
+        try:
+            template, context, marking = json.loads(requests.recv_bytes())
+            answer = ("ok", _render_here(template, context, marking))
+        except EOFError:
+            return
+        except UserError as err:
+            answer = ("error", str(err))
+        except MemoryError:
+            answer = ("error", f"chat template input needs more than {RENDER_MEMORY_BYTES >> 20} MiB to render")
+        answers.send_bytes(json.dumps(answer).encode())
+
+
+class _Renderer:
+    """One rendering process (``_serve_renders``) and its pipes. It loads this file by path, so
+    that it imports Jinja and ``nnxtron.errors`` but not the package's heavier modules."""
+
+    START_SECONDS = 60.0
+
+    def __init__(self) -> None:
+        child_in, requests = os.pipe()
+        answers, child_out = os.pipe()
+        code = (
+            "import importlib.util, sys; spec = importlib.util.spec_from_file_location('nnxtron_template_renderer', "
+            "sys.argv[1]); module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+            "module._serve_renders(int(sys.argv[2]), int(sys.argv[3]))"
+        )
+        source_root = str(Path(__file__).resolve().parents[2])  # where `import nnxtron` finds this package
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code, __file__, str(child_in), str(child_out)], pass_fds=(child_in, child_out),
+                stdin=subprocess.DEVNULL, env=env,
+            )  # fmt: skip
+        finally:
+            os.close(child_in)
+            os.close(child_out)
+        self.requests, self.answers = Connection(requests, readable=False), Connection(answers, writable=False)
+        if self.answer(self.START_SECONDS, "start")[0] != "ready":
+            self.close()
+            raise UserError("the chat template rendering process did not start")
+
+    def answer(self, seconds: float, doing: str) -> tuple[str, str]:
+        """The process's next answer within ``seconds`` (else it is killed and this is a UserError)."""
+        if not self.answers.poll(seconds):
+            self.close()
+            if doing == "start":
+                raise UserError(f"the chat template rendering process did not start within {seconds:g} s")
+            raise TemplateTimeout(
+                f"chat template did not finish rendering within {seconds:g} s (a loop that does not end, or one far "
+                f"too long for its input?); {_LIMIT_FIX}"
+            )
+        try:
+            status, value = json.loads(self.answers.recv_bytes())
+            return status, value
+        except (EOFError, OSError):
+            self.close()
+            raise UserError(f"the chat template rendering process died (exit {self.process.returncode}); {_LIMIT_FIX}") from None
+
+    def close(self) -> None:
+        """Stop the process (it exits when its pipe closes; killed if it is busy)."""
+        self.requests.close()
+        self.answers.close()
+        try:
+            self.process.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class _Renderers:
+    """Rendering processes, started when first needed and reused; at most ``size`` render at
+    once (callers wait for one). A process that times out or dies is replaced."""
+
+    def __init__(self, size: int) -> None:
+        self._slots = threading.BoundedSemaphore(size)
+        self._lock = threading.Lock()
+        self._idle: list[_Renderer] = []
+        self._pid = os.getpid()
+
+    def render(self, template: str, context: Mapping[str, Any], marking: bool) -> str:
+        try:
+            request = json.dumps([template, dict(context), marking]).encode()  # data only: JSON, never pickle
+        except RecursionError:
+            raise UserError("the chat messages nest too deeply to render") from None
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"the chat messages hold a value that cannot be rendered: {_one_line(str(exc))}") from None
+        with self._slots:
+            renderer = self._take()
+            try:
+                try:
+                    renderer.requests.send_bytes(request)
+                except OSError:  # the process is gone (killed from outside): once more with a new one
+                    renderer.close()
+                    renderer = _Renderer()
+                    renderer.requests.send_bytes(request)
+                status, value = renderer.answer(RENDER_SECONDS, "render")
+            except BaseException:
+                renderer.close()
+                raise
+            with self._lock:
+                self._idle.append(renderer)
+        if status != "ok":
+            raise UserError(value)
+        return value
+
+    def _take(self) -> _Renderer:
+        with self._lock:
+            if os.getpid() != self._pid:  # a forked child: the processes belong to the parent
+                self._idle, self._pid = [], os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        return _Renderer()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        if os.getpid() == self._pid:
+            for renderer in idle:
+                renderer.close()
+
+
+_RENDERERS = _Renderers(RENDERERS)
+atexit.register(_RENDERERS.close)

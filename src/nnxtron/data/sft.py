@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from nnxtron.data.chat_template import ChatTemplate, Span
+from nnxtron.data.chat_template import ChatTemplate, Span, TemplateTimeout
 from nnxtron.data.records import BadRecord
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import DataError, UserError
@@ -102,6 +102,8 @@ def _conversation(messages: Any, first_trained: int, tokenizer: Tokenizer, spec:
         raise BadRecord(f"has 'messages' of type {type(messages).__name__}, not a list of {{'role', 'content'}} objects")
     try:
         text, spans = spec.template.assistant_spans(messages)
+    except TemplateTimeout:
+        raise  # the template's fault, not the record's: every record would wait for it
     except UserError as err:
         raise BadRecord(str(err)) from None
     roles = [m["role"] for m in messages]

@@ -113,8 +113,10 @@ class HFTokenizer:
         return ids
 
     def encode(self, text: str) -> np.ndarray:
-        """Ids of ``text`` (no special tokens added: BOS/EOS are the caller's choice)."""
-        return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        """Ids of ``text`` (no special tokens added: BOS/EOS are the caller's choice). ``encode_batch``
+        gives the same ids as ``encode`` but releases the GIL, so a long text does not stop other
+        threads (``serve``'s event loop)."""
+        return np.asarray(self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids, dtype=np.int32)
 
     def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """``encode(text)`` and each token's ``[start, end)`` character span in ``text`` (special

@@ -139,6 +139,7 @@ def decode(
     last = np.asarray(logits)[np.arange(len(prompts)), lengths - 1]
     done = np.zeros(len(prompts), bool)
     for i in range(max_new_tokens):
+        check_logits(last[~done], i, model.config.dtype)
         tokens = np.asarray(choose(last)).astype(np.int32)
         yield tokens, done.copy()
         done |= np.isin(tokens, list(stop_ids))
@@ -148,6 +149,27 @@ def decode(
         segments = (~done).astype(np.int32)[:, None]
         logits, caches = cached.step(caches, jnp.asarray(tokens[:, None]), jnp.asarray(positions), jnp.asarray(segments))
         last = np.asarray(logits)[:, 0]
+
+
+class DegenerateLogits(UserError):
+    """The model's next-token logits cannot be sampled: not finite, or all equal."""
+
+
+def check_logits(logits: np.ndarray, index: int, dtype: str) -> None:
+    """One line when some row of ``logits [B, V]`` (new token ``index``, 0-based) holds NaN or
+    Inf, or the same value for every token: sampling that row would return token 0 (argmax
+    of NaN, or of a tie) over and over, as from weights so large that the activations
+    overflow (the norms then scale them to 0 or NaN)."""
+    if logits.size == 0:
+        return
+    what = f"the model's logits for new token {index + 1}"
+    fix = f"its weights or activations overflow {dtype} (a diverged or damaged checkpoint?); a sample would be meaningless"
+    if not np.isfinite(logits).all():
+        raise DegenerateLogits(f"{what} are not finite (NaN or Inf): {fix}")
+    flat = logits.max(axis=-1) == logits.min(axis=-1)
+    if flat.any():
+        value = float(logits[np.argmax(flat), 0])
+        raise DegenerateLogits(f"{what} are all equal ({value:g} for each of the {logits.shape[-1]} tokens): {fix}")
 
 
 def sampler(cfg: Config) -> Chooser:

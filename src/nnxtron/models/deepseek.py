@@ -32,6 +32,7 @@ from nnxtron.models.hf_common import (
     gated_mlp_weights,
     routed_expert_weights,
 )
+from nnxtron.models.maxtext_map import Rule, expert_rules, mlp_rules, pre_norm_map
 from nnxtron.models.prenorm import pre_norm_family
 
 
@@ -134,6 +135,21 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
+def maxtext_moe_rules(cfg: Config) -> tuple[Rule, ...]:
+    """MaxText's DeepSeek MoE layer: routed experts, the shared experts and the router bias (model state)."""
+    moe = "DeepSeekMoeBlock_0/"
+    rules = [*expert_rules(f"{moe}MoeBlock_0/"), *mlp_rules(f"{moe}shared_experts/", "mlp/shared/")]
+    if cfg.routed_bias:
+        rules.append(Rule(f"{moe}MoeBlock_0/gate/bias", "mlp/router_bias", state=True))
+    return tuple(rules)
+
+
+def maxtext_layer_prefix(cfg: Config, layer: int) -> str:
+    """MaxText names the dense prefix and the MoE layers apart: ``dense_layers_{i}``, ``moe_layers_{i - dense}``."""
+    dense = cfg.first_num_dense_layers
+    return f"decoder/dense_layers_{layer}" if layer < dense else f"decoder/moe_layers_{layer - dense}"
+
+
 FAMILIES = (
     pre_norm_family(
         "deepseek",
@@ -144,5 +160,6 @@ FAMILIES = (
         config_to_hf,
         mtp_weights=MTP_WEIGHTS,
         mtp_copies=MTP_COPIES,
+        maxtext=pre_norm_map(maxtext_moe_rules, maxtext_layer_prefix),
     ),
 )

@@ -1,4 +1,4 @@
-"""What a decoder family is: its block, its weight maps to HF and its HF config maps.
+"""What a decoder family is: its block, its weight maps to HF and MaxText and its HF config maps.
 
 Each family module (``models/<family>.py``, or ``models/deepseek4/``) defines its
 ``Family`` records in ``FAMILIES``; ``models/registry.py`` collects them.
@@ -15,6 +15,7 @@ from flax import nnx
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.layers.norms import rms_norm
+from nnxtron.models.maxtext_map import MaxTextMap
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,11 @@ class Family:
     depth's own weights (``models/mtp.MTPDepth``; its block uses ``layer_weights``) to the HF
     layer after the decoder's last (DeepSeek-V3's ``model.layers.61``); ``mtp_copies`` lists
     (key in that layer, top-level key) pairs the HF layer repeats (its embedding and head).
+    ``maxtext``: the family's MaxText checkpoint names (``models/maxtext_map.py``; None: MaxText
+    checkpoints of it are not converted). ``hf_multimodal_type``: the ``model_type`` of the HF
+    multimodal wrapper around this text decoder (its config's ``text_config``), whose keys starting
+    with ``hf_vision_prefixes`` are the vision parts, not imported. The family's config-level rules
+    (checks, MaxText config facts) are ``config/families.py``'s row of the same name.
     """
 
     name: str
@@ -89,3 +95,6 @@ class Family:
     block_takes_tokens: bool = False
     mtp_weights: tuple[WeightMap, ...] = ()
     mtp_copies: tuple[tuple[str, str], ...] = ()
+    maxtext: MaxTextMap | None = None
+    hf_multimodal_type: str = ""
+    hf_vision_prefixes: tuple[str, ...] = ()

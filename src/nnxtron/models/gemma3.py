@@ -33,6 +33,8 @@ from nnxtron.layers.mlp import GatedMLP
 from nnxtron.layers.norms import RMSNorm, rms_norm
 from nnxtron.models.family import Family, WeightMap
 from nnxtron.models.hf_common import common_config_to_hf, gated_mlp_weights, hf_ties_head, top_weights
+from nnxtron.models.maxtext_map import EMBED_SCALE, NORM_OFFSET, MaxTextMap, Rule, attention_rules, mlp_rules
+from nnxtron.models.maxtext_map import top_rules as maxtext_top_rules
 from nnxtron.parallel.sharding import RESIDUAL, constrain
 
 
@@ -89,6 +91,23 @@ LAYER_WEIGHTS = (
 
 def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
     return LAYER_WEIGHTS
+
+
+MAXTEXT_CYCLE = 6  # MaxText's GEMMA3_ATTENTION_PATTERN length: the layers of one scanned block
+_MAXTEXT_NORMS = ("pre_self_attention_norm", "post_self_attention_norm", "pre_ffw_norm", "post_ffw_norm")
+_NORMS = ("pre_attention_norm", "post_attention_norm", "pre_ffw_norm", "post_ffw_norm")
+
+
+def maxtext_layer_rules(cfg: Config, kind: LayerKind) -> tuple[Rule, ...]:
+    """MaxText's Gemma 3 layer: its norms store ``w`` where nnxtron stores ``w - 1`` (``NORM_OFFSET``)."""
+    rules = [Rule(f"{a}/scale", f"{b}/scale", NORM_OFFSET) for a, b in zip(_MAXTEXT_NORMS, _NORMS, strict=True)]
+    rules += [Rule(f"self_attention/{n}_norm/scale", f"attention/{n}_norm/scale", NORM_OFFSET) for n in ("query", "key")]
+    return (*attention_rules(cfg), *rules, *mlp_rules("mlp/", "mlp/"))
+
+
+def maxtext_top_level(cfg: Config) -> tuple[Rule, ...]:
+    """The table carries MaxText's ``sqrt(emb_dim)`` input scale (``EMBED_SCALE``); the final norm is Gemma's."""
+    return maxtext_top_rules(cfg, embed=EMBED_SCALE, norm=NORM_OFFSET)
 
 
 def _rope_of(hf: dict[str, Any], layer_type: str) -> dict[str, Any]:
@@ -193,5 +212,8 @@ FAMILIES = (
         config_to_hf=config_to_hf,
         make_final_norm=gemma_norm,
         scale_embeddings=True,
+        maxtext=MaxTextMap(maxtext_layer_rules, maxtext_top_level, scan_cycle=MAXTEXT_CYCLE),
+        hf_multimodal_type="gemma3",
+        hf_vision_prefixes=("vision_tower.", "multi_modal_projector."),
     ),
 )

@@ -20,6 +20,7 @@ from nnxtron.models.hf_common import (
     common_config_to_hf,
     gated_mlp_weights,
 )
+from nnxtron.models.maxtext_map import pre_norm_map
 from nnxtron.models.prenorm import pre_norm_family
 
 LAYER_WEIGHTS = NORM_WEIGHTS + GQA_WEIGHTS + gated_mlp_weights("mlp", "mlp")
@@ -50,7 +51,9 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
+MAXTEXT = pre_norm_map()  # dense layers only
+
 FAMILIES = (
-    pre_norm_family("llama2", "llama", "LlamaForCausalLM", layer_weights, config_from_hf, config_to_hf),
-    pre_norm_family("mistral", "mistral", "MistralForCausalLM", layer_weights, config_from_hf, config_to_hf),
+    pre_norm_family("llama2", "llama", "LlamaForCausalLM", layer_weights, config_from_hf, config_to_hf, maxtext=MAXTEXT),
+    pre_norm_family("mistral", "mistral", "MistralForCausalLM", layer_weights, config_from_hf, config_to_hf, maxtext=MAXTEXT),
 )

@@ -146,5 +146,15 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 FAMILIES = (
-    pre_norm_family("llama4", "llama4_text", "Llama4ForCausalLM", layer_weights, config_from_hf, config_to_hf, make_block),
+    pre_norm_family(
+        "llama4",
+        "llama4_text",
+        "Llama4ForCausalLM",
+        layer_weights,
+        config_from_hf,
+        config_to_hf,
+        make_block,
+        hf_multimodal_type="llama4",
+        hf_vision_prefixes=("vision_model.", "multi_modal_projector."),
+    ),
 )

@@ -22,6 +22,7 @@ from nnxtron.models.hf_common import (
     common_config_to_hf,
     routed_expert_weights,
 )
+from nnxtron.models.maxtext_map import expert_rules, pre_norm_map
 from nnxtron.models.prenorm import pre_norm_family
 
 MOE_WEIGHTS = routed_expert_weights("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2"), "mlp.gate")
@@ -63,4 +64,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
-FAMILIES = (pre_norm_family("mixtral", "mixtral", "MixtralForCausalLM", layer_weights, config_from_hf, config_to_hf),)
+MAXTEXT = pre_norm_map(lambda cfg: expert_rules("MoeBlock_0/"))
+FAMILIES = (
+    pre_norm_family("mixtral", "mixtral", "MixtralForCausalLM", layer_weights, config_from_hf, config_to_hf, maxtext=MAXTEXT),
+)

@@ -41,13 +41,13 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
-from qwix._src.utils import flax_util
 
 from nnxtron.config.options import QUANTIZATION_MODES
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 from nnxtron.layers.lora import ADAPTERS
 from nnxtron.models.decoder import Decoder
+from nnxtron.runtime.private_api import qwix_find_param, qwix_module_path
 
 MODES: dict[str, tuple[Any, Any]] = {  # mode -> (forward qtype, backward qtype)
     mode: (getattr(jnp, forward), getattr(jnp, backward)) for mode, (forward, backward) in QUANTIZATION_MODES.items()
@@ -72,7 +72,7 @@ class WeightMatmulProvider(qwix.QtProvider):
             return
         rule, _ = self._get_current_rule_and_op_id(op, only_rule=True)
         if rule is not None and rule.weight_qtype is not None:
-            self.quantized["/".join(map(str, flax_util.get_current_module_path()))][op] += 1
+            self.quantized["/".join(map(str, qwix_module_path()))][op] += 1
 
     def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None):
         if not _one_weight(lhs, rhs):  # activation x activation: not quantized
@@ -97,7 +97,7 @@ def _one_weight(lhs, rhs) -> bool:
     """One operand is a weight of the calling module and the other is not. LoRA's adapter
     products (``layers/lora.py``) stay in the compute dtype: a quantized base is frozen, its
     float adapters are what trains (QLoRA)."""
-    names = (flax_util.find_param(lhs), flax_util.find_param(rhs))
+    names = (qwix_find_param(lhs), qwix_find_param(rhs))
     return (names[0] is not None) != (names[1] is not None) and not set(names) & set(ADAPTERS)
 
 

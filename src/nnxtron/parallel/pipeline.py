@@ -2,23 +2,29 @@
 
 The stack's stacked weights ``[P, ...]`` are viewed as ``[repeats, stages, lps, ...]``
 with the ``stage`` mesh axis on the stage dimension (``config.pipeline`` says which
-block runs where and when). Every iteration:
+block runs where and when; ``pipeline_weights`` stages them and brings each round its
+weights, from device or host memory). Every iteration (``pipeline_schedule`` has the
+arithmetic: which microbatch and repeat each stage holds at iteration ``t``):
 
 1. stage 0 takes the current activation of its microbatch from a buffer ``[M, mb, ...]``
    (the input on the first repeat, the last stage's output after that; each stage holds
    a copy, ``[stages, M, mb, ...]``, and only stage 0's is used, so the buffer never
    crosses stages); every other stage takes what the previous stage produced (``shift``);
-2. all stages run at once: ``jax.vmap`` over the stage dimension with
+2. all stages run at once (``stage_step``): ``jax.vmap`` over the stage dimension with
    ``spmd_axis_name="stage"`` of a scan over the stage's blocks — the plain decoder's
    block application (``parallel.scan``) with each block's weights read by index
    (``_indexed_stack``: scanning over them as ``xs`` costs a copy of the stage's weights
    per iteration under ``vmap``), each stage on the weights of its current repeat;
-3. the outputs move one stage on (a roll along the stage axis, i.e. a collective
-   permute), the last stage's output, which the roll brings to stage 0, goes back into
-   its buffer, and each stage's
-   non-trainable state (router bias, expert-load counters, hash tables…) is written back
-   for the repeat it used — only when that stage held a real microbatch, so bubbles
-   never mutate state.
+3. the outputs move one stage on (``pass_on``: a roll along the stage axis, i.e. a
+   collective permute), the last stage's output, which the roll brings to stage 0, goes
+   back into its buffer (``collect``), and each stage's non-trainable state (router bias,
+   expert-load counters, hash tables…) is written back for the repeat it used
+   (``write_back``) — only when that stage held a real microbatch, so bubbles never
+   mutate state.
+
+The iterations run in rounds of ``M`` (stage 0 on one repeat), then a drain of
+``d * (S - 1)``: one loop (``_Run.rounds``) whether the weights are on device or
+fetched from host memory a repeat at a time.
 
 Parameters are read-only inputs; non-trainable state is carried through the loop.
 Auxiliary losses are summed over the real (stage, microbatch) pairs and averaged over the
@@ -32,26 +38,41 @@ axes only, so the stage axis is stripped from the rules while the pipeline runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from nnxtron.config.pipeline import PipelineSpec
 from nnxtron.errors import ConfigError
 from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
-from nnxtron.parallel.remat import OFFLOAD_DST, RematSpec, jax_policy
+from nnxtron.parallel.pipeline_schedule import (
+    STAGE,
+    Placement,
+    Schedule,
+    add_valid,
+    collect,
+    pass_on,
+    stage_activations,
+    write_back,
+)
+from nnxtron.parallel.pipeline_weights import (
+    RoundWeights,
+    WeightFeed,
+    Weights,
+    for_stages,
+    from_stages,
+    pick,
+    stage_weights,
+    to_stages,
+)
+from nnxtron.parallel.remat import RematSpec, jax_policy
 from nnxtron.parallel.row_keys import Keys, fold
 from nnxtron.parallel.scan import Aux, LayerStack, _apply_layer, add_stack_axis, apply_stacked, remove_stack_axis
-from nnxtron.parallel.sharding import Rules, activate, active_mesh, logical_to_spec, spmd_axes, variable_names
-
-STAGE = "stage"
-# per-stage offload: a repeat's weights fetched from host memory, and what a round keeps for its backward pass
-STAGE_WEIGHTS = "pipeline_stage_weights"
-ITERATION_INPUTS = "pipeline_iteration_inputs"
+from nnxtron.parallel.sharding import Rules, activate, active_mesh, spmd_axes
 
 
 def without_axis(rules: Rules, axis: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -124,104 +145,6 @@ class PipelinedStack(LayerStack):
         return y, aux
 
 
-def _staged_spec(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
-    """[stages, microbatch rows, length, ...] activations: stage axis, then the batch rules."""
-    batch = tuple(logical_to_spec(("activation_batch", "activation_length"), rules, mesh))
-    return NamedSharding(mesh, PartitionSpec(STAGE, *batch[: ndim - 1], *(None,) * max(ndim - 3, 0)))
-
-
-def _buffer_spec(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
-    """[stages, microbatches, microbatch rows, length, ...] buffer: stage axis, then the batch rules."""
-    batch = tuple(logical_to_spec(("activation_batch", "activation_length"), rules, mesh))
-    return NamedSharding(mesh, PartitionSpec(STAGE, None, *batch[: ndim - 2], *(None,) * max(ndim - 4, 0)))
-
-
-def _weight_spec(
-    variable: nnx.Variable, mesh: Mesh, rules: Rules, drop_fsdp: bool, *, repeat_axis: bool = True, memory_kind: str | None = None
-) -> NamedSharding:
-    """[repeats, stages, lps, ...] stage weights (``[stages, lps, ...]`` without ``repeat_axis``) of the
-    stack variable ``variable`` (``[P, ...]``): the stage axis on the stage dimension, the rest by its names."""
-    names = variable_names(variable)
-    rank = len(variable.shape) - 1
-    rest = list(logical_to_spec(names[1:], rules, mesh)) if names is not None else [None] * rank
-    if drop_fsdp:  # pipeline_fsdp_ag_once: gathered over fsdp once, before the iterations
-        keep = [tuple(a for a in ((e,) if isinstance(e, str) else e) if a != "fsdp") if e else () for e in rest]
-        rest = [None if not e else e[0] if len(e) == 1 else e for e in keep]
-    lead = (None, STAGE) if repeat_axis else (STAGE,)
-    return NamedSharding(mesh, PartitionSpec(*lead, None, *rest), memory_kind=memory_kind)
-
-
-def _is_variable(node: Any) -> bool:
-    return isinstance(node, nnx.Variable)
-
-
-def _to_stages(
-    state: nnx.State, spec: PipelineSpec, mesh: Mesh, rules: Rules, drop_fsdp: bool, memory_kind: str | None = None
-) -> nnx.State:
-    """[P, ...] stacked variables -> [repeats, stages, lps, ...] placed on the stage axis
-    (block ``(r * stages + s) * lps + j`` at ``[r, s, j]``); ``memory_kind`` host keeps them in host memory."""
-
-    def one(variable: nnx.Variable) -> nnx.Variable:
-        value = variable.get_value()
-        staged = value.reshape(spec.repeats, spec.stages, spec.layers_per_stage, *value.shape[1:])
-        sharding = _weight_spec(variable, mesh, rules, drop_fsdp, memory_kind=memory_kind)
-        place = jax.lax.with_sharding_constraint if memory_kind is None else jax.device_put
-        return variable.replace(place(staged, sharding))
-
-    return jax.tree.map(one, state, is_leaf=_is_variable)
-
-
-def _device_mover(params: nnx.State, mesh: Mesh, rules: Rules, drop_fsdp: bool, repeat_axis: bool) -> Callable:
-    """A function moving staged weights (``[repeats, stages, lps, ...]``, or one repeat's
-    ``[stages, lps, ...]`` without ``repeat_axis``) of the stack ``params`` into device memory."""
-    specs = jax.tree.map(lambda v: _weight_spec(v, mesh, rules, drop_fsdp, repeat_axis=repeat_axis), params, is_leaf=_is_variable)
-
-    def move(staged: nnx.State) -> nnx.State:
-        return jax.tree.map(lambda v, sh: v.replace(jax.device_put(v.get_value(), sh)), staged, specs, is_leaf=_is_variable)
-
-    return move
-
-
-def _from_stages(state: nnx.State, blocks: int) -> nnx.State:
-    return jax.tree.map(lambda v: v.reshape(blocks, *v.shape[3:]), state)
-
-
-def _for_stages(state: nnx.State, repeat_ids: jax.Array | None) -> nnx.State:
-    """Each stage's [lps, ...] slice of its current repeat: [stages, lps, ...].
-
-    ``repeat_ids`` None (one repeat, GPipe) takes repeat 0 statically: a slice of a
-    loop-invariant input stays loop-invariant, so autodiff does not keep a copy of the
-    stage weights for every iteration."""
-    if repeat_ids is None:
-        return jax.tree.map(lambda w: w[0], state)
-    return jax.tree.map(lambda w: jax.vmap(lambda ws, r: ws[r], in_axes=(1, 0))(w, repeat_ids), state)
-
-
-def _pick(weights: nnx.State | tuple[nnx.State, nnx.State], choice: jax.Array | None) -> nnx.State:
-    """Each stage's ``[lps, ...]`` weights for this iteration: ``_for_stages`` by repeat id, or, for
-    per-stage offload, from a pair (previous repeat, current repeat) on device by ``choice``
-    (per stage: True = current)."""
-    if not isinstance(weights, tuple):
-        return _for_stages(weights, choice)
-    previous, current = weights
-    one = jax.vmap(lambda p, c, use: jnp.where(use, c, p))
-    return jax.tree.map(lambda p, c: one(p, c, choice), previous, current)
-
-
-def _write_back(state: nnx.State, repeat_ids: jax.Array, new: nnx.State, valid: jax.Array) -> nnx.State:
-    """Store each stage's new non-trainable state for its repeat, where the stage was not in a bubble."""
-    old_leaves, treedef = jax.tree.flatten(state)
-    new_leaves = jax.tree.leaves(new)
-    if len(old_leaves) != len(new_leaves):
-        raise ValueError("a pipeline stage changed the structure of its non-trainable state")
-
-    def one(ws: jax.Array, r: jax.Array, n: jax.Array, v: jax.Array) -> jax.Array:
-        return ws.at[r].set(jnp.where(v, n.astype(ws.dtype), ws[r]))
-
-    put = jax.vmap(one, in_axes=(1, 0, 0, 0), out_axes=1)
-    return jax.tree.unflatten(treedef, [put(w, repeat_ids, n, valid) for w, n in zip(old_leaves, new_leaves, strict=True)])
-
-
 def _indexed_stack(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -263,6 +186,153 @@ def _indexed_stack(
     return y, {name: jnp.sum(value, axis=0) for name, value in aux.items()}, add_stack_axis(new_rest, axis_name)
 
 
+class Microbatches(NamedTuple):
+    """The inputs split into ``M`` microbatches (``parallel.microbatch``), leading axis ``[M]``."""
+
+    x: jax.Array  # [M, mb, ...]
+    args: tuple[jax.Array, ...]  # per-row arrays (positions, segment ids, token ids)
+    keys: Keys | None  # per-row dropout keys
+
+    @classmethod
+    def split(cls, x: jax.Array, args: tuple, dropout_keys: Keys | None, count: int) -> Microbatches:
+        keys_part = {} if dropout_keys is None else {"dropout_keys": dropout_keys}
+        parts = split_microbatches({"x": x, **{f"arg{i}": a for i, a in enumerate(args)}, **keys_part}, count)
+        return cls(parts["x"], tuple(parts[f"arg{i}"] for i in range(len(args))), parts.get("dropout_keys"))
+
+
+class Carry(NamedTuple):
+    """What one iteration hands the next."""
+
+    buffer: jax.Array  # [S, M, mb, ...]: each stage's copy of the microbatch buffer (stage 0's is used)
+    shift: jax.Array  # [S, mb, ...]: what each stage takes from the previous one
+    previous: jax.Array  # [S, mb, ...]: the outputs of the iteration before (delayed forwarding)
+    state: nnx.State  # [R, S, lps, ...]: the stack's non-trainable state
+    aux_sum: Aux  # aux losses summed over the real slots
+
+
+StageStep = Callable[..., tuple[jax.Array, Aux, nnx.State]]
+
+
+def stage_step(graphdef: nnx.GraphDef, spec: PipelineSpec, remat: RematSpec, axis_name: str, unroll: bool) -> StageStep:
+    """All stages' work in one iteration, ``(weights, state, h, args, choice, repeat_ids, keys)
+    -> (y, aux, new state)``, each ``[S, ...]``: every stage applies its ``lps`` blocks to its
+    activations ``h`` at once (``jax.vmap`` over the stage axis with ``spmd_axis_name``), on the
+    weights ``pipeline_weights.pick(weights, choice)`` and the state of its repeat.
+
+    ``keys``: () or (each stage's dropout keys, each stage's first block index). ``unroll``:
+    the blocks in a Python loop (``scan_layers=false``), else ``_indexed_stack``. Per-iteration
+    remat wraps this step only: the checkpoint keeps its inputs (activations, repeat ids, the
+    small non-trainable state), never the microbatch buffer, and the stage weights are
+    loop-invariant."""
+    layer_remat = remat if spec.remat_layers else RematSpec("none")
+    lps = spec.layers_per_stage
+
+    def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple, keys: Keys | None, first: jax.Array | None) -> tuple:
+        ids = None if keys is None else first + jnp.arange(lps, dtype=jnp.int32)
+        if unroll:
+            return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name, keys, ids, unroll=unroll)
+        return _indexed_stack(graphdef, p, r, h, a, layer_remat, axis_name, keys, ids)
+
+    run_stages = jax.vmap(run_stage, spmd_axis_name=STAGE)
+
+    def step(
+        weights: Weights,
+        state: nnx.State,
+        h: jax.Array,
+        a: tuple,
+        choice: jax.Array | None,
+        repeat_ids: jax.Array | None,
+        keys: tuple,
+    ) -> tuple:
+        return run_stages(pick(weights, choice), for_stages(state, repeat_ids), h, a, *(keys or (None, None)))
+
+    policy = jax_policy(remat) if spec.remat_iterations else None
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy, prevent_cse=not spec.scan_iterations)
+    return step
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One run of the schedule on its inputs: the loops over rounds and iterations, and one iteration."""
+
+    spec: PipelineSpec
+    schedule: Schedule
+    placement: Placement
+    micro: Microbatches
+    step: StageStep
+
+    def start(self, state: nnx.State, feed: WeightFeed) -> Carry:
+        """The carry before iteration 0: the buffer holds the inputs, the aux sums are zero."""
+        micro, stages = self.micro, self.spec.stages
+        zeros = self.placement.stages(jnp.zeros((stages, *micro.x.shape[1:]), micro.x.dtype))
+
+        def first_aux() -> Aux:  # the step's aux losses on iteration 0's inputs (abstractly: only their names)
+            ids = jnp.zeros(stages, jnp.int32)
+            by_repeat = ids if self.spec.circular else None
+            args = tuple(jnp.take(m, ids, axis=0) for m in micro.args)
+            keys = () if micro.keys is None else (jnp.take(micro.keys, ids, axis=0), ids)
+            weights = feed.round(jnp.int32(0), feed.at(0))
+            return self.step(weights.weights, state, zeros, args, weights.choice(ids, by_repeat), by_repeat, keys)[1]
+
+        buffer = self.placement.buffer(jnp.broadcast_to(micro.x[None], (stages, *micro.x.shape)))
+        aux_sum = {name: jnp.zeros((), jnp.float32) for name in jax.eval_shape(first_aux)}
+        return Carry(buffer, zeros, zeros, state, aux_sum)
+
+    def iteration(self, carry: Carry, t: jax.Array, weights: RoundWeights) -> Carry:
+        """Iteration ``t`` (``pipeline_schedule``): the stages take their inputs, run, write back
+        their state, and pass their outputs on; the last stage's output goes into the buffer."""
+        spec, place = self.spec, self.placement.stages
+        slots = self.schedule.slots(t)
+        h = place(stage_activations(carry.buffer, carry.shift, slots, self.schedule))
+        a = tuple(place(jnp.take(m, slots.micro_ids, axis=0)) for m in self.micro.args)
+        keys = ()
+        if self.micro.keys is not None:
+            keys = (place(jnp.take(self.micro.keys, slots.micro_ids, axis=0)), self.schedule.first_blocks(slots.repeat_ids))
+        by_repeat = slots.repeat_ids if spec.circular else None
+        choice = weights.choice(slots.repeat_ids, by_repeat)
+        h, a, state_in = weights.saved_inputs((h, a, carry.state))
+        y, aux, new_state = self.step(weights.weights, state_in, h, a, choice, by_repeat, keys)
+        y = place(y)
+        state = write_back(carry.state, slots.repeat_ids, new_state, slots.valid)
+        aux_sum = add_valid(carry.aux_sum, aux, slots.valid)
+        shift, arrived, previous = pass_on(y, carry.previous, spec.delay, place)
+        buffer = collect(carry.buffer, arrived, t, self.schedule, self.placement.buffer)
+        return Carry(buffer, shift, previous, state, aux_sum)
+
+    def iterations(self, carry: Carry, first: jax.Array, count: int, weights: RoundWeights) -> Carry:
+        """Iterations ``first .. first + count - 1``: a scan, or a Python loop (``scan_pipeline_iterations``)."""
+        if self.spec.scan_iterations:
+            step = lambda c, t: (self.iteration(c, t, weights), None)  # noqa: E731
+            return jax.lax.scan(step, carry, first + jnp.arange(count))[0]
+        for u in range(count):
+            carry = self.iteration(carry, first + u, weights)
+        return carry
+
+    def rounds(self, carry: Carry, feed: WeightFeed) -> Carry:
+        """The whole schedule, one loop for weights on device and in host memory: round ``r``
+        runs iterations ``[r * M, (r + 1) * M)`` on ``feed.round``'s weights (a scan over the
+        rounds, or a Python loop: ``scan_pipeline_repeats``), then the drain runs the last
+        ``d * (S - 1)`` iterations, ``M * R + d * (S - 1)`` in all."""
+        micro, repeats = self.spec.microbatches, self.spec.repeats
+
+        def one_round(c: Carry, xs: tuple) -> Carry:
+            r, sliced = xs
+            return self.iterations(c, r * micro, micro, feed.round(r, sliced))
+
+        def drain(c: Carry, last: Any) -> Carry:
+            return self.iterations(c, jnp.int32(repeats * micro), self.spec.tail_iterations, feed.drain(last))
+
+        one_round, drain = feed.checkpointed(one_round), feed.checkpointed(drain)
+        if self.spec.scan_repeats:
+            step = lambda c, xs: (one_round(c, xs), None)  # noqa: E731
+            carry = jax.lax.scan(step, carry, (jnp.arange(repeats), feed.per_round))[0]
+        else:
+            for r in range(repeats):
+                carry = one_round(carry, (jnp.int32(r), feed.at(r)))
+        return drain(carry, feed.last)
+
+
 def run_pipeline(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -288,166 +358,13 @@ def run_pipeline(
 
     Returns the output ``[B, ...]``, the aux losses (mean over microbatches of their sum
     over blocks) and the new stacked non-trainable state."""
-    stages, micro, repeats, delay = spec.stages, spec.microbatches, spec.repeats, spec.delay
     inner = without_axis(rules, STAGE)
-    layer_remat = remat if spec.remat_layers else RematSpec("none")
-
-    lps = spec.layers_per_stage
-
-    def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple, keys: Keys | None, first: jax.Array | None) -> tuple:
-        ids = None if keys is None else first + jnp.arange(lps, dtype=jnp.int32)
-        if unroll:
-            return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name, keys, ids, unroll=unroll)
-        return _indexed_stack(graphdef, p, r, h, a, layer_remat, axis_name, keys, ids)
-
-    run_stages = jax.vmap(run_stage, spmd_axis_name=STAGE)
-
     with activate(mesh, inner), spmd_axes(STAGE):
-        keys_part = {} if dropout_keys is None else {"dropout_keys": dropout_keys}
-        parts = split_microbatches({"x": x, **{f"arg{i}": a for i, a in enumerate(args)}, **keys_part}, micro)
-        micro_args = tuple(parts[f"arg{i}"] for i in range(len(args)))
-        micro_keys = parts.get("dropout_keys")
-        host = spec.host_weights  # per-stage offload: the weights stay in host memory until their repeat
-        staged_params = _to_stages(
-            params, spec, mesh, inner, drop_fsdp=spec.fsdp_ag_once and not host, memory_kind=OFFLOAD_DST if host else None
-        )
-        if host and repeats == 1:  # GPipe: every stage uses its weights in every iteration
-            staged_params = _device_mover(params, mesh, inner, spec.fsdp_ag_once, repeat_axis=True)(staged_params)
-            host = False
-        staged_rest = _to_stages(rest, spec, mesh, inner, drop_fsdp=False)
-        stage_ids = jnp.arange(stages)
-        place = lambda h: jax.lax.with_sharding_constraint(h, _staged_spec(mesh, inner, h.ndim))  # noqa: E731
-        # the microbatch buffer [stages, M, mb, ...]: one copy per stage, on the stage's devices.
-        # Only stage 0's copy is read and written meaningfully (the others take the same
-        # updates and are discarded): a buffer shared by the stages would need the last
-        # stage's output sent to every stage (an all-reduce) and its index every iteration
-        keep = lambda b: jax.lax.with_sharding_constraint(b, _buffer_spec(mesh, inner, b.ndim))  # noqa: E731
-        read = jax.vmap(lambda b, m: jax.lax.dynamic_index_in_dim(b, m, 0, keepdims=False))
-        put = jax.vmap(lambda b, v, m: jax.lax.dynamic_update_index_in_dim(b, v, m, 0))
-
-        def compute(
-            weights: nnx.State | tuple,
-            state: nnx.State,
-            h: jax.Array,
-            a: tuple,
-            choice: jax.Array | None,
-            repeat_ids: jax.Array | None,
-            keys: tuple,
-        ) -> tuple:
-            """The stages' work in one iteration, on the weights (``_pick(weights, choice)``) and
-            state of their repeats; ``keys``: () or (each stage's dropout keys, each stage's first
-            block index)."""
-            stage_weights = _pick(weights, choice)
-            return run_stages(stage_weights, _for_stages(state, repeat_ids), h, a, *(keys or (None, None)))
-
-        # per-iteration remat wraps the stages' work only: the checkpoint keeps its inputs
-        # (activations, repeat ids, the small non-trainable state), never the microbatch
-        # buffer, and the stage weights are loop-invariant
-        policy = jax_policy(remat) if spec.remat_iterations else None
-        if policy is not None:
-            compute = jax.checkpoint(compute, policy=policy, prevent_cse=not spec.scan_iterations)
-
-        def first_blocks(repeat_ids: jax.Array) -> jax.Array:
-            """Each stage's first block index in the stack: block ``(r * stages + s) * lps + j``."""
-            return ((repeat_ids * stages + stage_ids) * lps).astype(jnp.int32)
-
-        def iteration(carry: tuple, t: jax.Array, weights: nnx.State | tuple, current: jax.Array | None) -> tuple:
-            """One step of the schedule at iteration ``t``; ``weights``: the staged weights, or
-            under per-stage offload the pair on device (repeat ``current`` - 1, repeat ``current``)."""
-            buffer, shift, previous, state, aux_sum = carry
-            item = t - delay * stage_ids  # what each stage works on (see config.pipeline)
-            valid = (item >= 0) & (item < micro * repeats)
-            item = jnp.clip(item, 0, micro * repeats - 1)
-            micro_ids, repeat_ids = item % micro, item // micro
-            # every stage reads its own copy of the buffer (only stage 0 keeps it, see below)
-            first = read(buffer, micro_ids)
-            is_first = (stage_ids == 0).reshape(stages, *(1,) * (shift.ndim - 1))
-            h = place(jnp.where(is_first, first, shift))
-            a = tuple(place(jnp.take(m, micro_ids, axis=0)) for m in micro_args)
-            keys = () if micro_keys is None else (place(jnp.take(micro_keys, micro_ids, axis=0)), first_blocks(repeat_ids))
-            by_repeat = repeat_ids if repeats > 1 else None
-            choice = by_repeat if current is None else repeat_ids == current
-            if current is not None:  # per-stage offload: what a round's backward pass keeps (see below)
-                h, a, state_in = jax.tree.map(lambda v: checkpoint_name(v, ITERATION_INPUTS), (h, a, state))
-            else:
-                state_in = state
-            y, aux, new_state = compute(weights, state_in, h, a, choice, by_repeat, keys)
-            y = place(y)
-            state = _write_back(state, repeat_ids, new_state, valid)
-            aux_sum = {name: aux_sum[name] + jnp.sum(jnp.where(valid, value, 0.0)) for name, value in aux.items()}
-            sent = y if delay == 1 else previous  # delayed forwarding: last iteration's outputs move on
-            shift = place(jnp.roll(sent, 1, axis=0))
-            # the last stage's output, moved one stage on (the shift itself without delay),
-            # reaches stage 0's buffer; the last stage's item is a function of t alone, so no
-            # stage reads another stage's ids
-            arrived = shift if delay == 1 else place(jnp.roll(y, 1, axis=0))
-            last = t - delay * (stages - 1)
-            last_micro = jnp.clip(last, 0, micro * repeats - 1) % micro
-            last_ids = jnp.full((stages,), last_micro)
-            done = read(buffer, last_ids)
-            buffer = keep(put(buffer, jnp.where((last >= 0) & (last < micro * repeats), arrived, done), last_ids))
-            return buffer, shift, y if delay > 1 else previous, state, aux_sum
-
-        def run_iterations(
-            carry: tuple, first: jax.Array, count: int, weights: nnx.State | tuple, current: jax.Array | None = None
-        ) -> tuple:
-            if spec.scan_iterations:
-                step = lambda c, t: (iteration(c, t, weights, current), None)  # noqa: E731
-                return jax.lax.scan(step, carry, first + jnp.arange(count))[0]
-            for u in range(count):
-                carry = iteration(carry, first + u, weights, current)
-            return carry
-
-        zeros = place(jnp.zeros((stages, *parts["x"].shape[1:]), x.dtype))
-        first_ids = jnp.zeros(stages, jnp.int32)
-        first_args = tuple(jnp.take(m, first_ids, axis=0) for m in micro_args)
-        first_keys = () if micro_keys is None else (jnp.take(micro_keys, first_ids, axis=0), first_ids)
-        if host:
-            to_device = _device_mover(params, mesh, inner, spec.fsdp_ag_once, repeat_axis=False)
-            fetch = lambda w: checkpoint_name(to_device(w), STAGE_WEIGHTS)  # noqa: E731
-            first = jax.tree.map(lambda w: w[0], staged_params)
-            on_first = lambda w, *a: compute((fetch(w), fetch(w)), *a)  # noqa: E731
-            aux_names = jax.eval_shape(on_first, first, staged_rest, zeros, first_args, first_ids == 0, first_ids, first_keys)[1]
-        else:
-            by_repeat = first_ids if repeats > 1 else None
-            shapes = jax.eval_shape(compute, staged_params, staged_rest, zeros, first_args, by_repeat, by_repeat, first_keys)
-            aux_names = shapes[1]
-        buffer = keep(jnp.broadcast_to(parts["x"][None], (stages, *parts["x"].shape)))
-        carry = (buffer, zeros, zeros, staged_rest, {name: jnp.zeros((), jnp.float32) for name in aux_names})
-        if host:
-            # per-stage offload: round r brings repeat r's weights to device, and repeat r - 1's,
-            # which a stage s is still on for its first delay * s iterations of the round
-            # (config.pipeline needs M > delay * (stages - 1)); the backward pass fetches them
-            # again rather than keeping every repeat's device copy as a residual
-            def one_round(c: tuple, xs: tuple) -> tuple:
-                r, weights, previous = xs
-                return run_iterations(c, r * micro, micro, (fetch(previous), fetch(weights)), r)
-
-            def drain(c: tuple, weights: nnx.State) -> tuple:
-                last = fetch(weights)
-                return run_iterations(c, jnp.int32(repeats * micro), spec.tail_iterations, (last, last), jnp.int32(repeats - 1))
-
-            refetch = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUTS)
-            one_round = jax.checkpoint(one_round, policy=refetch, prevent_cse=False)
-            drain = jax.checkpoint(drain, policy=refetch, prevent_cse=False)
-            previous = jax.tree.map(lambda w: jnp.roll(w, 1, axis=0), staged_params)  # [r] = repeat r - 1 (host)
-            if spec.scan_repeats:
-                step = lambda c, xs: (one_round(c, xs), None)  # noqa: E731
-                carry = jax.lax.scan(step, carry, (jnp.arange(repeats), staged_params, previous))[0]
-            else:
-                for r in range(repeats):
-                    at = lambda tree, r=r: jax.tree.map(lambda w: w[r], tree)  # noqa: E731
-                    carry = one_round(carry, (jnp.int32(r), at(staged_params), at(previous)))
-            carry = drain(carry, jax.tree.map(lambda w: w[repeats - 1], staged_params))
-        else:
-            if spec.scan_repeats:
-                step = lambda c, r: (run_iterations(c, r * micro, micro, staged_params), None)  # noqa: E731
-                carry = jax.lax.scan(step, carry, jnp.arange(repeats))[0]
-            else:
-                for r in range(repeats):
-                    carry = run_iterations(carry, jnp.int32(r * micro), micro, staged_params)
-            carry = run_iterations(carry, jnp.int32(repeats * micro), spec.tail_iterations, staged_params)
-        buffer, _, _, state, aux_sum = carry
-        y = merge_microbatches(buffer[0])
-    aux = {name: value / micro for name, value in aux_sum.items()}
-    return y, aux, _from_stages(state, spec.blocks)
+        micro = Microbatches.split(x, args, dropout_keys, spec.microbatches)
+        feed = stage_weights(params, spec, mesh, inner)
+        state = to_stages(rest, spec, mesh, inner, drop_fsdp=False)
+        run = _Run(spec, Schedule(spec), Placement(mesh, inner), micro, stage_step(graphdef, spec, remat, axis_name, unroll))
+        carry = run.rounds(run.start(state, feed), feed)
+        y = merge_microbatches(carry.buffer[0])
+    aux = {name: value / spec.microbatches for name, value in carry.aux_sum.items()}
+    return y, aux, from_stages(carry.state, spec.blocks)

@@ -17,10 +17,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import jax
-from jax._src import compilation_cache
+from jax.experimental.compilation_cache import compilation_cache
 
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
+from nnxtron.runtime.private_api import compilation_cache_dir
 
 
 def resolve_cache_dir(cfg: Config) -> str | None:
@@ -36,9 +37,7 @@ def _check_writable(directory: str, cfg: Config) -> None:
     """Create ``directory`` and write a probe file in it, or raise one ConfigError line.
     A URL is left to JAX (it needs ``etils[epath]``, checked here)."""
     if "://" in directory:
-        from jax._src import path as jax_path
-
-        if not jax_path.epath_installed:
+        if not _epath_installed():
             raise ConfigError(
                 f"compilation_cache_dir={directory!r} is a URL, which JAX reads through etils[epath]; "
                 "install it (pip install 'etils[epath]') or set a local directory"
@@ -80,16 +79,20 @@ def enable_compilation_cache(cfg: Config) -> str | None:
 def _point_jax_at(path: str | None) -> None:
     """Set JAX's cache directory; a cache JAX already built for another directory is dropped
     (the next compile builds it again for ``path``)."""
-    if jax.config.jax_compilation_cache_dir == path and _built_for() in (None, path):
+    if jax.config.jax_compilation_cache_dir == path and compilation_cache_dir() in (None, path):
         return
     jax.config.update("jax_compilation_cache_dir", path)
     compilation_cache.reset_cache()
 
 
-def _built_for() -> str | None:
-    """The directory of the cache JAX has built in this process (None: not built yet)."""
-    cache = compilation_cache._cache
-    return None if cache is None else str(cache._path)
+def _epath_installed() -> bool:
+    """Whether ``etils.epath``, through which JAX reads a cache directory that is a URL, imports
+    (JAX makes the same test when it loads)."""
+    try:
+        from etils import epath  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # JAX's monitoring events (jax/_src/compiler.py, compilation_cache.py) -> our names

@@ -14,15 +14,19 @@ JAX's own heartbeat (set to twice as long) would abort them with a stack dump.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
 
 from nnxtron.errors import UserError
+from nnxtron.runtime.private_api import coordination_client
 
 EXIT_PEER_LOST = 3  # another process died or stopped answering; the run resumes from its last checkpoint
+EXIT_JOIN_FAILED = 2  # the run could not be joined (as a bad command line: nothing was started)
 
-INIT_TIMEOUT_S = 300
+INIT_TIMEOUT_S = 300  # --init-timeout: joining (the coordinator answers, every process registers) takes at most this
+JAX_INIT_GRACE_S = 30  # JAX's own deadline comes this much later: it aborts the process with a C++ stack dump
 PEER_TIMEOUT_S = 60  # a process silent this long (JAX's heartbeat) is taken for dead; the others stop
 
 
@@ -32,9 +36,13 @@ def initialize(
     process_id: int | None = None,
     detect: bool = False,
     peer_timeout: int = PEER_TIMEOUT_S,
+    init_timeout: int = INIT_TIMEOUT_S,
 ) -> bool:
     """Join the distributed run described by the arguments; False (nothing done) when none
-    is given and ``detect`` is off. Must run before anything touches a JAX backend."""
+    is given and ``detect`` is off. Must run before anything touches a JAX backend.
+
+    Not joined within ``init_timeout`` seconds (no coordinator answers, a process was never
+    started): the process ends with one line and status 2 (``_JoinDeadline``)."""
     given = [coordinator_address, num_processes, process_id]
     if not detect and all(v is None for v in given):
         return False
@@ -43,8 +51,9 @@ def initialize(
             "--coordinator-address, --num-processes and --process-id go together; give all three, "
             "or --distributed to detect them from the cluster (SLURM, MPI, TPU, Kubernetes)"
         )
-    if peer_timeout < 1:
-        raise UserError(f"--peer-timeout must be at least 1 second, got {peer_timeout}")
+    for flag, seconds in (("--peer-timeout", peer_timeout), ("--init-timeout", init_timeout)):
+        if seconds < 1:
+            raise UserError(f"{flag} must be at least 1 second, got {seconds}")
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes must be at least 1, got {num_processes}")
     if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
@@ -53,13 +62,14 @@ def initialize(
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only read by the CPU backend
     try:
-        jax.distributed.initialize(
-            coordinator_address,
-            num_processes,
-            process_id,
-            initialization_timeout=INIT_TIMEOUT_S,
-            heartbeat_timeout_seconds=2 * peer_timeout,  # the PeerWatch speaks first, in one line
-        )
+        with _JoinDeadline(init_timeout, coordinator_address, num_processes):
+            jax.distributed.initialize(
+                coordinator_address,
+                num_processes,
+                process_id,
+                initialization_timeout=init_timeout + JAX_INIT_GRACE_S,  # _JoinDeadline speaks first, in one line
+                heartbeat_timeout_seconds=2 * peer_timeout,  # the PeerWatch speaks first, in one line
+            )
     except (RuntimeError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
@@ -70,6 +80,52 @@ def initialize(
     _WATCH = PeerWatch(peer_timeout)
     _WATCH.start()
     return True
+
+
+class _JoinDeadline:
+    """Ends the process with one line and status 2 when joining takes longer than ``seconds``.
+
+    JAX gives up on an unreachable coordinator (or on processes that never register) by
+    aborting the whole process from C++ (SIGABRT and a stack dump, no Python exception to
+    catch); a timer thread speaks first. ``jax.distributed.initialize`` releases the GIL while
+    it waits, so the timer runs."""
+
+    def __init__(self, seconds: int, address: str | None, processes: int | None):
+        self.seconds, self.address, self.processes = seconds, address, processes
+        self.timer = threading.Timer(seconds, self._expired)
+        self.timer.daemon = True
+
+    def __enter__(self) -> _JoinDeadline:
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.cancel()
+
+    def _expired(self) -> None:
+        where = f"the coordinator {self.address}" if self.address else "the coordinator found by --distributed"
+        if self.address and not _answers(self.address):
+            problem = f"{where} does not answer (nothing listens there, or a firewall drops it)"
+        else:
+            count = f"all {self.processes} processes" if self.processes else "every process"
+            problem = f"{where} answers but not {count} joined (one was not started, or has another address)"
+        print(
+            f"error: could not join the distributed run within {self.seconds} s (--init-timeout): {problem}; check the "
+            "address and port, and start every process with the same --coordinator-address and --num-processes",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_JOIN_FAILED)
+
+
+def _answers(address: str) -> bool:
+    """Whether a TCP connection to ``HOST:PORT`` is accepted within a second."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def shutdown() -> None:
@@ -98,10 +154,9 @@ class PeerWatch(threading.Thread):
 
     def __init__(self, timeout: float):
         import jax
-        from jax._src import distributed
 
         super().__init__(name="nnxtron-peer-watch", daemon=True)
-        self.client = distributed.global_state.client
+        self.client = coordination_client()
         self.me, self.count = jax.process_index(), jax.process_count()
         self.timeout, self.period = float(timeout), max(float(timeout) / 6, 0.2)
         self.done = threading.Event()

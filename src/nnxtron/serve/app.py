@@ -9,9 +9,13 @@ string, cancels its sequences (``engine.cancel``), which frees their KV blocks.
 
 Errors are OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` with
 400 (bad input, including pydantic's validation errors and malformed JSON), 401 (API key),
-404 (unknown model or route), 429 (queue full, with ``Retry-After``), 504 (the request timed
-out) and 500 (anything else); the server keeps serving. Once a stream has begun, an error
-arrives as a last ``data: {"error": ...}`` event before ``data: [DONE]``.
+404 (unknown model or route), 408 / 413 (a body too slow or too large: ``serve/limits.py``),
+429 (queue full, with ``Retry-After``), 504 (the request timed out) and 500 (anything else);
+the server keeps serving. Once a stream has begun, an error arrives as a last
+``data: {"error": ...}`` event before ``data: [DONE]``.
+
+Chat templates are rendered, and prompts tokenized, in worker threads (``ServeState.off_loop``),
+so that a large prompt does not stop the event loop from answering others (``/health``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nnxtron.errors import UserError
+from nnxtron.serve.limits import BodyGuard
 from nnxtron.serve.protocol import (
     DONE,
     APIError,
@@ -80,7 +85,7 @@ def _completion_prompts(state: ServeState, prompt: str | list) -> list[list[int]
         items = [list(prompt)]
     else:
         items = list(prompt)
-    if not items:
+    if not items or any(p == "" for p in items):
         raise APIError(400, "the prompt is empty", param="prompt")
     bos = [state.tokenizer.bos_id] if state.tokenizer.bos_id >= 0 else []
     return [
@@ -300,7 +305,8 @@ def create_app(state: ServeState) -> FastAPI:
     """The FastAPI application of ``state`` (its engine already started)."""
     app = FastAPI(title="nnxtron", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
-    app.add_middleware(_Gate, state=state)
+    app.add_middleware(BodyGuard, limits=state.limits)
+    app.add_middleware(_Gate, state=state)  # outermost: it also counts the refusals of BodyGuard
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
@@ -357,7 +363,7 @@ def create_app(state: ServeState) -> FastAPI:
         state.check_model(body.model)
         body.check_supported()
         stops = body.stop_strings()
-        prompts = _completion_prompts(state, body.prompt)
+        prompts = await state.off_loop(_completion_prompts, state, body.prompt)
         max_tokens = _max_tokens(state, prompts, body.max_tokens, 16)
         run = _start_run(state, body, prompts, max_tokens, body.logprobs, stops, start)
         rid, created = new_id("cmpl"), now()
@@ -374,7 +380,7 @@ def create_app(state: ServeState) -> FastAPI:
         body.check_supported()
         stops = body.stop_strings()
         logprobs = body.logprob_count()
-        prompt = _chat_prompt(state, body)
+        prompt = await state.off_loop(_chat_prompt, state, body)
         max_tokens = _max_tokens(state, [prompt], body.requested_max_tokens(), None)
         run = _start_run(state, body, [prompt], max_tokens, logprobs, stops, start)
         rid, created = new_id("chatcmpl"), now()

@@ -8,13 +8,14 @@ and uses these pieces to read them and write their answers.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nnxtron.data.detokenize import PARTIAL, TextStream, text_after
 from nnxtron.data.tokenizer import Tokenizer
@@ -120,6 +121,15 @@ class _Request(BaseModel):
     user: str | None = None
     return_token_ids: bool = False  # extension: each choice carries the ids it generated (token_ids)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """Refuse text with a lone surrogate (JSON's "\\ud800"): it is not Unicode text, and neither the
+        tokenizer nor an answer that quoted it could encode it."""
+        if _has_lone_surrogate(value):
+            raise ValueError("the text holds a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode")
+        return value
+
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP:
@@ -148,6 +158,25 @@ class _Request(BaseModel):
             seed=seed,
             logprobs=logprobs,
         )
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string in the JSON value ``value`` (its keys too) holds a surrogate code point."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 class CompletionRequest(_Request):

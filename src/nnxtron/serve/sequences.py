@@ -16,17 +16,21 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from nnxtron.data.chat_template import ChatTemplate
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.infer.engine import QueueFull, SamplingParams, TokenEvent
+from nnxtron.serve.limits import Limits
 from nnxtron.serve.metrics import Metrics
 from nnxtron.serve.protocol import APIError, CompletionText, TokenLogprob, now
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,6 +47,15 @@ class ServeState:
     request_timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=now)
+    limits: Limits = field(default_factory=Limits)  # request body size and read time
+    work_threads: int = 4  # threads that render chat templates and tokenize prompts, off the event loop
+    _work_limiter: anyio.CapacityLimiter | None = field(default=None, init=False, repr=False)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in one of ``work_threads`` worker threads, so that the event loop keeps answering."""
+        if self._work_limiter is None:
+            self._work_limiter = anyio.CapacityLimiter(self.work_threads)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._work_limiter)
 
     @property
     def max_length(self) -> int:

@@ -2,13 +2,16 @@
 
 ``serve`` checks its options and takes the port first (a port in use is one line, before the
 model is read), then loads the model, its tokenizer and chat template (``load``), starts the
-continuous-batching engine (``make_engine``) and runs uvicorn on the bound socket until
-SIGINT / SIGTERM; the engine is stopped on the way out.
+continuous-batching engine (``make_engine``) and runs uvicorn (``make_server``: the request
+limits of ``serve/limits.py``) on the bound socket until SIGINT / SIGTERM. On either signal it
+stops accepting, lets the requests in flight finish for ``--drain-timeout`` seconds, stops
+the engine and returns (SIGTERM) or raises ``KeyboardInterrupt`` (SIGINT: exit status 130).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 import sys
 from collections.abc import Callable, Iterable
@@ -28,9 +31,13 @@ from nnxtron.infer.engine import Engine
 from nnxtron.infer.paging import Paging
 from nnxtron.runtime.compile_cache import enable_compilation_cache
 from nnxtron.serve.app import create_app
+from nnxtron.serve.limits import KEEP_ALIVE_SECONDS, MAX_HEADER_BYTES, GracefulServer, Limits, read_timeout_protocol
 from nnxtron.serve.sequences import ServeState
 
-__all__ = ["DEFAULT_MAX_LENGTH", "Loaded", "ServeOptions", "listen", "load", "load_chat_template", "make_engine", "serve"]
+__all__ = [
+    "DEFAULT_MAX_LENGTH", "Loaded", "ServeOptions", "listen", "load", "load_chat_template", "make_engine", "make_server",
+    "serve",
+]  # fmt: skip
 
 DEFAULT_MAX_LENGTH = 4096  # the context when --max-length is not given (at most the model's max_position_embeddings)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -53,6 +60,13 @@ class ServeOptions:
     request_timeout: float | None = 600.0
     chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template
     log_level: str = "info"
+    max_body_bytes: int = Limits.max_body_bytes  # a larger request body is 413
+    read_timeout: float = Limits.read_timeout  # seconds for a request's headers, and again for its body (408)
+    max_connections: int = 512  # open connections and requests together; more are answered 503
+    drain_timeout: float = 30.0  # seconds the requests in flight get to finish after SIGINT / SIGTERM
+
+    def limits(self) -> Limits:
+        return Limits(max_body_bytes=self.max_body_bytes, read_timeout=self.read_timeout)
 
     def check(self) -> None:
         """One-line errors for values that cannot work (before the model is loaded)."""
@@ -71,6 +85,12 @@ class ServeOptions:
             raise UserError(f"--prefill-chunk {self.prefill_chunk} must be a power of two >= 16")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise UserError(f"--request-timeout {self.request_timeout:g} must be positive (seconds)")
+        for flag, value in (("--read-timeout", self.read_timeout), ("--drain-timeout", self.drain_timeout)):
+            if not value > 0:
+                raise UserError(f"{flag} {value:g} must be positive (seconds)")
+        for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-connections", self.max_connections)):
+            if value < 1:
+                raise UserError(f"{flag} {value} must be at least 1")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("--api-key is empty; give a key or leave the option out")
         if self.log_level not in LOG_LEVELS:
@@ -147,6 +167,17 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def make_server(state: ServeState, options: ServeOptions, port: int) -> GracefulServer:
+    """uvicorn (its h11 protocol, with the read deadline) around ``create_app(state)``, with the options'
+    body, time and connection limits; ``state.limits`` is shared with the protocol, so changing it applies."""
+    config = uvicorn.Config(
+        create_app(state), host=options.host, port=port, log_level=options.log_level, http=read_timeout_protocol(state.limits),
+        timeout_keep_alive=KEEP_ALIVE_SECONDS, timeout_graceful_shutdown=options.drain_timeout,
+        limit_concurrency=options.max_connections, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    )  # fmt: skip
+    return GracefulServer(config)
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -157,7 +188,8 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(path: str | Path, overrides: Iterable[str], options: ServeOptions, say: Callable[[str], None] | None = None) -> None:
-    """Serve the model at ``path`` until SIGINT / SIGTERM."""
+    """Serve the model at ``path`` until SIGINT / SIGTERM; then drain, and return (SIGTERM) or raise
+    ``KeyboardInterrupt`` (SIGINT)."""
 
     def note(line: str) -> None:
         (say or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
@@ -170,7 +202,7 @@ def serve(path: str | Path, overrides: Iterable[str], options: ServeOptions, say
         engine = make_engine(loaded.model, options)
         state = ServeState(
             engine, loaded.tokenizer, loaded.name, loaded.config.vocab_size, loaded.chat_template, loaded.no_chat_template,
-            api_key=options.api_key, request_timeout=options.request_timeout,
+            api_key=options.api_key, request_timeout=options.request_timeout, limits=options.limits(),
         )  # fmt: skip
         host, port = sock.getsockname()[:2]
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
@@ -182,12 +214,12 @@ def serve(path: str | Path, overrides: Iterable[str], options: ServeOptions, say
         if options.api_key is None and not is_loopback(options.host):
             note(f"warning: listening on {options.host} without --api-key: anyone who can reach this port can use the model")
         engine.start()
+        server = make_server(state, options, port)
         try:
-            config = uvicorn.Config(
-                create_app(state), host=options.host, port=port, log_level=options.log_level, timeout_graceful_shutdown=5
-            )
-            uvicorn.Server(config).run(sockets=[sock])
+            server.run(sockets=[sock])
         finally:
             engine.stop()
     finally:
         sock.close()
+    if server.stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt  # Ctrl-C: exit status 130, whether it came while loading or while serving

@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnxtron.errors import CheckpointError
+from nnxtron.errors import reason as error_reason
 from nnxtron.params import LayerCounts, detect_layout, flatten_with_treedef, layer_groups
 from nnxtron.train.checksum import checksums
 
@@ -428,5 +429,4 @@ def _write_error(err: BaseException) -> str:
 
 
 def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+    return error_reason(err)  # the whole first line of the cause (a TensorStore reason cut at 200 characters ended mid-word)

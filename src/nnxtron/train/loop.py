@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -27,13 +29,22 @@ from nnxtron.models.quant import summary
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.params import flatten_with_treedef
 from nnxtron.runtime.compile_cache import enable_compilation_cache
+from nnxtron.runtime.interrupt import stop_if_interrupted
 from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.train.checkpoint import Checkpointer, UnreadableCheckpoint
 from nnxtron.train.checksum import DPO_REFERENCE_FILE, check_recorded
-from nnxtron.train.metrics import MetricsWriter, ProgressBar
+from nnxtron.train.metrics import LogWriteError, MetricsWriter, ProgressBar
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.preemption import StopRequests
-from nnxtron.train.run_dir import RunDirError, RunLock, make_run_dir, remove_unused_run_dir, resolve_run_dir
+from nnxtron.train.run_dir import (
+    RunDirError,
+    RunLock,
+    disk_error,
+    make_run_dir,
+    refuse_links,
+    remove_unused_run_dir,
+    resolve_run_dir,
+)
 from nnxtron.train.schedules import schedule_change_note
 from nnxtron.train.state import TrainState, init_state, setup
 from nnxtron.train.step import (
@@ -218,7 +229,9 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Train as the run directory's one writer (``train.run_dir``). A start that fails before
-        the run's ``config.yml`` is written removes the directory it created (nothing else)."""
+        the run's ``config.yml`` is written removes the directory it created (nothing else). A
+        disk that refuses a write (full, read-only) is one line."""
+        refuse_links(self.run_dir)  # every write stays under base_output_directory
         self.changes = _check_same_model(self.run_dir, self.cfg)  # before anything is written
         created = not self.run_dir.exists()
         make_run_dir(self.run_dir)
@@ -227,7 +240,15 @@ class Trainer:
             lock.acquire()
             if lock.previous:
                 self.notes.append(f"run lock taken over from {lock.previous}, which ended without releasing it")
-            return self._run()
+            try:
+                return self._run()
+            except OSError as err:
+                if err.errno not in DISK_ERRORS:
+                    raise
+                raise RunDirError(
+                    f"cannot write '{err.filename or self.run_dir}' ({disk_error(err)}); free space or fix the "
+                    "permissions of that disk, or choose another base_output_directory"
+                ) from None
         except BaseException:
             lock.release()
             if created and not (self.run_dir / "config.yml").exists():
@@ -241,6 +262,7 @@ class Trainer:
         changes = self.changes
         if changes:
             self.notes.append("changed since the run's config.yml: " + "; ".join(changes))
+        stop_if_interrupted()  # a Ctrl-C during start-up whose exception a library swallowed
         ckpt = Checkpointer(self.run_dir / "checkpoints", cfg.max_num_checkpoints_to_keep) if cfg.enable_checkpointing else None
         if ckpt is not None:
             ckpt.check_writable()
@@ -254,9 +276,10 @@ class Trainer:
         note = schedule_change_note(yaml.safe_load(stored.read_text()), cfg, self.derived, start) if stored.is_file() else None
         if note:
             self.notes.append(note)
+        stop_if_interrupted()
         if jax.process_index() == 0 and not (self.run_dir / "config.yml").exists():  # the inputs are valid: record the run
             keep_tokenizer(cfg, self.run_dir / RUN_TOKENIZER_DIR)  # its files, with the chat template the run uses
-            (self.run_dir / "config.yml").write_text(run_config_to_yaml(cfg))
+            _write_atomically(self.run_dir / "config.yml", run_config_to_yaml(cfg))  # whole or absent
         if ckpt is None and not self.restart:
             _check_no_history(self.run_dir)
         batches = self._data(self.train_source)
@@ -325,11 +348,15 @@ class Trainer:
                         bar.log(_stopped_line(stops.signal, done, ckpt is not None))
                         break
                 recorder.flush()
+                if writer:
+                    writer.flush()
                 data_state = batches.get_state()
                 skipped = data_state.get("counts", {}).get("bad_records", 0)
                 if skipped:
                     bar.log(f"data: skipped {skipped:,} bad records so far (skip_bad_records=true); the first: "
                             f"{data_state.get('first_problem')}")  # fmt: skip
+        except LogWriteError as err:  # the disk filled between checkpoints: say which are kept
+            raise LogWriteError(f"{err} ({_kept(ckpt)})") from None
         finally:  # also on an error: a save in flight is completed, never left half-written
             batches.close()
             if ckpt is not None:
@@ -339,6 +366,28 @@ class Trainer:
         result.state = state
         result.frozen = self.step_args[0].frozen if cfg.lora_rank else None
         return result
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO)  # a write the disk refused
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary file renamed over it: never a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _kept(ckpt: Checkpointer | None) -> str:
+    """Which checkpoints a stopped run leaves (after the save in flight, if any, completes)."""
+    if ckpt is None:
+        return "enable_checkpointing=false: no checkpoints"
+    ckpt.wait()
+    steps = ckpt.steps()
+    return f"checkpoints up to step {steps[0]} are kept" if steps else "no checkpoint was written"
 
 
 def _stopped_line(signum: int, step: int, saved: bool) -> str:

@@ -4,16 +4,31 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.progress import Progress, Task
 from rich.text import Text
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.record_writer import masked_crc32c
 
 from nnxtron.config.schema import Config
+from nnxtron.errors import UserError
+from nnxtron.train.run_dir import disk_error
 from nnxtron.train.wandb_logger import WandbLogger
+
+FLUSH_BYTES = 1 << 16  # records kept in memory before they are written anyway
+FLUSH_SECONDS = 30.0  # ... or this long after the last write
+
+
+class LogWriteError(UserError):
+    """The run's logs (``metrics.jsonl``, TensorBoard events) cannot be written: a full or read-only disk."""
 
 
 class MetricsWriter:
@@ -22,41 +37,118 @@ class MetricsWriter:
 
     ``start_step``: the step a run resumes at. Records of later steps (written after that
     checkpoint by a run that then died) and a torn last line are dropped first, so the log
-    of a resumed run reads exactly as if it had never stopped."""
+    of a resumed run reads exactly as if it had never stopped.
+
+    Records are kept in memory and written by ``flush`` (every ``log_period`` steps, before each
+    checkpoint, and once 64 KiB or 30 s have gathered) with plain ``os.write`` calls in the
+    calling thread: a full disk fails that call, as one ``LogWriteError`` line. (tensorboardX's
+    ``SummaryWriter`` writes from a thread that dies on ENOSPC, after which its queue fills and
+    the training loop, and then a SIGTERM, waited forever.)"""
 
     def __init__(self, run_dir: Path, cfg: Config, start_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
-        _truncate_after(self.path, start_step)
-        self.file = self.path.open("a", encoding="utf-8")
-        self.tb = None
-        if cfg.enable_tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.lines: list[str] = []
+        self.kept_bytes, self.last_flush = 0, time.monotonic()
+        self.tb: _EventFile | None = None
+        try:
+            _truncate_after(self.path, start_step)
+            self.file = _AppendFile(self.path)
+            if cfg.enable_tensorboard:
+                self.tb = _EventFile(run_dir / "tensorboard")
+        except OSError as err:
+            raise _log_error(err, self.path) from None
         self.wandb = WandbLogger(cfg, run_dir) if cfg.enable_wandb else None
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        self.lines.append(line)
+        self.kept_bytes += len(line)
         step = record["step"]
         scalars = {key: value for key, value in record.items() if key != "step" and isinstance(value, (int, float))}
-        if self.tb is not None:
-            for key, value in scalars.items():
-                self.tb.add_scalar(key, value, step)
+        if self.tb is not None and scalars:
+            self.tb.add(scalars, step)
         if self.wandb is not None and scalars:
             self.wandb.log(scalars, step)
+        if self.kept_bytes > FLUSH_BYTES or time.monotonic() - self.last_flush > FLUSH_SECONDS:
+            self.flush()
 
     def flush(self) -> None:
-        self.file.flush()
-        if self.tb is not None:
-            self.tb.flush()
+        """Write the records kept since the last flush (a ``LogWriteError`` when the disk refuses)."""
+        lines, self.lines = self.lines, []
+        self.kept_bytes, self.last_flush = 0, time.monotonic()
+        try:
+            self.file.write("".join(lines).encode("utf-8"))
+            if self.tb is not None:
+                self.tb.flush()
+        except OSError as err:
+            raise _log_error(err, Path(err.filename) if err.filename else self.path) from None
 
     def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.file.close()
+            if self.wandb is not None:
+                self.wandb.close()
+
+
+def _log_error(err: OSError, path: Path) -> LogWriteError:
+    return LogWriteError(
+        f"cannot write the run's log '{path}' ({disk_error(err)}); free space or fix the permissions of that disk, "
+        "or choose another base_output_directory"
+    )
+
+
+class _AppendFile:
+    """A file appended to with ``os.write``: nothing is buffered in Python, so a full disk fails
+    the write that meets it (never a later flush, a close or the interpreter's exit). A write
+    cut short leaves a torn last line, which a resume drops."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view and self.fd is not None:
+            try:
+                written = os.write(self.fd, view)
+            except OSError as err:
+                err.filename = str(self.path)
+                raise
+            view = view[written:]
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _EventFile:
+    """A TensorBoard event file (``events.out.tfevents.<time>.<host>``, TFRecord framing), one
+    event per step holding that step's scalars, written in the calling thread by ``flush``."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir(exist_ok=True)
+        self.file = _AppendFile(directory / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}")
+        self.pending: list[bytes] = []
+        self._append(Event(wall_time=time.time(), file_version="brain.Event:2"))
         self.flush()
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.close()
+
+    def add(self, scalars: dict[str, float], step: int) -> None:
+        values = [Summary.Value(tag=key, simple_value=float(number)) for key, number in scalars.items()]
+        self._append(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+
+    def flush(self) -> None:
+        records, self.pending = self.pending, []
+        self.file.write(b"".join(records))
+
+    def _append(self, event: Event) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("Q", len(data))
+        self.pending.append(header + struct.pack("I", masked_crc32c(header)) + data + struct.pack("I", masked_crc32c(data)))
 
 
 def _truncate_after(path: Path, step: int) -> None:

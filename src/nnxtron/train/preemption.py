@@ -24,6 +24,8 @@ from types import FrameType
 import jax
 from jax.experimental import multihost_utils
 
+from nnxtron.runtime.interrupt import stop_if_interrupted, training_ended
+
 
 class StopRequests:
     """The signals of one training run (a context manager: handlers installed inside only)."""
@@ -34,6 +36,7 @@ class StopRequests:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequests:
+        stop_if_interrupted()  # a Ctrl-C of the start-up (``runtime/interrupt.py``): no step is taken
         if threading.current_thread() is not threading.main_thread():
             return self  # signals reach the main thread only; a library caller there keeps its handlers
         signals = (signal.SIGINT,) if self.distributed else (signal.SIGINT, signal.SIGTERM)  # JAX owns SIGTERM
@@ -42,6 +45,7 @@ class StopRequests:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        training_ended()  # a Ctrl-C from now on (during the sample) stops a complete run
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()

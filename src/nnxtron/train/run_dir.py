@@ -50,6 +50,25 @@ def make_run_dir(run_dir: Path) -> None:
         ) from None
 
 
+def refuse_links(run_dir: Path) -> None:
+    """One line when ``run_dir`` or an entry in it (``checkpoints/``, ``metrics.jsonl``...) is a
+    symbolic link: writes through it would land outside ``base_output_directory``."""
+    entries = sorted(run_dir.iterdir()) if run_dir.is_dir() and not run_dir.is_symlink() else []
+    for path in (run_dir, *entries):
+        if path.is_symlink():
+            raise RunDirError(
+                f"'{path}' is a symbolic link (to '{os.readlink(path)}'): a run writes only inside base_output_directory; "
+                "replace the link with a real directory or file, or point base_output_directory at that disk"
+            )
+
+
+def disk_error(err: OSError) -> str:
+    """``'no space left on device: ENOSPC'``: the reason of a failed write, with its errno name."""
+    name = errno.errorcode.get(err.errno or 0, "")
+    reason = (err.strerror or str(err)).lower()
+    return f"{reason}: {name}" if name else reason
+
+
 def remove_unused_run_dir(run_dir: Path) -> None:
     """Remove a run directory this start created and left unused: its lock file and empty
     folders (an empty ``checkpoints/``). Anything else in it is kept, and so is the directory."""
@@ -98,8 +117,16 @@ class RunLock:
                 )
             return f"cannot lock the run '{self.path.parent}' ({err.strerror or err}); use a local base_output_directory"
         self.previous = _read(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {_now()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {_now()}\n".encode(), 0)
+        except OSError as err:  # a full or read-only disk
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return (
+                f"cannot write the run lock '{self.path}' ({disk_error(err)}); free space on that disk or choose "
+                "another base_output_directory"
+            )
         self.fd = fd
         return ""
 

@@ -1,22 +1,11 @@
-"""Break critical code on purpose and check that a test turns red (mutation check).
-
-Each mutation replaces one snippet in one source file, runs the tests that must catch it,
-and restores the file. A mutation that leaves the tests green is reported as SURVIVED,
-the mutation score (killed / total) is printed and the script exits 1 unless every
-mutant is killed. A mutant with ``spared`` tests must also leave those green: the adversarial-only
-mutants show what the adversarial HF goldens catch that the plain goldens do not. Run: ``.venv/bin/python tests/mutation/run.py [NAME ...]`` (several
-minutes on 2 CPU cores; not part of the CI suite). Later features append mutants.
-"""
+"""The mutants of the mutation check (``scripts/mutate.py``): each replaces one snippet in one
+source file under ``src/nnxtron`` and names the tests that must turn red. A mutant with ``spared``
+tests must also leave those green: the adversarial-only mutants show what the adversarial HF
+goldens catch that the plain goldens do not. Later features append mutants."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-SRC = ROOT / "src" / "nnxtron"
 
 
 @dataclass(frozen=True)
@@ -199,33 +188,32 @@ MUTATIONS = [
              "kv = jnp.concatenate([prev[0][..., :d] * 0, kv[..., d:]], axis=2)", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
     Mutation("swiglu-clamp-dropped", "layers/mlp.py", "    if limit <= 0:", "    if True:", ("tests/parity/test_hf_golden.py::test_logits_match_hf[deepseek4-scan]",)),
     # pipeline parallelism
-    Mutation("pipeline-cut-stage-shift", "parallel/pipeline.py", "shift = place(jnp.roll(sent, 1, axis=0))", "shift = place(jnp.roll(sent, 0, axis=0))",
+    Mutation("pipeline-cut-stage-shift", "parallel/pipeline_schedule.py", "shift = place(jnp.roll(sent, 1, axis=0))", "shift = place(jnp.roll(sent, 0, axis=0))",
              ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",
               "tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[gpipe_4_stages]")),
-    Mutation("pipeline-drops-carried-state", "parallel/pipeline.py", "state = _write_back(state, repeat_ids, new_state, valid)", "state = state",
+    Mutation("pipeline-drops-carried-state", "parallel/pipeline.py", "state = write_back(carry.state, slots.repeat_ids, new_state, slots.valid)", "state = carry.state",
              ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",
               "tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[deepseek3_mtp_dense_prefix_outside]")),
-    Mutation("pipeline-bubbles-mutate-state", "parallel/pipeline.py", "jnp.where(v, n.astype(ws.dtype), ws[r])", "n.astype(ws.dtype)",
+    Mutation("pipeline-bubbles-mutate-state", "parallel/pipeline_schedule.py", "jnp.where(v, n.astype(ws.dtype), ws[r])", "n.astype(ws.dtype)",
              ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",)),
     Mutation("pipeline-no-per-stage-remat", "parallel/pipeline.py", 'layer_remat = remat if spec.remat_layers else RematSpec("none")',
              'layer_remat = RematSpec("none")', ("tests/unit/test_pipeline.py::test_per_stage_remat_is_in_the_program_only_when_enabled",)),
-    Mutation("pipeline-reverse-circular-order", "parallel/pipeline.py",
+    Mutation("pipeline-reverse-circular-order", "parallel/pipeline_weights.py",
              "staged = value.reshape(spec.repeats, spec.stages, spec.layers_per_stage, *value.shape[1:])",
              "staged = value.reshape(spec.stages, spec.repeats, spec.layers_per_stage, *value.shape[1:]).swapaxes(0, 1)",
              ("tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[circular_2_repeats]",)),
-    Mutation("pipeline-aux-not-averaged", "parallel/pipeline.py", "aux = {name: value / micro for name, value in aux_sum.items()}",
-             "aux = dict(aux_sum)", ("tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[moe_load_balance_loss]",)),
+    Mutation("pipeline-aux-not-averaged", "parallel/pipeline.py", "aux = {name: value / spec.microbatches for name, value in carry.aux_sum.items()}",
+             "aux = dict(carry.aux_sum)", ("tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[moe_load_balance_loss]",)),
     Mutation("pipeline-ignores-iteration-remat-flag", "parallel/pipeline.py", "policy = jax_policy(remat) if spec.remat_iterations else None",
              "policy = jax_policy(remat)", ("tests/unit/test_pipeline.py::test_per_stage_remat_is_in_the_program_only_when_enabled",)),
-    Mutation("pipeline-ignores-delay", "parallel/pipeline.py", "sent = y if delay == 1 else previous", "sent = y",
+    Mutation("pipeline-ignores-delay", "parallel/pipeline_schedule.py", "sent = y if delay == 1 else previous", "sent = y",
              ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",)),
     # each pipeline flag's reader (issue 26): the schedule's loops, gathers, stage bodies and the spec
-    Mutation("pipeline-ignores-scan-repeats", "parallel/pipeline.py", "if spec.scan_repeats:\n                step = lambda c, r:",
-             "if True:\n                step = lambda c, r:",
+    Mutation("pipeline-ignores-scan-repeats", "parallel/pipeline.py", "if self.spec.scan_repeats:", "if True:",
              ("tests/unit/test_pipeline.py::test_each_loop_flag_alone_unrolls_its_loop",)),
-    Mutation("pipeline-ignores-scan-iterations", "parallel/pipeline.py", "if spec.scan_iterations:", "if True:",
+    Mutation("pipeline-ignores-scan-iterations", "parallel/pipeline.py", "if self.spec.scan_iterations:", "if True:",
              ("tests/unit/test_pipeline.py::test_each_loop_flag_alone_unrolls_its_loop",)),
-    Mutation("pipeline-ignores-fsdp-ag-once", "parallel/pipeline.py", "drop_fsdp=spec.fsdp_ag_once", "drop_fsdp=False",
+    Mutation("pipeline-ignores-fsdp-ag-once", "parallel/pipeline_weights.py", "drop_fsdp=spec.fsdp_ag_once", "drop_fsdp=False",
              ("tests/unit/test_pipeline.py::test_fsdp_ag_once_gathers_stage_weights_before_the_iterations",)),
     Mutation("pipeline-stages-ignore-scan-layers", "parallel/pipeline.py", "layer_remat, axis_name, keys, ids, unroll=unroll)",
              "layer_remat, axis_name, keys, ids, unroll=False)",
@@ -252,13 +240,13 @@ MUTATIONS = [
     # per-stage parameter offload (issue 26): the flag read, one repeat fetched at a time, the previous repeat used
     Mutation("pipeline-offload-whole-step", "config/pipeline.py", "host_weights=cfg.parameter_memory_host_offload,",
              "host_weights=False,", ("tests/unit/test_pipeline.py::test_per_stage_offload_brings_one_repeat_of_stage_weights_at_a_time",)),
-    Mutation("pipeline-offload-keeps-device-copies", "parallel/pipeline.py",
+    Mutation("pipeline-offload-keeps-device-copies", "parallel/pipeline_weights.py",
              "refetch = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUTS)",
              "refetch = jax.checkpoint_policies.everything_saveable",
              ("tests/unit/test_pipeline.py::test_per_stage_offload_brings_one_repeat_of_stage_weights_at_a_time",)),
-    Mutation("pipeline-offload-ignores-previous-repeat", "parallel/pipeline.py",
-             "choice = by_repeat if current is None else repeat_ids == current",
-             "choice = by_repeat if current is None else repeat_ids >= 0",
+    Mutation("pipeline-offload-ignores-previous-repeat", "parallel/pipeline_weights.py",
+             "return by_repeat if self.current is None else repeat_ids == self.current",
+             "return by_repeat if self.current is None else repeat_ids >= 0",
              ("tests/integration/test_pipeline_training.py::test_per_stage_offload_trains_like_the_same_pipeline_on_device",)),
     # quantized training
     Mutation("quantize-nothing", "models/build.py", "if not model.config.use_qwix_quantization:", "if True:",
@@ -453,7 +441,7 @@ MUTATIONS = [
              ("tests/parity/test_dropout.py::test_dropout_changes_the_step_and_each_step_draws_new_masks",)),
     Mutation("dropout-same-mask-every-row", "parallel/row_keys.py", "jax.random.fold_in(step_key, row)", "jax.random.fold_in(step_key, 0 * row)",
              ("tests/parity/test_dropout.py::test_each_layer_and_row_draws_its_own_mask",)),
-    Mutation("dropout-pipeline-ignores-the-repeat", "parallel/pipeline.py", "((repeat_ids * stages + stage_ids) * lps)", "(stage_ids * lps)",
+    Mutation("dropout-pipeline-ignores-the-repeat", "parallel/pipeline_schedule.py", "((repeat_ids * stages + stage_ids) * lps)", "(stage_ids * lps)",
              ("tests/parity/test_dropout.py::test_pipeline_equals_the_sequential_model",)),
     Mutation("dropout-tail-stack-restarts-the-blocks", "parallel/scan.py", "return self.first_block + jnp.arange(", "return 0 * self.first_block + jnp.arange(",
              ("tests/parity/test_dropout.py::test_partial_pipeline_tail_stack_continues_the_block_indices",)),
@@ -557,8 +545,7 @@ MUTATIONS = [
     Mutation("adam-b2-reads-adam-b1", "train/optimizer.py", "schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps",
              "schedule, b1=cfg.adam_b1, b2=cfg.adam_b1, eps=cfg.adam_eps",
              ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[adam_b2]",)),
-    Mutation("pipeline-repeats-always-scanned", "parallel/pipeline.py", "if spec.scan_repeats:\n                step = lambda c, r:",
-             "if True:\n                step = lambda c, r:",
+    Mutation("pipeline-repeats-always-scanned", "parallel/pipeline.py", "if self.spec.scan_repeats:", "if True:",
              ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[scan_pipeline_repeats]",)),
     Mutation("shuffle-seed-ignored", "data/sources.py", "seed = source_seed(cfg.data_shuffle_seed, i)", "seed = source_seed(0, i)",
              ("tests/unit/test_flag_sensitivity.py::test_flag_changes_its_observation[data_shuffle_seed]",)),
@@ -584,43 +571,3 @@ MUTATIONS = [
     _adversarial_only("qk-norm-eps-fixed", "layers/attention.py", "norm_eps=cfg.normalization_layer_epsilon,", "norm_eps=1e-6,",
                       "qwen3"),
 ]  # fmt: skip
-
-
-def _fails(tests: tuple[str, ...]) -> bool:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
-                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
-    return proc.returncode != 0
-
-
-def run(mutation: Mutation) -> bool:
-    """True if the tests caught the mutation (and its ``spared`` tests did not)."""
-    path = SRC / mutation.file
-    original = path.read_text()
-    if original.count(mutation.old) != 1:
-        raise SystemExit(f"{mutation.name}: snippet not found exactly once in {mutation.file}")
-    path.write_text(original.replace(mutation.old, mutation.new))
-    try:
-        caught = _fails(mutation.tests)
-        if caught and mutation.spared and _fails(mutation.spared):
-            print(f"{mutation.name}: also caught by {mutation.spared}, so not a mutant only {mutation.tests} see", flush=True)
-            return False
-    finally:
-        path.write_text(original)
-    return caught
-
-
-def main(names: list[str]) -> int:
-    chosen = [m for m in MUTATIONS if not names or m.name in names]
-    survived = []
-    for mutation in chosen:
-        caught = run(mutation)
-        print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name}", flush=True)
-        if not caught:
-            survived.append(mutation.name)
-    killed = len(chosen) - len(survived)
-    print(f"mutation score: {killed}/{len(chosen)} killed" + (f"; survived: {', '.join(survived)}" if survived else ""))
-    return 1 if survived else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""What the config layer knows of a family beyond its name: one ``FamilyRules`` per family that
+has any (no JAX; ``models/<family>`` holds the rest of the family, ``models/registry.py`` finds it).
+
+A family with no row here has ``PLAIN``: no rules of its own. A row holds the family's cross-key
+check (its own module, ``config/<family>.py``), the keys and values only it reads, and the facts
+that translating a MaxText config (``maxtext_keys.py``) and checkpoint (``convert/maxtext*.py``) need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nnxtron.config import deepseek4, gpt3
+from nnxtron.config.options import DECODER_BLOCKS
+
+if TYPE_CHECKING:
+    from nnxtron.config.schema import Config
+
+TOPK_RENORMS = ("always", "score_func", "flag")  # FamilyRules.maxtext_topk_renorm
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """``check(cfg)`` runs when ``decoder_block`` is this family. ``own_keys``: keys only this family
+    reads -> the value every other family must leave them at; ``own_values``: values of shared keys
+    only this family takes (both checked by ``checks.check_family``). ``maxtext_query_folded``:
+    MaxText's plain attention of this family folds ``1/sqrt(head_dim)`` into the query kernel;
+    ``maxtext_topk_renorm``: when MaxText's router renormalises the top-k weights (``always``, by
+    ``score_func``, or as the ``flag`` norm_topk_prob says); ``legacy_normalize_embedding_logits``:
+    the tied-head normalisation of runs written before that key existed (``loader.LEGACY_VALUES``)."""
+
+    check: Callable[[Config], None] | None = None
+    own_keys: Mapping[str, Any] = field(default_factory=dict)
+    own_values: Mapping[str, Any] = field(default_factory=dict)
+    maxtext_query_folded: bool = False
+    maxtext_topk_renorm: str = "always"
+    legacy_normalize_embedding_logits: bool = False
+
+
+PLAIN = FamilyRules()
+_FOLDED = FamilyRules(maxtext_query_folded=True)  # MaxText's plain Attention, without query_pre_attn_scalar
+RULES: dict[str, FamilyRules] = {
+    "llama2": _FOLDED,
+    "mistral": _FOLDED,
+    "mixtral": _FOLDED,
+    "deepseek": FamilyRules(maxtext_topk_renorm="score_func"),
+    "gemma3": FamilyRules(legacy_normalize_embedding_logits=True),
+    "llama4": FamilyRules(maxtext_topk_renorm="flag"),
+    "gpt3": FamilyRules(check=gpt3.check),
+    "deepseek4": FamilyRules(
+        check=deepseek4.check,
+        own_keys=deepseek4.OPTIONS_OFF,
+        own_values={"attention_type": "compressed"},
+        maxtext_topk_renorm="score_func",
+    ),
+}
+if not set(RULES) <= set(DECODER_BLOCKS) or any(r.maxtext_topk_renorm not in TOPK_RENORMS for r in RULES.values()):
+    raise ImportError(f"config/families.py: rules for {sorted(set(RULES) - set(DECODER_BLOCKS))} or an unknown renorm")
+
+
+def rules_for(decoder_block: str) -> FamilyRules:
+    """The family's rules (``PLAIN`` for a family without any, or a name no family has)."""
+    return RULES.get(decoder_block, PLAIN) if isinstance(decoder_block, str) else PLAIN
