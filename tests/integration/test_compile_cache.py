@@ -109,7 +109,8 @@ GOLDEN = str(Path(__file__).parents[1] / "assets" / "golden" / "mistral")  # a t
 
 
 @pytest.mark.parametrize(
-    "command", [["train", *TRAIN], ["bench", *TRAIN, "--steps", "1"], ["generate", GOLDEN, "max_new_tokens=2"]]
+    "command",
+    [["train", *TRAIN], ["bench", *TRAIN, "--steps", "1"], ["generate", GOLDEN, "max_new_tokens=2", "tokenizer_type=byte"]],
 )
 def test_an_unwritable_cache_directory_is_one_error_line(tmp_path, capsys, command):
     (tmp_path / "file").write_text("not a directory")
