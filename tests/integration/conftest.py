@@ -72,6 +72,15 @@ def run_cli(capsys, *args):
     return code, out, err
 
 
+def assert_clean_exit(argv, code, out, err):
+    """Any input: exit status 0, or 2 with one ``error:`` line; never a traceback."""
+    assert code in (0, 2), (argv, code, err)
+    assert "Traceback" not in out + err
+    if code == 2:
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
+
+
 def assert_user_error(code, err, fragment):
     """Bad input: exit status 2, one ``error:`` line holding ``fragment``, no traceback."""
     assert code == 2, err

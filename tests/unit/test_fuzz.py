@@ -18,6 +18,7 @@ from nnxtron.config import derive, load_config
 from nnxtron.config.schema import Config
 from nnxtron.data import ByteTokenizer, CorpusBatches, RowSpec, open_corpus
 from nnxtron.errors import DataError, UserError
+from tests.integration.conftest import assert_clean_exit
 
 KEYS = sorted(Config.model_fields)
 ODD_VALUES = [
@@ -71,12 +72,7 @@ def test_random_command_lines_exit_0_or_2_with_one_error_line(argv, monkeypatch,
         code = main(argv)
     except SystemExit as exit_:  # argparse --help prints usage and exits 0
         code = exit_.code
-    out, err = capsys.readouterr()
-    assert code in (0, 2), (argv, code, err)
-    assert "Traceback" not in out + err
-    if code == 2:
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
+    assert_clean_exit(argv, code, *capsys.readouterr())
 
 
 @pytest.fixture(scope="module")
