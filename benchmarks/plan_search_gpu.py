@@ -3,7 +3,7 @@
 The search compiles on CPU and a GPU machine is lent briefly, so the check has two halves:
 
     python benchmarks/plan_search_gpu.py predict [--device h200] [--budget 300]
-        (any machine) searches two Llama shapes (``MODELS``: the 1B of ``gpu_mfu.py`` and 8
+        (any machine) searches two Llama shapes (``MODELS``: the 1B of ``accelerator_mfu.py`` and 8
         layers of the 8B, bfloat16 compute over float32 weights) on ``devices=1`` with the
         device preset and no memory limit (see MEMORY_GIB), and writes every compiled
         configuration, ranked, to ``benchmarks/results/plan_search_gpu-predicted.json``.
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_mfu import LLAMA_1B  # noqa: E402
+from accelerator_mfu import LLAMA_1B  # noqa: E402
 from ranking import spearman, spread  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

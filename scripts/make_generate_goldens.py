@@ -14,6 +14,9 @@ the golden ``input_ids``. ``<case>/generate.safetensors`` receives:
 attention chunks (8) of the cases that have them, and past DeepSeek-V4's compression
 ratios (4, 8).
 
+The cases are ``goldens.CASES`` (every golden the family registry declares, in its order); a case
+with routed experts is reloaded with transformers' eager expert loop too (``impl``).
+
 Regenerate (CPU only, a few seconds per case)::
 
     pip install -e '.[golden]'
@@ -24,37 +27,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+_SCRIPTS = str(Path(__file__).resolve().parent)
+if _SCRIPTS not in sys.path:  # `goldens` sits next to this file; also when this file is loaded by path
+    sys.path.insert(0, _SCRIPTS)
 
-CASES = (
-    "llama2", "llama31", "mistral", "mixtral", "qwen3", "qwen3_moe", "qwen3_moe_norenorm", "deepseek3", "gemma3", "llama4", "gpt2",
-    "deepseek4", "qwen3_moe_dense", "qwen3_moe_prefix", "deepseek3_mtp",
-)  # fmt: skip
-MOE_CASES = (
-    "mixtral",
-    "qwen3_moe",
-    "qwen3_moe_norenorm",
-    "deepseek3",
-    "llama4",
-    "deepseek4",
-    "qwen3_moe_dense",
-    "qwen3_moe_prefix",
-    "deepseek3_mtp",
-)
+import torch  # noqa: E402
+from goldens import CASES  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
 PROMPT, NEW = 12, 24
 MIN_MARGIN = 1e-5  # nnxtron matches the HF logits to <= 8e-7 (test_hf_golden.py): a 1e-5 margin cannot flip
 
 
+def impl(case: str) -> dict[str, str]:
+    """Eager attention; eager experts too for a case with routed experts (the golden's own formulation)."""
+    chosen = dict(attn_implementation="eager")
+    if CASES[case].routed:
+        chosen["experts_implementation"] = "eager"
+    return chosen
+
+
 @torch.no_grad()
 def generate_case(directory: Path, case: str) -> dict[str, torch.Tensor]:
-    impl = dict(attn_implementation="eager")
-    if case in MOE_CASES:
-        impl["experts_implementation"] = "eager"
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **impl).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **impl(case)).eval()
     prompt = load_file(str(directory / "golden.safetensors"))["input_ids"][:, :PROMPT].to(torch.long)
     model.generation_config.eos_token_id = None  # random models: never stop early
     model.generation_config.pad_token_id = 0
@@ -79,7 +78,7 @@ def generate_case(directory: Path, case: str) -> dict[str, torch.Tensor]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--golden", type=Path, default=Path("tests/assets/golden"))
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

@@ -62,8 +62,10 @@ be bit-identical to the stored ones (for MoE cases also after loading
 
 Code layout: ``scripts/goldens/harness.py`` (shared constants, model building, file writing, common
 checks) and one module per family (``goldens/llama.py``, ``mixtral_qwen3.py``, ``deepseek3.py``,
-``gemma3.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks;
-``goldens/__init__.py`` lists the families.
+``gemma3.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks.
+Which cases exist is the family registry's: each family's record declares its goldens
+(``Golden(name, generator)`` in ``goldens=``, ``nnxtron/models/family.py``) and ``goldens/__init__.py``
+collects them in the registry's order; nothing in this script or the shared modules names a family.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     info = versions(cases.values())
     if args.adversarial:
-        info["adversarial"] = settings()
+        info["adversarial"] = settings(CASES.values())
     (out / "versions.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
     for name, case in cases.items():

@@ -12,31 +12,29 @@ case's architecture and changes, on top of the plain init:
 * the correction biases (``e_score_correction_bias``) redrawn at ``TABLE_SCALE`` and the hash
   table (``tid2eid``) redrawn;
 * ``rms_norm_eps`` / ``layer_norm_epsilon`` = ``EPS`` and ``hc_eps`` = ``HC_EPS`` (not the defaults);
-* an odd sequence length (``SEQ_LEN``; deepseek4 ``DS4_SEQ_LEN``) and windows that do not
-  divide it (``WINDOWS``).
+* an odd sequence length (``SEQ_LEN``, or the case's ``adversarial_seq_len``: deepseek4's 157) and
+  windows that do not divide it (``WINDOWS``, or the case's ``adversarial_window``).
 
 At this scale float32 rounding moves HF's own logits by up to 2.3e-6 (gemma3) from the same
 model run in float64, so ``golden.safetensors`` also holds ``logits_float64`` (HF, float64,
 same weights), the reference of the adversarial parity test.
 
-Each variant runs its family's near-tie refusals (``TIE_CHECKS``): every top-k choice (MoE
-routers, group limit, indexer) must have a gap above ``MIN_ROUTING_GAP`` (indexer: 1e-6)
-between the k-th and the (k+1)-th score, or the script stops.
+Each variant runs its case's near-tie refusals (``Case.tie_checks``, in the family's module):
+every top-k choice (MoE routers, group limit, indexer) must have a gap above ``MIN_ROUTING_GAP``
+(indexer: 1e-6) between the k-th and the (k+1)-th score, or the script stops. Nothing here names
+a family: what differs per case is on its ``Case``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from goldens.deepseek3 import router_check as deepseek3_routing
-from goldens.deepseek4 import check_top_k as deepseek4_top_k
-from goldens.harness import Case, Check, Run, redraw_hash_table, write_golden
-from goldens.llama4 import router_check as llama4_routing
-from goldens.mixtral_qwen3 import softmax_router_check as softmax_routing
+from goldens.harness import Case, Run, redraw_hash_table, write_golden
 
 SEED_OFFSET = 100
 PERTURB_SEED = 2929
@@ -46,20 +44,7 @@ TABLE_SCALE = 0.2
 EPS = 3e-4
 HC_EPS = 1e-3
 SEQ_LEN = 37
-DS4_SEQ_LEN = 157  # one HCA window of 128 closes; 39 CSA entries of 4, the last one incomplete
 WINDOWS = {"sliding_window": 5, "attention_chunk_size": 5}
-DS4_WINDOW = 13
-TIE_CHECKS: dict[str, tuple[Check, ...]] = {
-    "mixtral": (softmax_routing,),
-    "qwen3_moe": (softmax_routing,),
-    "qwen3_moe_norenorm": (softmax_routing,),
-    "qwen3_moe_dense": (softmax_routing,),
-    "qwen3_moe_prefix": (softmax_routing,),
-    "deepseek3": (deepseek3_routing,),
-    "deepseek3_mtp": (deepseek3_routing,),  # no MTP layer: the file transformers itself saves (mtp_num_layers 0)
-    "llama4": (llama4_routing,),
-    "deepseek4": (deepseek4_top_k,),
-}
 
 
 @torch.no_grad()
@@ -97,26 +82,30 @@ def _kwargs(case: Case) -> dict[str, Any]:
         kwargs["hc_eps"] = HC_EPS
     for key, window in WINDOWS.items():
         if kwargs.get(key):
-            kwargs[key] = DS4_WINDOW if case.name == "deepseek4" else window
+            kwargs[key] = case.adversarial_window or window
     return kwargs
 
 
 def adversarial(case: Case) -> Case:
     """The adversarial variant of ``case`` (same name; written under ``adversarial/``)."""
-    assert not case.moe or case.name in TIE_CHECKS, f"{case.name}: a MoE case needs its near-tie refusal in TIE_CHECKS"
+    assert not case.routed or case.tie_checks, f"{case.name}: a case with routed experts needs its near-tie refusal (tie_checks)"
     return dataclasses.replace(
         case,
         kwargs=_kwargs(case),
-        checks=(*TIE_CHECKS.get(case.name, ()), float64_reference),
+        checks=(*case.tie_checks, float64_reference),
         seed=case.seed + SEED_OFFSET,
-        seq_len=DS4_SEQ_LEN if case.name == "deepseek4" else SEQ_LEN,
+        seq_len=case.adversarial_seq_len or SEQ_LEN,
         perturb=perturb,
         versions={},
     )
 
 
-def settings() -> dict[str, Any]:
-    """The adversarial settings, for ``adversarial/versions.json``."""
+def settings(cases: Iterable[Case]) -> dict[str, Any]:
+    """The adversarial settings of ``cases`` (the plain ones), for ``adversarial/versions.json``."""
+    cases = tuple(cases)
+    windows = {
+        f"{c.name}_{key}": c.adversarial_window for c in cases if c.adversarial_window for key in WINDOWS if c.kwargs.get(key)
+    }
     return {
         "seed_offset": SEED_OFFSET,
         "perturb_seed": PERTURB_SEED,
@@ -126,6 +115,6 @@ def settings() -> dict[str, Any]:
         "eps": EPS,
         "hc_eps": HC_EPS,
         "seq_len": SEQ_LEN,
-        "deepseek4_seq_len": DS4_SEQ_LEN,
-        "windows": dict(WINDOWS, deepseek4_sliding_window=DS4_WINDOW),
+        **{f"{c.name}_seq_len": c.adversarial_seq_len for c in cases if c.adversarial_seq_len},
+        "windows": dict(WINDOWS, **windows),
     }

@@ -173,5 +173,6 @@ CASES = (
         DEEPSEEK3_KWARGS,
         checks=(_yarn_check, router_check, write_and_check_fused),
         moe=True,
+        tie_checks=(router_check,),
     ),
 )

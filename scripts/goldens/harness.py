@@ -60,10 +60,20 @@ class Case:
     hub_name: Callable[[str], str] = _same_name  # state_dict key -> key written by save_pretrained
     hub_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert hub names
     versions: dict[str, Any] = field(default_factory=dict)  # extra entries for versions.json
+    # the adversarial variant (goldens/adversarial.py): its near-tie refusals (every case with routed experts has
+    # one), and a sequence length / window of its own (0: the shared SEQ_LEN / WINDOWS)
+    tie_checks: tuple[Check, ...] = ()
+    adversarial_seq_len: int = 0
+    adversarial_window: int = 0
 
     @property
     def router_weight(self) -> str | None:
         return self.router or (ROUTER_WEIGHT if self.moe else None)
+
+    @property
+    def routed(self) -> bool:
+        """The model has routed experts (a router): generated and reloaded with transformers' eager expert loop."""
+        return self.router_weight is not None
 
     def impl(self) -> dict[str, str]:
         """Kernel choices passed to the config / from_pretrained (not saved in config.json)."""

@@ -107,5 +107,6 @@ CASES = (
         ),
         checks=(_check,),
         router="feed_forward.router.weight",
+        tie_checks=(router_check,),
     ),
 )

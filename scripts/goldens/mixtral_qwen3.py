@@ -114,6 +114,7 @@ CASES = (
         ),
         checks=(softmax_router_check, write_and_check_fused),
         moe=True,
+        tie_checks=(softmax_router_check,),
         hub_name=_mixtral_hub_name,
         hub_experts=("w1", "w3", "w2"),
     ),
@@ -137,6 +138,7 @@ CASES = (
         dict(_QWEN3_MOE, norm_topk_prob=True),
         checks=(softmax_router_check, write_and_check_fused),
         moe=True,
+        tie_checks=(softmax_router_check,),
     ),
     Case(
         "qwen3_moe_norenorm",
@@ -145,6 +147,7 @@ CASES = (
         dict(_QWEN3_MOE, norm_topk_prob=False),
         checks=(softmax_router_check, _norenorm_check, write_and_check_fused),
         moe=True,
+        tie_checks=(softmax_router_check,),
         seed=1,  # not MODEL_SEED: its weights differ from `qwen3_moe`
     ),
     Case(  # dense layers anywhere: layers 0, 2 (sparse step 2) and 3 (mlp_only_layers) -> nnxtron dense_layers
@@ -154,6 +157,7 @@ CASES = (
         dict(_QWEN3_MOE, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True),
         checks=(softmax_router_check, _dense_layers_check, write_and_check_fused),
         moe=True,
+        tie_checks=(softmax_router_check,),
         seed=2,
     ),
     Case(  # a dense prefix: layer 0 -> nnxtron first_num_dense_layers 1 (a stack of its own)
@@ -163,6 +167,7 @@ CASES = (
         dict(_QWEN3_MOE, num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=True),
         checks=(softmax_router_check, _dense_layers_check, write_and_check_fused),
         moe=True,
+        tie_checks=(softmax_router_check,),
         seed=3,
     ),
 )

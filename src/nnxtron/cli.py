@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from nnxtron.errors import ConfigError, UserError
+from nnxtron.errors import CheckpointError, ConfigError, UserError
 from nnxtron.runtime import interrupt
 from nnxtron.runtime.distributed import INIT_TIMEOUT_S, PEER_TIMEOUT_S
 
@@ -100,18 +100,29 @@ def _cmd_config(ns: argparse.Namespace) -> int:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    """``nnxtron train``; a Ctrl-C at any moment of the start-up stops it (``runtime/interrupt.py``)."""
+    """``nnxtron train``; a Ctrl-C at any moment of the start-up stops it (``runtime/interrupt.py``).
+    Its modules are loaded first, while nothing is done yet: under the ``nnxtron`` command's own
+    handling (``nnxtron/__main__.py``) a Ctrl-C during them ends the command at once."""
+    from nnxtron.runtime.distributed import check_flags
+
+    check_flags(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout, ns.init_timeout)
+    from nnxtron.convert import runs  # noqa: F401 - the heavy modules (JAX, orbax, grain), loaded here: see above
+    from nnxtron.train import loop  # noqa: F401
+
     with interrupt.installed():
         try:
-            return _train_command(ns)
+            code = _train_command(ns)
         except BaseException as err:  # after a Ctrl-C, what it cut short (an extension's import, a Rust panic) is no news
             if not isinstance(err, (KeyboardInterrupt, SystemExit)):
                 interrupt.stop_if_interrupted()
             raise
+        interrupt.stop_if_interrupted()  # one that came during an import (raised after it) or that a library swallowed
+        return code
 
 
 def _train_command(ns: argparse.Namespace) -> int:
-    from nnxtron.config.loader import load_config_report, parse_overrides, read_config_file
+    from nnxtron.config.loader import is_hf_directory, load_config_report, parse_overrides, read_config_file
+    from nnxtron.convert.hf import check_tokenizer
     from nnxtron.convert.runs import init_config_report, init_params
     from nnxtron.data.sources import tokenizer_for
     from nnxtron.runtime.distributed import initialize, peer_lost, shutdown
@@ -133,9 +144,12 @@ def _train_command(ns: argparse.Namespace) -> int:
             )
         try:
             tokenizer_for(cfg)
-        except ConfigError as err:  # the model's ids are not this tokenizer's: training on token ids still works
+            if cfg.init_from and is_hf_directory(cfg.init_from):  # synthetic data: checked here only, for the sample
+                check_tokenizer(cfg.init_from, given)
+        except (ConfigError, CheckpointError) as err:  # the model's ids are not this tokenizer's: training on ids still works
             notes = [*notes, f"no sample after training: {err} (sample_after_training=0 drops this note)"]
             sample = 0
+    interrupt.stop_if_interrupted()  # a Ctrl-C during the imports above (``handle`` raises it once they are done)
     loader = init_params(cfg)
     joined = initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout, ns.init_timeout)
     if not joined:
@@ -340,7 +354,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         kv_blocks=ns.kv_blocks, prefill_chunk=ns.prefill_chunk, max_queue=ns.max_queue,
         request_timeout=None if ns.request_timeout == 0 else ns.request_timeout, chat_template=ns.chat_template,
         log_level=ns.log_level, max_body_bytes=ns.max_body_bytes, read_timeout=ns.read_timeout,
-        max_connections=ns.max_connections, drain_timeout=ns.drain_timeout,
+        max_connections=ns.max_connections, drain_timeout=ns.drain_timeout, template_timeout=ns.chat_template_timeout,
+        template_memory_mib=ns.chat_template_memory_mib, template_max_chars=ns.chat_template_max_chars,
     )  # fmt: skip
     serve(ns.path, ns.overrides, options)
     return 0
@@ -617,11 +632,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="multi-host: let JAX detect the coordinator, count and id (SLURM, Open MPI, TPU VMs, Kubernetes)",
     )  # fmt: skip
     p.add_argument(
-        "--peer-timeout", type=_number(int, at_least=1), default=PEER_TIMEOUT_S, metavar="SECONDS",
+        "--peer-timeout", type=_number(int, at_least=1), default=None, metavar="SECONDS",
         help=f"multi-host: a process that has not been heard from for this long is dead and the others stop (default {PEER_TIMEOUT_S})",
     )  # fmt: skip
     p.add_argument(
-        "--init-timeout", type=_number(int, at_least=1), default=INIT_TIMEOUT_S, metavar="SECONDS",
+        "--init-timeout", type=_number(int, at_least=1), default=None, metavar="SECONDS",
         help=f"multi-host: stop with one line when the coordinator and every process have not joined within this long (default {INIT_TIMEOUT_S})",
     )  # fmt: skip
     p.set_defaults(func=_cmd_train)
@@ -698,6 +713,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drain-timeout", type=float, default=30.0,
         help="after SIGTERM / SIGINT, seconds the requests in flight get to finish (default 30)",
+    )  # fmt: skip
+    p.add_argument(
+        "--chat-template-timeout", type=_number(float, above=0), default=10.0, metavar="SECONDS",
+        help="seconds one rendering of the chat template may take; then it is stopped and the request gets 400 (default 10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--chat-template-memory-mib", type=_number(int, at_least=64), default=512, metavar="MIB",
+        help="address space of the chat template's rendering process, Linux (default 512, at least 64)",
+    )  # fmt: skip
+    p.add_argument(
+        "--chat-template-max-chars", type=_number(int, at_least=1), default=1 << 24, metavar="N",
+        help="characters one rendering of the chat template may produce (default 16777216)",
     )  # fmt: skip
     p.set_defaults(func=_cmd_serve)
 

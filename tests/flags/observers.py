@@ -66,7 +66,8 @@ def _digest(*arrays: Any) -> str:
 def corpus() -> dict[str, str]:
     """Globs of small fixed corpora: ``text`` (6 files), ``text_a`` (3 of them), ``jsonl``
     (records with a ``text`` and a ``body`` field), ``jsonl_bad`` (one record without text),
-    ``sft`` (records with a ``text`` and chat ``messages``) and two chat templates for it."""
+    ``sft`` (records with a ``text`` and chat ``messages``) and four chat templates for it (``template_big``
+    allocates 50 MB while it renders, ``template_slow`` takes ~20 ms)."""
     root = WORK / "corpus"
     (root / "text").mkdir(parents=True)
     words = PARAGRAPH.split()
@@ -87,6 +88,9 @@ def corpus() -> dict[str, str]:
     turn = "{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}</s>{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
     (root / "chat.jinja").write_text(turn)
     (root / "chat_b.jinja").write_text(turn.replace("<{{ m['role'] }}>", "### {{ m['role'] }}: "))
+    (root / "chat_big.jinja").write_text("{% set pad = 'x' * 50000000 %}" + turn)  # holds 50 MB while it renders
+    slow = "{% for i in range(1000) %}{% for j in range(800) %}{% endfor %}{% endfor %}"  # ~20 ms a rendering
+    (root / "chat_slow.jinja").write_text(slow + turn)
     return {
         "text": str(root / "text" / "*.txt"),
         "text_a": str(root / "text" / "doc[0-2].txt"),
@@ -97,6 +101,8 @@ def corpus() -> dict[str, str]:
         "dpo": str(root / "dpo.jsonl"),
         "template": str(root / "chat.jinja"),
         "template_b": str(root / "chat_b.jinja"),
+        "template_big": str(root / "chat_big.jinja"),
+        "template_slow": str(root / "chat_slow.jinja"),
     }
 
 
@@ -184,13 +190,15 @@ def init(values: Overrides) -> str:
 
 def data(values: Overrides) -> tuple:
     """The first train and eval batches, when the train data ends (up to 100 batches), the
-    start-up statistics and the reader / prefetch threads configured; or the DataError."""
+    start-up statistics and the reader / prefetch threads configured; or the DataError (or the
+    chat template's time limit, which stops the data: ``TemplateTimeout``)."""
     from nnxtron.data.sources import make_sources
+    from nnxtron.data.template_render import TemplateTimeout
 
     cfg = _config(values)
     try:
         train, evaluation = make_sources(cfg, 4)
-    except DataError as err:
+    except (DataError, TemplateTimeout) as err:
         return ("refused", str(err).split(";")[0])
     it = train.iterator()
     try:

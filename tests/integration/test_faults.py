@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -89,6 +90,43 @@ def test_a_ctrl_c_a_library_swallows_still_stops_the_start_up(tmp_path, capsys, 
     assert "trained steps" not in out and "Exception ignored" not in err and "Traceback" not in err
     assert not (tmp_path / "cut").exists()  # the directory this start made is removed: nothing half-written
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after the command
+
+
+NNXTRON = Path(sys.executable).parent / "nnxtron"  # the console script `pip install` wrote (pyproject.toml)
+
+
+def _interrupt_while_loading(command: list[str], library: str) -> tuple[subprocess.Popen, str]:
+    """``command`` started, then SIGINT the moment the process maps ``library`` (a shared object of
+    an extension module being imported); the process (ended) and its stderr."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    try:
+        while library not in Path(f"/proc/{proc.pid}/maps").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, f"{library} was never loaded: {proc.stderr.read()}"
+            time.sleep(0.0005)
+        proc.send_signal(signal.SIGINT)
+        return proc, proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
+@pytest.mark.parametrize("library", ["_multiarray_umath", "jaxlib/_jax", "jaxlib/_xla"])
+@pytest.mark.parametrize("entry", ["config", "train", "python -m"])
+def test_a_ctrl_c_while_the_start_up_imports_is_one_line(tmp_path, entry, library):
+    """SIGINT while NumPy's or JAX's extension modules load (the first ~0.2 s of any command): the
+    ``KeyboardInterrupt`` cut their initialisation short: an ImportError traceback, a segmentation
+    fault (-11) or SIGABRT (-6). Now, from the console script or ``python -m nnxtron``: status
+    130, one line, nothing written."""
+    if entry == "train":
+        command = [str(NNXTRON), *_train_args(tmp_path, "cut")]
+    else:
+        command = [str(NNXTRON)] if entry == "config" else [sys.executable, "-m", "nnxtron"]
+        command += ["config", "show"]
+    proc, err = _interrupt_while_loading(command, library)
+    assert proc.returncode == 130, err
+    assert [line for line in err.splitlines() if line.strip()] == ["interrupted"], err
+    assert not (tmp_path / "cut").exists()
 
 
 def _free_port() -> int:

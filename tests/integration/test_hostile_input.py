@@ -41,6 +41,21 @@ def test_numeric_options_out_of_range_are_one_line(capsys, args, fragment):
 
 
 @pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--peer-timeout", "30"], "--peer-timeout is read only by a multi-host run"),
+        (["--init-timeout=5"], "--init-timeout is read only by a multi-host run"),
+        (["--peer-timeout", "30", "--init-timeout", "5"], "--peer-timeout and --init-timeout are read only by a multi-host"),
+    ],
+)
+def test_multi_host_timeouts_of_a_single_process_run_are_refused(capsys, args, fragment):
+    """A single-process run has no peers to time out: the flag was accepted and never read."""
+    code, _, err = run_cli(capsys, "train", "steps=1", *args)
+    assert_user_error(code, err, fragment)
+    assert "this run is single-process: drop it" in err
+
+
+@pytest.mark.parametrize(
     "override, fragment",
     [
         ("learning_rate=1e-300", "config key 'learning_rate': is smaller than float32 can hold"),
@@ -118,9 +133,11 @@ def test_convert_flags_of_another_direction_are_refused(tmp_path, capsys, args, 
 
 
 @pytest.mark.parametrize("value, shown", [(4.5, "num_attention_heads=4.5 where a whole number"),
-                                          (True, "num_attention_heads=true where a number belongs")])  # fmt: skip
+                                          (True, "num_attention_heads=true where a number belongs"),
+                                          ("4", 'num_attention_heads="4" is a string where a number or true/false '
+                                                "belongs; write it without quotes: 4")])  # fmt: skip
 def test_hf_counts_are_not_truncated(tmp_path, capsys, value, shown):
-    """``num_attention_heads: 4.5`` was read as 4 heads (``true`` as 1)."""
+    """``num_attention_heads: 4.5`` was read as 4 heads (``true`` as 1, the string ``"4"`` as 4)."""
     model = tmp_path / "hf"
     shutil.copytree(GOLDEN / "llama2", model, ignore=shutil.ignore_patterns("golden*", "generate*"))
     config = json.loads((model / "config.json").read_text())
@@ -151,6 +168,32 @@ def test_hf_directory_without_tokenizer_is_refused_for_text(hf_without_tokenizer
     code, _, err = run_cli(capsys, *[a.format(dir=hf_without_tokenizer) for a in args])
     assert_user_error(code, err, "holds no tokenizer file (tokenizer.json, tokenizer.model, *.tiktoken)")
     assert "tokenizer_type=byte for a byte-level model" in err
+
+
+def test_synthetic_training_from_an_hf_directory_without_tokenizer_samples_no_text(
+    hf_without_tokenizer, tmp_path, capsys, monkeypatch
+):
+    """Synthetic data needs no tokenizer, so such a run trains; but its sample after training was
+    decoded with the byte tokenizer without a word. Now: one start-up note says why there is no
+    sample (the run stops here, before the model is built)."""
+    import nnxtron.cli as cli
+
+    seen = {}
+
+    def train_and_report(cfg, ns, init_params, sample, quiet=False, notes=()):
+        seen.update(sample=sample, notes=list(notes))
+        return 0
+
+    monkeypatch.setattr(cli, "_train_and_report", train_and_report)
+    args = [f"init_from={hf_without_tokenizer}", "dataset_type=synthetic", "dataset_path=[]", "steps=1",
+            "sample_after_training=8", f"base_output_directory={tmp_path}", "run_name=r"]  # fmt: skip
+    code, _, err = run_cli(capsys, "train", *args)
+    assert code == 0, err
+    assert seen["sample"] == 0
+    (note,) = [n for n in seen["notes"] if n.startswith("no sample after training:")]
+    assert "holds no tokenizer file" in note and "tokenizer_type=byte for a byte-level model" in note
+    code, _, err = run_cli(capsys, "train", *args, "tokenizer_type=byte")  # said so: the byte tokenizer samples
+    assert code == 0 and seen["sample"] == 8, err
 
 
 def test_unreadable_checkpoint_names_the_whole_reason(converted_run, tmp_path, capsys):

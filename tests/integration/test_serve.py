@@ -432,6 +432,7 @@ def test_large_and_slow_requests_are_refused(served):
     assert time.monotonic() - start < 5  # answered without waiting for (or reading) the 40 MB
     saved = limits.max_body_bytes, limits.read_timeout
     limits.max_body_bytes, limits.read_timeout = 4096, 0.3
+    before = {key: requests_counted(served, *key) for key in (("/v1/completions", "408"), ("other", "408"), ("other", "400"))}
     try:
         chunked = served.post("/v1/completions", content=iter([b'{"prompt": "' + b"a" * 3000, b"a" * 3000 + b'"}']))
         assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
@@ -442,7 +443,19 @@ def test_large_and_slow_requests_are_refused(served):
             assert 0.25 < time.monotonic() - start < 5
     finally:
         limits.max_body_bytes, limits.read_timeout = saved
+    assert raw_http(served, b"NOT HTTP AT ALL\r\n\r\n").startswith(b"HTTP/1.1 400 ")  # h11's own answer
+    # every answer is counted: the body's 408 by its route, the protocol's 408 (headers) and 400 (no route read) as "other"
+    after = {key: requests_counted(served, *key) for key in before}
+    assert {key: after[key] - before[key] for key in before} == {
+        ("/v1/completions", "408"): 1, ("other", "408"): 2, ("other", "400"): 1,
+    }  # fmt: skip
     assert complete(served, "Hello", max_tokens=2).usage.completion_tokens >= 1
+
+
+def requests_counted(served: Served, endpoint: str, status: str) -> float:
+    """``nnxtron_requests_total{endpoint, status}`` as ``/metrics`` reports it now (0 before the first)."""
+    samples, _ = parse_prometheus(httpx.get(served.url + "/metrics").text)
+    return samples.get(("nnxtron_requests_total", (("endpoint", endpoint), ("status", status))), 0.0)
 
 
 def test_prompts_are_tokenized_and_rendered_off_the_event_loop(served, monkeypatch):
@@ -614,15 +627,26 @@ def test_serve_limit_flags_reach_the_server(served, capsys, monkeypatch):
     """--max-body-bytes, --read-timeout, --max-connections and --drain-timeout: the options, the limits the
     application and protocol read, and uvicorn's settings; a value that cannot work is one line."""
     import nnxtron.serve.server as server_module
+    from nnxtron.convert.hf import hf_config
+    from nnxtron.data.chat_template import RenderLimits
+    from nnxtron.errors import UserError
     from nnxtron.serve.limits import KEEP_ALIVE_SECONDS, MAX_HEADER_BYTES, Limits
+    from nnxtron.serve.server import load_chat_template
 
     given = []
     monkeypatch.setattr(server_module, "serve", lambda path, overrides, options: given.append(options))
-    flags = ["--max-body-bytes", "1234", "--read-timeout", "2.5", "--max-connections", "7", "--drain-timeout", "4"]
+    flags = ["--max-body-bytes", "1234", "--read-timeout", "2.5", "--max-connections", "7", "--drain-timeout", "4",
+             "--chat-template-timeout", "0.5", "--chat-template-memory-mib", "96", "--chat-template-max-chars", "40"]  # fmt: skip
     code, _, err = run_cli(capsys, "serve", str(served.directory), *flags)
     assert code == 0, err
     (options,) = given
     assert options.limits() == Limits(max_body_bytes=1234, read_timeout=2.5)
+    assert options.render_limits() == RenderLimits(seconds=0.5, memory_mib=96, max_chars=40)
+    cfg = hf_config(served.directory)  # the config alone (where the template is found), not the weights
+    template, _ = load_chat_template(served.directory, cfg, served.state.tokenizer, None, options.render_limits())
+    assert template.limits == options.render_limits()  # the template `serve` renders carries them
+    with pytest.raises(UserError, match="output exceeds 40 characters.*--chat-template-max-chars"):
+        template.render([{"role": "user", "content": "a message longer than forty characters, rendered"}])
     state = ServeState(served.engine, served.state.tokenizer, "x", 256, limits=options.limits())
     config = make_server(state, options, 0).config
     assert (config.limit_concurrency, config.timeout_graceful_shutdown) == (7, 4)
@@ -634,6 +658,10 @@ def test_serve_limit_flags_reach_the_server(served, capsys, monkeypatch):
         ("--drain-timeout", "-1"),
         ("--max-body-bytes", "0"),
         ("--max-connections", "0"),
+        ("--chat-template-timeout", "0"),
+        ("--chat-template-timeout", "nan"),
+        ("--chat-template-memory-mib", "63"),
+        ("--chat-template-max-chars", "0"),
     ):
         code, _, err = run_cli(capsys, "serve", str(served.directory), flag, value)
         assert_user_error(code, err, flag)

@@ -66,6 +66,9 @@ def test_sft_settings_are_checked(sft_data, tmp_path):
     base = str(tmp_path)
     with pytest.raises(ConfigError, match="chat_template_path is read only with use_sft=true"):
         load_config(overrides=train_overrides(str(sft_data), base, "x", chat_template_path="t.jinja"))
+    for key, value in (("chat_template_timeout", 3), ("chat_template_memory_mib", 1024), ("chat_template_max_chars", 10)):
+        with pytest.raises(ConfigError, match=f"{key} is read only with use_sft=true or use_dpo=true"):
+            load_config(overrides=train_overrides(str(sft_data), base, "x", **{key: value}))
     with pytest.raises(ConfigError, match="use_sft=true reads instruction records: set dataset_type"):
         load_config(overrides=train_overrides(str(sft_data), base, "x", use_sft=True))
     missing = sft_overrides(sft_data, base, "x", steps=1)
@@ -113,16 +116,17 @@ def test_sft_from_an_hf_directory_uses_its_chat_template(tmp_path, capsys):
     assert scores["tuned"]["loss"] < 0.6 * scores["source"]["loss"], scores
 
 
-def test_a_chat_template_that_never_ends_is_one_line(sft_data, tmp_path, capsys, monkeypatch):
-    """A template whose loop would run for hours: training stops after one rendering's time limit (each
-    later record is refused at once), with one line naming the limit and the fix, and exit status 2."""
-    import nnxtron.data.chat_template as chat_template
+def test_a_chat_template_that_never_ends_is_one_line(sft_data, tmp_path, capsys):
+    """A template whose loop would run for hours: training stops after one rendering's time limit
+    (``chat_template_timeout``; each later record is refused at once), with one line naming the
+    limit and the fix, and exit status 2."""
     from tests.integration.conftest import assert_user_error
 
-    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.3)
     template = tmp_path / "loop.jinja"
     template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
     overrides = [o for o in sft_overrides(sft_data, str(tmp_path), "loop", steps=1) if not o.startswith("chat_template_path=")]
-    code, _, err = run_cli(capsys, "train", *overrides, f"chat_template_path={template}", "--no-progress")
+    code, _, err = run_cli(
+        capsys, "train", *overrides, f"chat_template_path={template}", "chat_template_timeout=0.3", "--no-progress"
+    )
     assert_user_error(code, err, "chat template did not finish rendering within 0.3 s")
-    assert "chat_template_path" in err
+    assert "chat_template_path" in err and "raise the limit (--chat-template-timeout / chat_template_timeout)" in err

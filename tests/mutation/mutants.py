@@ -446,7 +446,7 @@ MUTATIONS = [
     Mutation("dropout-tail-stack-restarts-the-blocks", "parallel/scan.py", "return self.first_block + jnp.arange(", "return 0 * self.first_block + jnp.arange(",
              ("tests/parity/test_dropout.py::test_partial_pipeline_tail_stack_continues_the_block_indices",)),
     Mutation("dropout-not-in-mtp", "models/mtp.py", "keys = fold(dropout_keys, k)", "keys = None",
-             ("tests/parity/test_dropout.py::test_the_mtp_depths_drop_with_their_own_masks",)),
+             ("tests/parity/test_dropout.py::test_the_mtp_depths_drop_on_the_same_hidden_states",)),
     Mutation("dropout-not-on-mlp-activations", "models/prenorm.py", "intermediate = dropout.site_dropout(",
              "intermediate = None and dropout.site_dropout(", ("tests/parity/test_dropout.py::test_each_family_block_drops_its_output_and_its_mlp_activations",)),
     Mutation("dropout-not-on-layer-output", "models/prenorm.py", "return dropout.dropout(y, dropout_keys, self.dropout_rate, dropout.LAYER_OUTPUT)",

@@ -31,6 +31,7 @@ from nnxtron.errors import ConfigError
 from nnxtron.infer.decode import generate
 from nnxtron.layers import dropout
 from nnxtron.models.build import build_model
+from nnxtron.models.mtp import MultiTokenPrediction
 from nnxtron.models.registry import family_for
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.parallel.remat import RematSpec
@@ -127,6 +128,34 @@ def test_the_mtp_depths_drop_with_their_own_masks():
     assert abs(mtp_loss[1] - mtp_loss[0]) > 1e-2 * mtp_loss[0]
     assert abs(mtp_loss[2] - mtp_loss[1]) > 1e-3 * mtp_loss[1]
     assert on.loss == _result("llama3.1-tiny", **LAYERS).loss  # the main model's masks do not depend on MTP
+
+
+def test_the_mtp_depths_drop_on_the_same_hidden_states():
+    """The MTP module alone (as the decoder builds it), on fixed hidden states, embeddings and head:
+    its loss moves with dropout keys and with the step. The main model plays no part, so depths that
+    ignore their keys leave the loss exactly as without them (the dropout-not-in-mtp mutant)."""
+    cfg = tiny_config("llama3.1-tiny", dropout_rate=RATE, mtp_num_layers=1, base_num_decoder_layers=1)
+    kind = built_stacks(cfg)[-1].layout.kinds[-1]  # the decoder's MTP blocks are of its last layer's kind
+    with nnx.use_eager_sharding(False):
+        mtp = MultiTokenPrediction(cfg, lambda rngs: family_for(cfg.decoder_block).make_block(cfg, rngs, kind), jax.random.key(0))
+    rows, seq = 4, 8
+    batch = random_batch(cfg, batch=rows, seq=seq)
+    rng = np.random.default_rng(0)
+    hidden, embedded = (jnp.asarray(rng.normal(size=(rows, seq, cfg.base_emb_dim)), jnp.float32) for _ in range(2))
+    head = jnp.asarray(rng.normal(size=(cfg.base_emb_dim, cfg.vocab_size)), jnp.float32)
+    targets, positions, segments = (jnp.asarray(batch[k]) for k in ("targets", "positions", "segment_ids"))
+    main_logits = jnp.zeros((rows, seq, cfg.vocab_size), jnp.float32)  # read only by mtp_eval_target_module
+
+    @jax.jit
+    def mtp_loss(keys):
+        return mtp(hidden, embedded, lambda x: x @ head, main_logits, targets, positions, segments, None, keys)["mtp_loss"]
+
+    off, on, again, other_step = (
+        float(mtp_loss(None if step is None else row_keys(0, jnp.int32(step), rows))) for step in (None, STEP, STEP, STEP + 1)
+    )
+    assert on == again
+    assert abs(on - off) > 1e-2 * off
+    assert abs(other_step - on) > 1e-3 * on
 
 
 def _kept_after_stack(num_layers: int, scan: bool, rows: int = 2, width: int = 4096) -> np.ndarray:

@@ -62,27 +62,13 @@ import pytest
 from safetensors.numpy import load_file
 
 from nnxtron.convert.hf import from_hf, hf_config_to_nnxtron, to_hf
+from nnxtron.models.registry import FAMILIES
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
 ADVERSARIAL = GOLDEN / "adversarial"
-CASES = (
-    "llama2",
-    "llama31",
-    "mistral",
-    "mixtral",
-    "qwen3",
-    "qwen3_moe",
-    "qwen3_moe_norenorm",
-    "qwen3_moe_dense",
-    "qwen3_moe_prefix",
-    "deepseek3",
-    "deepseek3_mtp",
-    "gemma3",
-    "llama4",
-    "gpt2",
-    "deepseek4",
-)
-MOE_CASES = ("mixtral", "qwen3_moe", "qwen3_moe_dense", "qwen3_moe_prefix", "deepseek3", "deepseek4")
+# every golden the families declare (Family.goldens, in the registry's order); MOE_CASES: those whose fused layout is loaded too
+CASES = tuple(golden.name for family in FAMILIES.values() for golden in family.goldens)
+MOE_CASES = tuple(golden.name for family in FAMILIES.values() for golden in family.goldens if golden.fused_checked)
 TOL = 2e-6
 
 

@@ -35,6 +35,7 @@ import pytest
 
 from nnxtron.config.options import REMAT_POLICIES
 from nnxtron.models.build import build_model
+from nnxtron.models.registry import FAMILIES
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads
 from tests.conftest import random_batch, tiny_config
@@ -275,30 +276,16 @@ def test_bf16_moe_strategy_matches_the_bf16_and_float32_baselines(strategy, moe_
     assert_grad_parity(*_without_loads(result, moe_baselines[True]), **BF16_MOE_VS_FLOAT32_BOUNDS)
 
 
-# One row per patterned family (and DeepSeek-V4) against its own baseline (unrolled, no remat, one device):
-# scanned cycle blocks (+ the remainder block for gemma3-tiny's 8 = 6 + 2 layers) under a
-# remat policy, a sharded mesh and gradient accumulation. Sequences of 16 tokens exceed the
-# sliding window / attention chunk (8), so their masks matter.
-FAMILY_MODELS = {
-    "gemma3-tiny": {},
-    "llama4-tiny": {},
-    "gpt3-52k": dict(base_num_decoder_layers=3),
-    "deepseek4-test": {},
-    "mistral-tiny": {},
-    "qwen3-tiny": {},
-    "mixtral-tiny": {},
-    "qwen3-moe-tiny": dict(load_balance_loss_weight=0.01),  # no accumulation in its row (see above)
-}
+# The families' own rows (Family.strategy_rows, in the registry's order), each against its own baseline
+# (unrolled, no remat, one device): scanned cycle blocks (+ the remainder block for gemma3-tiny's
+# 8 = 6 + 2 layers) under a remat policy, a sharded mesh and gradient accumulation. Sequences of 16
+# tokens exceed the sliding window / attention chunk (8), so their masks matter. (llama2 and deepseek
+# have none: the rows above run llama3.1-tiny and deepseek3-test.)
+FAMILY_MODELS = {row.model: dict(row.overrides) for family in FAMILIES.values() for row in family.strategy_rows}
 FAMILY_ROWS = [
-    ("gemma3-tiny", Strategy(True, "full", "fsdp4_tensor2", 2)),
-    ("llama4-tiny", Strategy(True, "save_dot_except_mlp", "data2_fsdp4", 2)),
-    ("gpt3-52k", Strategy(True, "minimal", "fsdp2_context4", 2)),
-    # DeepSeek-V4: hash-routed prefix block + (HCA, CSA) block + HCA remainder, mHC streams, expert loads
-    ("deepseek4-test", Strategy(True, "full", "data2_fsdp4", 2)),
-    ("mistral-tiny", Strategy(True, "minimal", "fsdp4_tensor2", 2)),  # sliding window 8 < 16 tokens
-    ("qwen3-tiny", Strategy(True, "save_dot_except_mlp", "fsdp2_context4", 2)),  # qk-norm under context parallelism
-    ("mixtral-tiny", Strategy(True, "full", "data2_fsdp4", 2)),
-    ("qwen3-moe-tiny", Strategy(True, "none", "fsdp4_tensor2", 1)),
+    (row.model, Strategy(row.scan, row.remat, row.mesh, row.accumulation))
+    for family in FAMILIES.values()
+    for row in family.strategy_rows
 ]
 
 
@@ -318,15 +305,22 @@ def test_family_strategy_matches_baseline(model, strategy):
 
 
 def test_every_decoder_block_has_a_golden_and_a_matrix_row():
-    """Each registered ``decoder_block`` is checked against HF (a golden) and across strategies (a row)."""
+    """Each registered ``decoder_block`` is checked against HF (a golden) and across strategies (a row);
+    each golden and row a family declares is of that family (its HF config and its preset)."""
     from nnxtron.config.options import DECODER_BLOCKS
     from nnxtron.convert.hf import hf_config_to_nnxtron
-    from tests.parity.test_hf_golden import CASES as GOLDEN_CASES
     from tests.parity.test_hf_golden import GOLDEN
 
-    in_matrix = {tiny_config(model).decoder_block for model in ("llama3.1-tiny", "deepseek3-test", *FAMILY_MODELS)}
+    in_matrix = {tiny_config(model).decoder_block for model in ("llama3.1-tiny", "deepseek3-test")}
+    for family in FAMILIES.values():
+        for golden in family.goldens:
+            assert hf_config_to_nnxtron(GOLDEN / golden.name)["decoder_block"] == family.name, golden
+        for row in family.strategy_rows:
+            block = tiny_config(row.model).decoder_block
+            assert block == family.name, row
+            in_matrix.add(block)
     assert in_matrix == set(DECODER_BLOCKS), f"no matrix row: {sorted(set(DECODER_BLOCKS) - in_matrix)}"
-    with_golden = {hf_config_to_nnxtron(GOLDEN / case)["decoder_block"] for case in GOLDEN_CASES}
+    with_golden = {family.name for family in FAMILIES.values() if family.goldens}
     assert with_golden == set(DECODER_BLOCKS), f"no HF golden: {sorted(set(DECODER_BLOCKS) - with_golden)}"
 
 

@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 LAZY_IMPORTS_ALLOWED = {
     "nnxtron": "`import nnxtron` stays light; from_hf/to_hf load JAX when called",
     "nnxtron.cli": "each command imports what it runs, so `nnxtron --help` and bad input answer fast",
+    "nnxtron.__main__": "the start-up Ctrl-C handling is installed before the command line's modules load",
 }
 
 

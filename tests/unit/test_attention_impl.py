@@ -123,7 +123,7 @@ GPU_BF16 = ("gpu", "bfloat16", 64)
     "value, backend, dtype, head_dim, flags, expected",
     [
         ("auto", "cpu", "bfloat16", 64, {}, "xla"),
-        ("auto", "tpu", "bfloat16", 64, {}, "xla"),
+        ("auto", "tpu", "bfloat16", 64, {}, "splash"),
         ("auto", "rocm", "bfloat16", 64, {}, "xla"),
         ("auto", *GPU_BF16, {}, "cudnn"),
         ("auto", "gpu", "float16", 128, {}, "cudnn"),

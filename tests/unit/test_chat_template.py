@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from nnxtron.data.chat_template import ChatTemplate
+from nnxtron.data.chat_template import ChatTemplate, RenderLimits
 from nnxtron.errors import UserError
 from tests import tokenizer_files
 
@@ -376,15 +376,49 @@ LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% e
         (LOOP, "did not finish rendering within 0.5 s"),
     ],
 )  # fmt: skip
-def test_rendering_is_bounded_in_time_memory_and_output(template, match, monkeypatch):
+def test_rendering_is_bounded_in_time_memory_and_output(template, match):
     """Each is one UserError naming the limit, from the rendering process; this process neither
     allocates nor waits, and the next rendering works (a killed process is replaced)."""
-    import nnxtron.data.chat_template as chat_template
-
-    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
     with pytest.raises(UserError, match=match):
-        ChatTemplate(template).render(CONVERSATIONS["user"])
+        ChatTemplate(template, limits=RenderLimits(seconds=0.5)).render(CONVERSATIONS["user"])
     assert ChatTemplate(CHATML).render(CONVERSATIONS["user"]).startswith("<|im_start|>system")
+
+
+BIG = "{% set pad = 'x' * 100000000 %}"  # 100 MB held while rendering, then nothing written
+
+
+@pytest.mark.parametrize(
+    "template, limits, flag",
+    [
+        ("{{ 'x' * 100 }}", RenderLimits(max_chars=99), "output exceeds 99 characters; fix the template (or pass another "
+         "with --chat-template / chat_template_path), or raise the limit (--chat-template-max-chars / chat_template_max_chars)"),
+        (BIG + "ok", RenderLimits(memory_mib=64), "needs more than 64 MiB to render (e.g. 'x' * 10**9); fix the template "
+         "(or pass another with --chat-template / chat_template_path), or raise the limit (--chat-template-memory-mib / "
+         "chat_template_memory_mib)"),
+        (LOOP, RenderLimits(seconds=0.2), "did not finish rendering within 0.2 s (a loop that does not end, or one far "
+         "too long for its input?); fix the template (or pass another with --chat-template / chat_template_path), or "
+         "raise the limit (--chat-template-timeout / chat_template_timeout)"),
+    ],
+)  # fmt: skip
+def test_each_rendering_limit_is_the_template_s_own_and_says_how_to_raise_it(template, limits, flag):
+    """The limits were module constants; now each template carries its own (``serve``'s
+    ``--chat-template-*`` flags, training's ``chat_template_*`` keys), and the error names both."""
+    with pytest.raises(UserError) as err:
+        ChatTemplate(template, limits=limits).render(CONVERSATIONS["user"])
+    assert flag in str(err.value)
+    if template != LOOP:  # within the default limits the same template renders
+        assert ChatTemplate(template).render(CONVERSATIONS["user"]) == ("x" * 100 if template.startswith("{{") else "ok")
+
+
+@pytest.mark.parametrize(
+    "given, fragment",
+    [({"seconds": 0.0}, "time limit .--chat-template-timeout / chat_template_timeout. must be a number of seconds > 0"),
+     ({"seconds": float("nan")}, "seconds > 0"), ({"memory_mib": 63}, "at least 64 MiB"),
+     ({"max_chars": 0}, "at least 1 character")],
+)  # fmt: skip
+def test_rendering_limits_that_cannot_work_are_one_line(given, fragment):
+    with pytest.raises(UserError, match=fragment):
+        RenderLimits(**given)
 
 
 def test_a_template_nested_too_deeply_to_compile_is_a_user_error():
@@ -392,16 +426,29 @@ def test_a_template_nested_too_deeply_to_compile_is_a_user_error():
         ChatTemplate("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}")
 
 
-def test_a_timed_out_template_is_not_retried_for_each_training_record(monkeypatch):
+def test_a_timed_out_template_is_not_retried_for_each_training_record():
     import time
 
     import nnxtron.data.chat_template as chat_template
 
-    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.3)
-    template = ChatTemplate(LOOP)
+    template = ChatTemplate(LOOP, limits=RenderLimits(seconds=0.3))
     with pytest.raises(chat_template.TemplateTimeout, match="within 0.3 s"):
         template.assistant_spans(CONVERSATIONS["user"])
     start = time.monotonic()
     with pytest.raises(chat_template.TemplateTimeout, match="within 0.3 s"):
         template.assistant_spans(CONVERSATIONS["user"])
     assert time.monotonic() - start < 0.2
+
+
+def test_the_training_keys_default_to_the_rendering_defaults():
+    """base.yml's chat_template_* values, the ones config/checks.py compares against (set without
+    use_sft / use_dpo: refused), serve's flag defaults and RenderLimits' defaults are one set."""
+    from nnxtron.cli import build_parser
+    from nnxtron.config import load_config
+    from nnxtron.config.checks import TEMPLATE_LIMITS
+
+    cfg = load_config()
+    assert TEMPLATE_LIMITS == {key: getattr(cfg, key) for key in TEMPLATE_LIMITS}
+    assert RenderLimits(cfg.chat_template_timeout, cfg.chat_template_memory_mib, cfg.chat_template_max_chars) == RenderLimits()
+    ns = build_parser().parse_args(["serve", "DIR"])
+    assert RenderLimits(ns.chat_template_timeout, ns.chat_template_memory_mib, ns.chat_template_max_chars) == RenderLimits()

@@ -236,6 +236,10 @@ VALUES: dict[str, Flag] = {
     "use_sft": F(True, "data", D, SFT_DATA, also={"chat_template_path": C["template"]}),
     "sft_train_on_completion_only": F(False, "data", D, {**SFT_DATA, "use_sft": True, "chat_template_path": C["template"]}),
     "chat_template_path": F(C["template_b"], "data", D, {**SFT_DATA, "use_sft": True, "chat_template_path": C["template"]}),
+    # 2 ms (the least a wait can be: it is counted in whole milliseconds) for a template that renders in ~20 ms
+    "chat_template_timeout": F(0.002, "data", D, {**SFT_DATA, "use_sft": True, "chat_template_path": C["template_slow"]}),
+    "chat_template_memory_mib": F(64, "data", D, {**SFT_DATA, "use_sft": True, "chat_template_path": C["template_big"]}),
+    "chat_template_max_chars": F(20, "data", D, {**SFT_DATA, "use_sft": True, "chat_template_path": C["template"]}),
     "use_dpo": F(True, "data", D, DPO_DATA),
     "dpo_beta": F(0.3, "train_step", D, DPO),
     "dpo_label_smoothing": F(0.1, "train_step", D, DPO),

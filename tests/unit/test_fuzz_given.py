@@ -74,6 +74,8 @@ def _as_given(annotation: Any, given_value: Any, got: Any) -> bool:
         if isinstance(given_value, bool):
             return False  # a truth value is never a number
         number = float(given_value.replace("_", "")) if isinstance(given_value, str) else given_value
+        if annotation is float:  # an integer given for a float key is read as the nearest float (10**30 - 1 as 1e30)
+            number = float(number)
         return number == got and math.isfinite(got)
     return given_value == got or str(given_value) == str(got)
 
@@ -168,11 +170,13 @@ HF_FIELDS = {
              "n_inner": "base_mlp_dim", "layer_norm_epsilon": "normalization_layer_epsilon"},
     "qwen3": {"num_key_value_heads": "base_num_kv_heads", "head_dim": "head_dim", "vocab_size": "vocab_size"},
 }  # fmt: skip
-# read as "unset" when 0 or false (the mappers' ``hf.get(field) or default``), as HF reads null: left as found
-ZERO_IS_UNSET = {"head_dim", "num_key_value_heads", "n_inner", "max_position_embeddings"}
+# 0 read as "not given" (the family's default), as transformers, which keeps 0 but reads it nowhere
+# for these RoPE types (models/hf_common.py: optional_size); null is "not given" for every optional field
+ZERO_IS_UNSET = {"max_position_embeddings"}
+OPTIONAL = {"head_dim", "num_key_value_heads", "n_inner", "max_position_embeddings"}
 HF_VALUES = st.one_of(
     st.integers(-8, 600),
-    st.sampled_from([True, False, 4.5, 64.0, 1e-300, 1e300, -1.5, "4", "", None, [4], 2**63]),
+    st.sampled_from([True, False, 4.5, 64.0, 1e-300, 1e300, -1.5, "4", "1e-5", "true", "", None, [4], 2**63]),
     st.floats(allow_nan=False, allow_infinity=False, min_value=-1e3, max_value=1e3),
 )
 
@@ -197,7 +201,43 @@ def test_an_hf_config_field_is_read_as_given_or_refused(hf_dir, family, data):
         assert "\n" not in str(err).strip(), str(err)
         return
     got = getattr(cfg, HF_FIELDS[family][field])
-    if not value and field in ZERO_IS_UNSET:
+    if value is None and field in OPTIONAL or value == 0 and field in ZERO_IS_UNSET and not isinstance(value, bool):
         return
-    assert not isinstance(value, bool | list) and value is not None, (field, value, got)  # a number was read
-    assert got == (float(value) if isinstance(value, str) else value), (field, value, got)  # "4" is the number 4
+    assert not isinstance(value, bool | list | str) and value is not None, (field, value, got)  # a number was read
+    assert got == value, (field, value, got)
+
+
+@pytest.mark.parametrize(
+    "family, field, value, read",
+    [
+        ("llama2", "head_dim", 0, None),  # transformers' Llama builds 0-wide projections: refused
+        ("qwen3", "head_dim", 0, None),
+        ("mistral", "head_dim", 0, 16),  # MistralAttention reads `head_dim or hidden_size // heads`
+        ("mixtral", "head_dim", 0, 16),
+        ("llama2", "head_dim", None, 16),  # null: hidden_size // heads, as LlamaConfig
+        ("llama2", "head_dim", False, None),
+        ("llama2", "num_key_value_heads", 0, None),  # HF divides the heads by it
+        ("llama2", "num_key_value_heads", False, None),
+        ("llama2", "num_key_value_heads", None, 4),  # null: one per query head
+        ("gpt2", "n_inner", 0, None),  # HF builds a 0-wide MLP
+        ("gpt2", "n_inner", None, 256),  # null: 4 x n_embd
+        ("llama2", "max_position_embeddings", 0, 8192),  # kept by HF, read nowhere: nnxtron's default
+        ("llama2", "max_position_embeddings", False, None),
+        ("llama2", "num_attention_heads", "4", None),  # a quoted number: refused, as transformers' typed configs do
+        ("llama2", "rms_norm_eps", "1e-5", None),
+        ("llama2", "tie_word_embeddings", "false", None),  # not read as a non-empty string (true)
+    ],
+)
+def test_hf_optional_fields_are_read_as_transformers_reads_them(hf_dir, family, field, value, read):
+    """0 / false / null of the fields whose absence has a default: read as transformers reads them
+    (``read``: the value nnxtron holds) or refused in one line naming the field (``read`` None);
+    before, 0 and false were "not given" everywhere and "4" was the number 4."""
+    config = json.loads((GOLDEN / family / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, field: value}))
+    key = {**HF_FIELDS["llama2"], **HF_FIELDS["gpt2"], "tie_word_embeddings": "logits_via_embedding"}[field]
+    if read is None:
+        with pytest.raises(UserError) as err:
+            hf_config(hf_dir)
+        assert f"{field}=" in str(err.value) and "\n" not in str(err.value) and "fix config.json" in str(err.value)
+    else:
+        assert getattr(hf_config(hf_dir), key) == read

@@ -99,6 +99,10 @@ def check_wandb(cfg: Config) -> None:
                           "set enable_wandb=true to log to Weights & Biases, or unset them")  # fmt: skip
 
 
+# base.yml's values of the chat template's rendering limits (data/template_render.py: RenderLimits)
+TEMPLATE_LIMITS = {"chat_template_timeout": 10.0, "chat_template_memory_mib": 512, "chat_template_max_chars": 1 << 24}
+
+
 def check_data(cfg: Config) -> None:
     if cfg.tokenizer_path and cfg.tokenizer_type == "byte":
         raise ConfigError("tokenizer_path is not read by tokenizer_type=byte; unset it or choose hf, sentencepiece or tiktoken")
@@ -109,6 +113,13 @@ def check_data(cfg: Config) -> None:
                             "chat_template_path": cfg.chat_template_path != "" and not cfg.use_dpo}.items():  # fmt: skip
             if is_set:
                 raise ConfigError(f"{key} is read only with use_sft=true (instruction data); set use_sft=true or unset it")
+    if not cfg.use_sft and not cfg.use_dpo:
+        for key, default in TEMPLATE_LIMITS.items():
+            if getattr(cfg, key) != default:
+                raise ConfigError(
+                    f"{key} is read only with use_sft=true or use_dpo=true (it limits the chat template's rendering of "
+                    "records); set one of them or unset it (nnxtron serve: --" + key.replace("_", "-") + ")"
+                )
     if cfg.dataset_type == "synthetic":
         unread = {"dataset_path": cfg.dataset_path not in ((), DEFAULT_DATASET_PATH),  # () or base.yml's: unset
                   "dataset_text_field": cfg.dataset_text_field != "", "packing": cfg.packing != "concat",
@@ -342,6 +353,16 @@ def check_attention(cfg: Config) -> None:
             f"attention={cfg.attention} supports attention_type=global only ({cfg.attention_type} runs its own "
             "einsum attention); use attention=auto or xla"
         )
+    if cfg.attention == "splash" and cfg.attention_type == "compressed":
+        raise ConfigError(
+            "attention=splash supports attention_type=global and mla (DeepSeek-V4's compressed attention runs its own "
+            "einsum attention); use attention=auto or xla"
+        )
+    if cfg.attention == "splash" and cfg.ici_context_parallelism != 1:
+        raise ConfigError(
+            "attention=splash cannot shard queries over the sequence (ici_context_parallelism > 1); "
+            "use attention=auto (xla there) or xla"
+        )
     if cfg.attention == "dot_product" and cfg.ici_context_parallelism != 1 and cfg.context_parallel_strategy == "ring":
         raise ConfigError(
             "attention=dot_product cannot run as ring attention (context_parallel_strategy=ring, ici_context_parallelism "
@@ -366,9 +387,9 @@ def check_query_block(cfg: Config) -> None:
         return
     if cfg.attention_type == "compressed":
         raise ConfigError("attention_query_block does not apply to attention_type=compressed (DeepSeek-V4); set it to 0")
-    if cfg.attention == "cudnn":
+    if cfg.attention in ("cudnn", "splash"):
         raise ConfigError(
-            "attention_query_block applies to attention=xla or dot_product (cuDNN flash attention is blockwise); set it to 0"
+            f"attention_query_block applies to attention=xla or dot_product (attention={cfg.attention} is blockwise); set it to 0"
         )
     context = cfg.ici_context_parallelism
     if context != 1 and cfg.context_parallel_strategy == "ring":

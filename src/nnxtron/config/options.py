@@ -16,7 +16,7 @@ DTYPES = ("float32", "bfloat16")
 # the decoder families (models/registry.py builds one Family per name and checks it has them all)
 DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek", "gemma3", "llama4", "gpt3", "deepseek4")
 ATTENTION_TYPES = ("global", "mla", "compressed")  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
-ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product", "cudnn")  # what attention=auto resolves to, per layer
+ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product", "cudnn", "splash")  # what attention=auto resolves to, per layer
 ATTENTION_CHOICES = ("auto", *ATTENTION_IMPLEMENTATIONS)
 # context parallelism (parallel/ring_attention.py): keys/values pass around the context axis, or are gathered
 CONTEXT_PARALLEL_STRATEGIES = ("ring", "all_gather")

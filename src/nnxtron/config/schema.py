@@ -113,7 +113,7 @@ class Config(BaseModel):
     inhomogeneous_layer_cycle_interval: int = Field(ge=0, le=MAX_COUNT)  # layers per scanned block (0 = the pattern's period)
     trainable_position_size: Model[int] = Field(ge=0, le=MAX_SIZE)  # > 0: learned absolute position embeddings (GPT-3), no RoPE
     attention_type: Model[Literal[options.ATTENTION_TYPES]]  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
-    # implementation of attention_type=global (docs/attention.md); auto: cudnn on a CUDA GPU where it runs, else xla
+    # implementation of attention_type=global and mla (docs/attention.md); auto: splash on a TPU, cudnn on a CUDA GPU where it runs, else xla
     attention: Literal[options.ATTENTION_CHOICES]
     # > 0: attention (xla, dot_product; global and mla) over blocks of this many queries, each
     # recomputed in the backward pass: scores of one block alive at a time; the same values
@@ -256,6 +256,10 @@ class Config(BaseModel):
     use_sft: bool  # instruction records (messages / prompt+completion), rendered with the chat template (data/sft.py)
     sft_train_on_completion_only: bool  # use_sft: the loss trains on the answers only (false: every token)
     chat_template_path: str  # use_sft / use_dpo: a Jinja chat template replacing the tokenizer's
+    # use_sft / use_dpo: the limits of one rendering of the chat template (data/template_render.py: RenderLimits)
+    chat_template_timeout: float = Field(gt=0, le=86400)  # seconds, then its process is stopped
+    chat_template_memory_mib: int = Field(ge=64, le=MAX_SIZE)  # the rendering process's address space (Linux)
+    chat_template_max_chars: int = Field(ge=1, le=2**31)  # characters of output
     use_dpo: bool  # preference pairs (chosen / rejected), trained by DPO against the starting weights (train/dpo.py)
     dpo_beta: float = Field(gt=0, le=1000)  # use_dpo: the KL strength beta of the DPO loss
     dpo_label_smoothing: float = Field(ge=0, lt=0.5)  # use_dpo: the chance a preference label is flipped (cDPO)

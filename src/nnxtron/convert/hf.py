@@ -28,6 +28,7 @@ from nnxtron.config.layout import layer_kinds
 from nnxtron.config.loader import load_config
 from nnxtron.config.schema import Config
 from nnxtron.config.stacks import layer_stacks
+from nnxtron.convert.hf_values import marked, unmarked
 from nnxtron.data.chat_template import find_chat_template, template_directory
 from nnxtron.data.sources import BYTE_MODEL_VOCAB_LIMIT, tokenizer_for
 from nnxtron.data.tokenizer import ByteTokenizer, Tokenizer
@@ -108,69 +109,11 @@ def _text_key(key: str, model_type: str) -> str | None:
     return key
 
 
-class _Fractional(float):
-    """A ``config.json`` number with a fractional part, as the families' mappers see it: a float
-    wherever a float is read, but ``int()`` of it (a size or a count: ``num_attention_heads: 4.5``)
-    raises rather than truncating."""
-
-    key: str
-
-    def __new__(cls, value: float, key: str) -> _Fractional:
-        number = super().__new__(cls, value)
-        number.key = key
-        return number
-
-    def __int__(self) -> int:
-        raise ValueError(f"{self.key}={float(self)!r} where a whole number (a size or a count) belongs")
-
-
-class _Flag(int):
-    """A ``config.json`` true/false, as the mappers see it: a truth value wherever one is read,
-    but ``int()`` or ``float()`` of it (``num_attention_heads: true``) raises rather than giving 1."""
-
-    key: str
-
-    def __new__(cls, value: bool, key: str) -> _Flag:
-        flag = super().__new__(cls, int(value))
-        flag.key = key
-        return flag
-
-    def __int__(self) -> int:
-        raise ValueError(f"{self.key}={'true' if self else 'false'} where a number belongs")
-
-    __float__ = __int__  # type: ignore[assignment]
-
-
-def _marked(value: Any, key: str = "") -> Any:
-    """``value`` with every true/false a ``_Flag`` and every number with a fractional part a
-    ``_Fractional`` (in nested dicts and lists)."""
-    if isinstance(value, dict):
-        return {k: _marked(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_marked(v, key) for v in value]
-    if isinstance(value, bool):
-        return _Flag(value, key)
-    if isinstance(value, float) and math.isfinite(value) and not value.is_integer():
-        return _Fractional(value, key)
-    return value
-
-
-def _unmarked(value: Any) -> Any:
-    """``value`` with every ``_Flag`` and ``_Fractional`` a plain bool and float again (what the config holds)."""
-    if isinstance(value, dict):
-        return {k: _unmarked(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_unmarked(v) for v in value)
-    if isinstance(value, _Flag):
-        return bool(value)
-    return float(value) if isinstance(value, _Fractional) else value
-
-
 def _map_config(hf: dict[str, Any], origin: Path) -> dict[str, Any]:
-    hf = _marked(_text_config(hf))
+    hf = marked(_text_config(hf))  # 4.5, true and "4" where a number belongs raise ValueError (hf_values.py)
     _, family = family_for_hf(str(hf["model_type"]))  # ConfigError naming unsupported types
     try:
-        values = _unmarked(family.config_from_hf(hf))
+        values = unmarked(family.config_from_hf(hf))
         if values.get("mtp_num_layers") and not _holds_mtp_layers(origin.parent, family, values["base_num_decoder_layers"]):
             values["mtp_num_layers"] = 0  # transformers' save_pretrained drops the MTP layers its config counts
         return values

@@ -1,72 +1,59 @@
 """HuggingFace chat templates (Jinja), rendered as ``transformers``' ``apply_chat_template(..., tokenize=False)`` does.
 
-A template is code from a model directory, so it is rendered in Jinja's sandbox *and* in a
-child process (``_Renderers``) that has a time limit (``RENDER_SECONDS``: the process is
-killed), an address-space limit (``RENDER_MEMORY_BYTES``, Linux: an allocation past it fails
-at once) and an output limit (``MAX_RENDERED_CHARS``). A template that breaks one, or that
+Where a template comes from (a tokenizer directory, a file) and what it is given (the messages,
+checked; the special tokens; the assistant spans SFT trains on). A template is code from a model
+directory, so it is rendered in Jinja's sandbox *and* in a child process under time, memory and
+output limits (``template_render.py``: ``RenderLimits``); a template that breaks one, or that
 recurses too deeply, is a one-line :class:`UserError` naming the limit.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextvars
-import functools
 import json
-import os
 import re
-import subprocess
-import sys
-import threading
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.nodes
-from jinja2.compiler import CodeGenerator
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
+from nnxtron.data.template_render import (
+    DEFAULT_LIMITS,
+    MARKING,
+    MARKS,
+    RenderLimits,
+    TemplateTimeout,
+    compile_template,
+    one_line,
+    render,
+)
 from nnxtron.errors import UserError
 from nnxtron.scoped import scoped
 
-__all__ = [
-    "MAX_RENDERED_CHARS", "RENDER_MEMORY_BYTES", "RENDER_SECONDS", "TEMPLATE_FILE", "ChatTemplate", "Span",
-    "TemplateTimeout", "find_chat_template", "template_directory",
-]  # fmt: skip
+__all__ = ["TEMPLATE_FILE", "ChatTemplate", "RenderLimits", "Span", "TemplateTimeout", "find_chat_template", "template_directory"]
 
 TEMPLATE_FILE = "chat_template.jinja"  # next to tokenizer_config.json; HF prefers it to the config's chat_template
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # HF fills the first two from whichever is given
 SpecialToken = str | Mapping[str, Any] | None  # as in tokenizer_config.json: a string or an AddedToken dict with "content"
 Span = tuple[int, int]  # [start, end) characters of a rendered text
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
-_MARKS = ("\U000f0000", "\U000f0001")  # private-use characters around {% generation %} bodies while spans are found
-_MARKING = contextvars.ContextVar("nnxtron_chat_template_marking", default=False)
-RENDER_SECONDS = 10.0  # one rendering's wall time, after which its process is killed
-RENDER_MEMORY_BYTES = 512 << 20  # the rendering process's address space (RLIMIT_AS, Linux)
-MAX_RENDERED_CHARS = 1 << 24  # characters one rendering may produce (16 Mi)
-RENDERERS = 4  # rendering processes at most (started when needed)
-_LIMIT_FIX = "fix the template (or pass another with --chat-template / chat_template_path)"
-
-
-class TemplateTimeout(UserError):
-    """A chat template that did not finish rendering within ``RENDER_SECONDS``."""
 
 
 class ChatTemplate:
-    """A chat template and the special tokens it sees (bos_token, eos_token, ... and any other ``*_token``)."""
+    """A chat template and the special tokens it sees (bos_token, eos_token, ... and any other
+    ``*_token``), rendered under ``limits``."""
 
-    def __init__(self, template: str, special_tokens: Mapping[str, SpecialToken] | None = None) -> None:
+    def __init__(
+        self, template: str, special_tokens: Mapping[str, SpecialToken] | None = None, limits: RenderLimits = DEFAULT_LIMITS
+    ) -> None:
         self.template = template
         self.special_tokens = {name: _token_text(name, tok) for name, tok in (special_tokens or {}).items() if tok is not None}
-        self._compiled = _compile(template)
+        self.limits = limits
+        self._compiled = compile_template(template)
         self._timed_out: str | None = None  # the message of an assistant_spans rendering that ran out of time
 
     @classmethod
-    def from_directory(cls, path: str | Path, defaults: Mapping[str, SpecialToken] | None = None) -> ChatTemplate:
+    def from_directory(
+        cls, path: str | Path, defaults: Mapping[str, SpecialToken] | None = None, limits: RenderLimits = DEFAULT_LIMITS
+    ) -> ChatTemplate:
         """The template of a tokenizer directory (``chat_template.jinja``, else tokenizer_config.json's
         ``chat_template``); ``defaults``: special tokens the config does not name (the tokenizer's own
         BOS / EOS, as HF's Llama tokenizer has ``<s>`` / ``</s>`` without a tokenizer_config.json)."""
@@ -84,13 +71,13 @@ class ChatTemplate:
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
         if isinstance(extra, Mapping):  # a dict of named model-specific tokens (a list names none)
             tokens.update(extra)
-        return cls(text, tokens)
+        return cls(text, tokens, limits)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text of ``messages``; ``extra`` (tools, documents, enable_thinking, ...) reaches the template."""
         context = {**self.special_tokens, "tools": None, "documents": None, **extra}  # extra overrides special tokens, as in HF
         context.update(messages=_checked_messages(messages), add_generation_prompt=add_generation_prompt)
-        return _RENDERERS.render(self.template, context, _MARKING.get())
+        return render(self.template, context, MARKING.get(), self.limits)
 
     @property
     def marks_generation(self) -> bool:
@@ -120,10 +107,10 @@ class ChatTemplate:
     def _assistant_spans(self, messages: Sequence[Mapping[str, Any]], **extra: Any) -> tuple[str, list[Span]]:
         chat = _checked_messages(messages)
         assistants = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
-        if any(mark in json.dumps(chat, ensure_ascii=False) for mark in _MARKS):
+        if any(mark in json.dumps(chat, ensure_ascii=False) for mark in MARKS):
             raise UserError("chat messages hold the private-use characters U+F0000/U+F0001; remove them")
         if self.marks_generation:
-            with scoped(_MARKING, True):
+            with scoped(MARKING, True):
                 marked = self.render(chat, add_generation_prompt=False, **extra)
             text, spans = _unmark(marked)
             if len(spans) != len(assistants):
@@ -152,7 +139,7 @@ class ChatTemplate:
 
 def _unmark(marked: str) -> tuple[str, list[Span]]:
     """The text without the generation marks, and the spans they enclosed."""
-    start_mark, end_mark = _MARKS
+    start_mark, end_mark = MARKS
     pieces, spans, length, start = [], [], 0, None
     for piece in re.split(f"({start_mark}|{end_mark})", marked):
         if piece == start_mark:
@@ -166,77 +153,6 @@ def _unmark(marked: str) -> tuple[str, list[Span]]:
             pieces.append(piece)
             length += len(piece)
     return "".join(pieces), spans
-
-
-class _Generation(Extension):
-    """``{% generation %}...{% endgeneration %}`` marks assistant text for HF's assistant-token mask; rendering keeps the body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        body = caller()
-        return f"{_MARKS[0]}{body}{_MARKS[1]}" if _MARKING.get() else body
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """HF's ``namespace``: attributes starting with "_" are refused (they could reach Python internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        attrs = dict(*args[1:], **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(args[0], attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a namespace cannot hold underscore-prefixed attributes: {name!r}")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)  # no HTML escapes
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _RuntimeOnly(CodeGenerator):
-    """Jinja's code generator without compile-time evaluation of output expressions, which
-    would compute e.g. ``{{ 'x' * 10**9 }}`` while compiling, in the calling process."""
-
-    def _output_child_to_const(self, node: jinja2.nodes.Expr, frame: Any, finalize: Any) -> str:
-        if not isinstance(node, jinja2.nodes.TemplateData):
-            raise jinja2.nodes.Impossible()
-        return super()._output_child_to_const(node, frame, finalize)
-
-
-class _Environment(ImmutableSandboxedEnvironment):
-    code_generator_class = _RuntimeOnly
-
-
-@functools.cache
-def _environment() -> ImmutableSandboxedEnvironment:
-    # optimized=False: no constant folding either (it evaluates expressions and filters while compiling)
-    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols], optimized=False)
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace)
-    return env
 
 
 def _checked_messages(messages: Any) -> list[dict[str, Any]]:
@@ -299,14 +215,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path}: {_one_line(str(exc))}") from exc
+        raise UserError(f"cannot read {path}: {one_line(str(exc))}") from exc
     if not isinstance(data, dict):
         raise UserError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 def _has_template(directory: Path) -> bool:
@@ -326,16 +238,18 @@ def template_directory(directories: Sequence[Path]) -> Path | None:
     return next((directory for directory in directories if _has_template(directory)), None)
 
 
-def find_chat_template(directories: Sequence[Path], tokenizer: Any, file: str | None = None) -> tuple[ChatTemplate | None, str]:
+def find_chat_template(
+    directories: Sequence[Path], tokenizer: Any, file: str | None = None, limits: RenderLimits = DEFAULT_LIMITS
+) -> tuple[ChatTemplate | None, str]:
     """The chat template of the first of ``directories`` that has one (``file``: a Jinja file
-    that replaces it, seeing the directories' special tokens): (template, "") or (None, why
-    there is none). A template that is there but broken is an error."""
+    that replaces it, seeing the directories' special tokens), rendered under ``limits``:
+    (template, "") or (None, why there is none). A template that is there but broken is an error."""
     if file is not None:
         special = _special_tokens(directories, tokenizer)
-        return ChatTemplate(Path(file).read_text(encoding="utf-8"), special), ""
+        return ChatTemplate(Path(file).read_text(encoding="utf-8"), special, limits), ""
     directory = template_directory(directories)
     if directory is not None:
-        return ChatTemplate.from_directory(directory, _special_tokens([], tokenizer)), ""
+        return ChatTemplate.from_directory(directory, _special_tokens([], tokenizer), limits), ""
     where = " or ".join(str(d) for d in directories)
     return None, f"no {TEMPLATE_FILE} and no chat_template in tokenizer_config.json in {where}"
 
@@ -358,183 +272,3 @@ def _special_tokens(directories: Sequence[Path], tokenizer: Any) -> dict[str, An
                     tokens[key] = value
             break
     return tokens
-
-
-# ---- rendering under limits --------------------------------------------------------------
-
-
-def _compile(template: str) -> jinja2.Template:
-    """The compiled template; one-line errors for one that does not parse or nests too deeply."""
-    try:
-        return _environment().from_string(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise UserError(f"chat template does not parse: {_one_line(exc.message or '')} (template line {exc.lineno})") from exc
-    except (RecursionError, MemoryError):
-        raise UserError(f"chat template nests too deeply to compile; {_LIMIT_FIX}") from None
-
-
-_compiled_template = functools.lru_cache(maxsize=16)(_compile)
-
-
-def _render_here(template: str, context: Mapping[str, Any], marking: bool) -> str:
-    """``template`` rendered in this process with the output limit (the rendering process's side); one-line errors."""
-    pieces, size = [], 0
-    try:
-        with scoped(_MARKING, marking):
-            for piece in _compiled_template(template).generate(context):
-                size += len(piece)
-                if size > MAX_RENDERED_CHARS:
-                    raise UserError(f"chat template output exceeds {MAX_RENDERED_CHARS:,} characters; {_LIMIT_FIX}")
-                pieces.append(piece)
-        return "".join(pieces)
-    except UserError:
-        raise
-    except jinja2.TemplateError as exc:
-        raise UserError(f"chat template failed to render: {_one_line(str(exc))}") from None
-    except RecursionError:
-        raise UserError(f"chat template recurses too deeply (a macro or recursive loop without an end?); {_LIMIT_FIX}") from None
-    except MemoryError:
-        raise UserError(
-            f"chat template needs more than {RENDER_MEMORY_BYTES >> 20} MiB to render (e.g. 'x' * 10**9); {_LIMIT_FIX}"
-        ) from None
-    except Exception as exc:  # a template's own bad operation, e.g. "a" + 1
-        raise UserError(f"chat template failed to render: {type(exc).__name__}: {_one_line(str(exc))}") from None
-
-
-def _serve_renders(fd_in: int, fd_out: int) -> None:
-    """The rendering process: limit its memory, say it is ready, then answer ``(template, context,
-    marking)`` requests with ``("ok", text)`` or ``("error", message)`` until the pipe closes."""
-    try:
-        import resource
-
-        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-        limit = RENDER_MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(hard, RENDER_MEMORY_BYTES)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    except (ImportError, ValueError, OSError):  # not Linux: the time and output limits still hold
-        pass
-    requests, answers = Connection(fd_in, writable=False), Connection(fd_out, readable=False)
-    answers.send_bytes(json.dumps(["ready", ""]).encode())
-    while True:
-        try:
-            template, context, marking = json.loads(requests.recv_bytes())
-            answer = ("ok", _render_here(template, context, marking))
-        except EOFError:
-            return
-        except UserError as err:
-            answer = ("error", str(err))
-        except MemoryError:
-            answer = ("error", f"chat template input needs more than {RENDER_MEMORY_BYTES >> 20} MiB to render")
-        answers.send_bytes(json.dumps(answer).encode())
-
-
-class _Renderer:
-    """One rendering process (``_serve_renders``) and its pipes. It loads this file by path, so
-    that it imports Jinja and ``nnxtron.errors`` but not the package's heavier modules."""
-
-    START_SECONDS = 60.0
-
-    def __init__(self) -> None:
-        child_in, requests = os.pipe()
-        answers, child_out = os.pipe()
-        code = (
-            "import importlib.util, sys; spec = importlib.util.spec_from_file_location('nnxtron_template_renderer', "
-            "sys.argv[1]); module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
-            "module._serve_renders(int(sys.argv[2]), int(sys.argv[3]))"
-        )
-        source_root = str(Path(__file__).resolve().parents[2])  # where `import nnxtron` finds this package
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", code, __file__, str(child_in), str(child_out)], pass_fds=(child_in, child_out),
-                stdin=subprocess.DEVNULL, env=env,
-            )  # fmt: skip
-        finally:
-            os.close(child_in)
-            os.close(child_out)
-        self.requests, self.answers = Connection(requests, readable=False), Connection(answers, writable=False)
-        if self.answer(self.START_SECONDS, "start")[0] != "ready":
-            self.close()
-            raise UserError("the chat template rendering process did not start")
-
-    def answer(self, seconds: float, doing: str) -> tuple[str, str]:
-        """The process's next answer within ``seconds`` (else it is killed and this is a UserError)."""
-        if not self.answers.poll(seconds):
-            self.close()
-            if doing == "start":
-                raise UserError(f"the chat template rendering process did not start within {seconds:g} s")
-            raise TemplateTimeout(
-                f"chat template did not finish rendering within {seconds:g} s (a loop that does not end, or one far "
-                f"too long for its input?); {_LIMIT_FIX}"
-            )
-        try:
-            status, value = json.loads(self.answers.recv_bytes())
-            return status, value
-        except (EOFError, OSError):
-            self.close()
-            raise UserError(f"the chat template rendering process died (exit {self.process.returncode}); {_LIMIT_FIX}") from None
-
-    def close(self) -> None:
-        """Stop the process (it exits when its pipe closes; killed if it is busy)."""
-        self.requests.close()
-        self.answers.close()
-        try:
-            self.process.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-class _Renderers:
-    """Rendering processes, started when first needed and reused; at most ``size`` render at
-    once (callers wait for one). A process that times out or dies is replaced."""
-
-    def __init__(self, size: int) -> None:
-        self._slots = threading.BoundedSemaphore(size)
-        self._lock = threading.Lock()
-        self._idle: list[_Renderer] = []
-        self._pid = os.getpid()
-
-    def render(self, template: str, context: Mapping[str, Any], marking: bool) -> str:
-        try:
-            request = json.dumps([template, dict(context), marking]).encode()  # data only: JSON, never pickle
-        except RecursionError:
-            raise UserError("the chat messages nest too deeply to render") from None
-        except (TypeError, ValueError) as exc:
-            raise UserError(f"the chat messages hold a value that cannot be rendered: {_one_line(str(exc))}") from None
-        with self._slots:
-            renderer = self._take()
-            try:
-                try:
-                    renderer.requests.send_bytes(request)
-                except OSError:  # the process is gone (killed from outside): once more with a new one
-                    renderer.close()
-                    renderer = _Renderer()
-                    renderer.requests.send_bytes(request)
-                status, value = renderer.answer(RENDER_SECONDS, "render")
-            except BaseException:
-                renderer.close()
-                raise
-            with self._lock:
-                self._idle.append(renderer)
-        if status != "ok":
-            raise UserError(value)
-        return value
-
-    def _take(self) -> _Renderer:
-        with self._lock:
-            if os.getpid() != self._pid:  # a forked child: the processes belong to the parent
-                self._idle, self._pid = [], os.getpid()
-            if self._idle:
-                return self._idle.pop()
-        return _Renderer()
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        if os.getpid() == self._pid:
-            for renderer in idle:
-                renderer.close()
-
-
-_RENDERERS = _Renderers(RENDERERS)
-atexit.register(_RENDERERS.close)

@@ -77,6 +77,10 @@ class Corpus(abc.ABC):
             raise BadRecord(f"{self.where(index)}: the document is empty (or only whitespace)")
         return text
 
+    def whole_file(self, index: int) -> pathlib.Path | None:
+        """The file that is document ``index`` when a document is a whole file (``text``), else None."""
+        return None
+
     @abc.abstractmethod
     def _read(self, file: int, local: int) -> str:
         """Text of record ``local`` of file ``file``; BadRecord(reason) if unusable."""
@@ -162,6 +166,9 @@ class TextFiles(Corpus):
 
     def __init__(self, paths: Sequence[pathlib.Path]) -> None:
         super().__init__(paths, [1] * len(paths))
+
+    def whole_file(self, index: int) -> pathlib.Path | None:
+        return self.paths[self.locate(index)[0]]
 
     def _read(self, file: int, local: int) -> str:
         path = self.paths[file]

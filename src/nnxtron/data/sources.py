@@ -7,7 +7,7 @@ from pathlib import Path
 from nnxtron.config.checks import mixture_sources
 from nnxtron.config.loader import RUN_TOKENIZER_DIR
 from nnxtron.config.schema import Config
-from nnxtron.data.chat_template import find_chat_template, template_directory
+from nnxtron.data.chat_template import RenderLimits, find_chat_template, template_directory
 from nnxtron.data.mixture import MixtureBatches, source_seed
 from nnxtron.data.pipeline import BatchSource, CorpusBatches, SyntheticBatches, split_documents
 from nnxtron.data.records import open_corpus
@@ -59,11 +59,13 @@ def tokenizer_directories(cfg: Config, model: str | Path | None = None) -> list[
 
 def sft_format(cfg: Config, tokenizer: Tokenizer) -> SFTFormat:
     """How ``use_sft`` and ``use_dpo`` render records: ``chat_template_path``, else the template
-    that came with the model (``tokenizer_directories``; none: only plain-text records are usable)."""
+    that came with the model (``tokenizer_directories``; none: only plain-text records are usable),
+    under the ``chat_template_timeout`` / ``_memory_mib`` / ``_max_chars`` limits."""
     check_tokenizer(tokenizer)
     file = chat_template_file(cfg)
+    limits = RenderLimits(cfg.chat_template_timeout, cfg.chat_template_memory_mib, cfg.chat_template_max_chars)
     try:
-        template, _ = find_chat_template(tokenizer_directories(cfg), tokenizer, None if file is None else str(file))
+        template, _ = find_chat_template(tokenizer_directories(cfg), tokenizer, None if file is None else str(file), limits)
     except UserError as err:
         raise ConfigError(f"{'use_dpo' if cfg.use_dpo else 'use_sft'}=true: {err}") from None
     return SFTFormat(template, completion_only=cfg.sft_train_on_completion_only)

@@ -17,11 +17,12 @@ import grain
 import numpy as np
 
 from nnxtron.config.options import PACKING_MODES
+from nnxtron.data.file_tokens import STREAM_BYTES, FileTokens, TextFileCheck
 from nnxtron.data.packing import BATCH_KEYS, row_arrays
 from nnxtron.data.preference import format_pair
 from nnxtron.data.records import BadRecord, Corpus
 from nnxtron.data.sft import SFTFormat, format_record
-from nnxtron.data.tokenizer import Tokenizer
+from nnxtron.data.tokenizer import ByteTokenizer, Tokenizer
 from nnxtron.errors import DataError
 
 __all__ = ["BatchIterator", "Document", "PairPacker", "RowPacker", "RowSpec", "document_iterator", "make_packer"]
@@ -29,13 +30,14 @@ __all__ = ["BatchIterator", "Document", "PairPacker", "RowPacker", "RowSpec", "d
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    """One tokenized document (BOS/EOS included), or why it is unusable; ``trainable`` marks
+    """One tokenized document (BOS/EOS included; a large text file's are a :class:`FileTokens`,
+    read as they are sliced), or why it is unusable; ``trainable`` marks
     the tokens the loss may train on predicting (None: all; instruction data: the answers).
     A preference pair holds its chosen side in ``tokens``/``trainable`` and its rejected
     side in ``rejected``/``rejected_trainable``."""
 
     index: int
-    tokens: np.ndarray | None
+    tokens: np.ndarray | FileTokens | None
     problem: str = ""
     trainable: np.ndarray | None = None
     rejected: np.ndarray | None = None
@@ -73,23 +75,33 @@ class RowSpec:
 
 
 class _Tokenize:
-    """grain map: document number -> :class:`Document` (runs in the reader threads)."""
+    """grain map: document number -> :class:`Document` (runs in the reader threads). A text file
+    over ``STREAM_BYTES`` read with the byte tokenizer is not tokenized here: its document's
+    tokens are a :class:`FileTokens`, read from the file as they are packed (``data/file_tokens.py``)."""
 
     def __init__(self, corpus: Corpus, tokenizer: Tokenizer, spec: RowSpec) -> None:
         self.corpus, self.tokenizer, self.spec = corpus, tokenizer, spec
-        self.head = [tokenizer.bos_id] if spec.add_bos and tokenizer.bos_id >= 0 else []
-        self.tail = [tokenizer.eos_id] if spec.add_eos and tokenizer.eos_id >= 0 else []
+        self.head = np.asarray([tokenizer.bos_id] if spec.add_bos and tokenizer.bos_id >= 0 else [], np.int32)
+        self.tail = np.asarray([tokenizer.eos_id] if spec.add_eos and tokenizer.eos_id >= 0 else [], np.int32)
+        self.streams = isinstance(tokenizer, ByteTokenizer)  # its ids are the bytes: exact in any piece
+        self.checked = TextFileCheck()
 
     def __call__(self, index: Any) -> Document:
         index = int(index)
         if self.spec.sft is not None or self.spec.preference is not None:
             return self._instruction(index)
+        path = self.corpus.whole_file(index) if self.streams else None
+        if path is not None and _size(path) > STREAM_BYTES:
+            problem = self.checked.problem(path)
+            if problem:
+                return Document(index, None, f"{self.corpus.where(index)}: {problem}")
+            return Document(index, FileTokens(path, ByteTokenizer.offset, self.head, self.tail))
         try:
             text = self.corpus.text(index)
         except BadRecord as err:
             return Document(index, None, str(err))
         ids = self.tokenizer.encode(text)
-        return Document(index, np.concatenate([self.head, ids, self.tail]).astype(np.int32))
+        return Document(index, np.concatenate([self.head, ids, self.tail]).astype(np.int32, copy=False))
 
     def _instruction(self, index: int) -> Document:
         try:
@@ -106,6 +118,14 @@ class _Tokenize:
         except BadRecord as err:
             return Document(index, None, str(err))
         return Document(index, ids, trainable=trainable)
+
+
+def _size(path: Any) -> int:
+    """Bytes of a file (-1 when it cannot be read: reading it whole reports why)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 def _check_answers_fit(chosen_scored: np.ndarray, rejected_scored: np.ndarray, seq_len: int) -> None:

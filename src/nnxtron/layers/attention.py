@@ -22,6 +22,7 @@ from nnxtron.layers.kv_cache import CacheSpec, TokenCache, cache_mask, cache_siz
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm, l2_norm
 from nnxtron.layers.rope import RopeSpec, apply_rope
+from nnxtron.layers.splash import splash_attention
 from nnxtron.parallel.ring_attention import ContextParallel, ring_attention, sequence_axes, visible
 from nnxtron.parallel.sharding import constrain
 
@@ -37,15 +38,19 @@ RING_KEY_VALUE = ("activation_batch", "activation_length", "activation_kv_heads"
 def resolve_attention(
     value: str, backend: str, dtype: str | jnp.dtype, head_dim: int, *, chunked: bool = False, sequence_sharded: bool = False
 ) -> str:
-    """The implementation ``attention=value`` runs as: ``xla``, ``dot_product`` or ``cudnn``.
+    """The implementation ``attention=value`` runs as: ``xla``, ``dot_product``, ``cudnn`` or ``splash``.
 
-    ``backend`` is ``cpu``, ``tpu``, ``gpu`` (a CUDA GPU) or ``rocm``. ``auto`` is ``cudnn``
-    on a CUDA GPU where cuDNN flash runs on every GPU generation (bfloat16/float16,
-    head_dim <= 128 and a multiple of 8, not chunked, sequence not sharded), else ``xla``.
-    An explicit ``cudnn`` that cannot run raises a ConfigError naming the key.
+    ``backend`` is ``cpu``, ``tpu``, ``gpu`` (a CUDA GPU) or ``rocm``. ``auto`` is ``splash``
+    on a TPU (sequence not sharded), ``cudnn`` on a CUDA GPU where cuDNN flash runs on every
+    GPU generation (bfloat16/float16, head_dim <= 128 and a multiple of 8, not chunked,
+    sequence not sharded), else ``xla``. An explicit ``cudnn`` or ``splash`` that cannot run
+    raises a ConfigError naming the key; ``splash`` off a TPU runs in Pallas interpret mode
+    on a CPU (for tests; slow) and is refused on a GPU.
     """
     dtype = jnp.dtype(dtype).name
     if value == "auto":
+        if backend == "tpu":
+            return "xla" if sequence_sharded else "splash"
         fits = cudnn_unsupported(
             dtype, head_dim, chunked=chunked, sequence_sharded=sequence_sharded, max_head_dim=CUDNN_AUTO_MAX_HEAD_DIM
         )
@@ -58,6 +63,11 @@ def resolve_attention(
         reason = cudnn_unsupported(dtype, head_dim, chunked=chunked, sequence_sharded=sequence_sharded)
         if reason is not None:
             raise ConfigError(f"attention=cudnn {reason}; use attention=auto, dot_product or xla")
+    if value == "splash" and backend not in ("tpu", "cpu"):
+        raise ConfigError(
+            f"attention=splash is a TPU kernel (Pallas interpret mode on a CPU); this backend is {backend}; "
+            "use attention=auto, cudnn or xla"
+        )
     return value
 
 
@@ -79,6 +89,18 @@ def configured_attention(cfg: Config, *, chunked: bool = False) -> str:
         chunked=chunked,
         sequence_sharded=cfg.ici_context_parallelism != 1,
     )
+
+
+def attention_in_use(cfg: Config) -> str:
+    """What ``cfg.attention`` runs as on this backend, for logs and benchmark records:
+    ``splash``, ``xla``...; Llama 4 names both of its kinds where they differ, and
+    DeepSeek-V4's compressed attention says it has no kernel."""
+    if cfg.attention_type == "compressed":
+        return "xla (attention_type=compressed has its own einsum attention, no kernel)"
+    chosen = {configured_attention(cfg, chunked=False)}
+    if cfg.chunk_attn_window_size:
+        chosen.add(configured_attention(cfg, chunked=True))
+    return " + ".join(sorted(chosen))
 
 
 def attention_mask(segment_ids: jax.Array, sliding_window: int = 0, chunk_size: int = 0) -> jax.Array:
@@ -116,14 +138,16 @@ def attend(
     * ``dot_product``: ``jax.nn.dot_product_attention`` (XLA) with the same boolean mask;
       logits in float32 (same result in float32, rounding differences in bfloat16);
     * ``cudnn``: cuDNN flash attention: causal and sliding window as kernel masks, the
-      packed segments as a [B, 1, S, S] mask (no chunks).
+      packed segments as a [B, 1, S, S] mask (no chunks);
+    * ``splash``: Pallas splash attention (``layers.splash``): every mask as kernel masks
+      and segment ids, float32 logits; dk may differ from dv.
 
     ``query_block > 0`` (``xla`` and ``dot_product``) computes the queries in blocks of
     that many (``query_blocks``): the same values, with one block's scores alive at a time.
     """
-    if query_block and implementation == "cudnn":
+    if query_block and implementation in ("cudnn", "splash"):
         raise ConfigError(
-            "attention_query_block applies to attention=xla or dot_product; cuDNN flash attention is already blockwise"
+            f"attention_query_block applies to attention=xla or dot_product; attention={implementation} is already blockwise"
         )
     if implementation == "xla":
         rows = lambda q, mask: masked_attention(q, k, v, mask, scale=scale, dtype=dtype)  # noqa: E731
@@ -140,6 +164,8 @@ def attend(
         return jax.nn.dot_product_attention(
             q, k, v, mask=same_segment, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
         )
+    if implementation == "splash":
+        return splash_attention(q, k, v, segment_ids, scale=scale, sliding_window=sliding_window, chunk_size=chunk_size)
     raise ConfigError(f"attention implementation {implementation!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}")
 
 

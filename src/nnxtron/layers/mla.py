@@ -36,7 +36,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.config.schema import Config
-from nnxtron.layers.attention import KEY_VALUE, QUERY, attend_sharded, masked_attention
+from nnxtron.layers.attention import KEY_VALUE, QUERY, attend_sharded, configured_attention, masked_attention
 from nnxtron.layers.kv_cache import CacheSpec, cache_mask, cache_size
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
@@ -73,6 +73,7 @@ class MLA(nnx.Module):
         self.scale = qk_dim**-0.5 * softmax_scale_multiplier(self.rope)
         self.sliding_window = cfg.sliding_window_size
         self.context = ContextParallel.from_config(cfg)
+        self.implementation = configured_attention(cfg)  # xla or splash (dk != dv rules out dot_product and cudnn)
         self.dtype = dtype
 
     def cache_spec(self, max_length: int) -> CacheSpec:
@@ -109,5 +110,5 @@ class MLA(nnx.Module):
             out = constrain(masked_attention(q, k, v, mask, scale=self.scale, dtype=self.dtype), QUERY)
         else:
             kw = dict(scale=self.scale, sliding_window=self.sliding_window, dtype=self.dtype, context=self.context)
-            out = attend_sharded(q, k, v, segment_ids, **kw)
+            out = attend_sharded(q, k, v, segment_ids, implementation=self.implementation, **kw)
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")

@@ -23,7 +23,7 @@ from typing import Any
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.family import WeightMap
+from nnxtron.models.family import Golden, WeightMap
 from nnxtron.models.hf_common import (
     NORM_WEIGHTS,
     check_exportable,
@@ -161,5 +161,7 @@ FAMILIES = (
         mtp_weights=MTP_WEIGHTS,
         mtp_copies=MTP_COPIES,
         maxtext=pre_norm_map(maxtext_moe_rules, maxtext_layer_prefix),
+        # no strategy rows of its own: the matrix's MoE rows run deepseek3-test
+        goldens=(Golden("deepseek3", "deepseek3", fused_checked=True), Golden("deepseek3_mtp", "deepseek3_mtp")),
     ),
 )

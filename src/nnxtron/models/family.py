@@ -1,4 +1,5 @@
-"""What a decoder family is: its block, its weight maps to HF and MaxText and its HF config maps.
+"""What a decoder family is: its block, its weight maps to HF and MaxText and its HF config maps,
+and what checks it (its HF goldens and its rows of the strategy-parity matrix).
 
 Each family module (``models/<family>.py``, or ``models/deepseek4/``) defines its
 ``Family`` records in ``FAMILIES``; ``models/registry.py`` collects them.
@@ -56,6 +57,38 @@ class WeightMap:
 
 
 @dataclass(frozen=True)
+class Golden:
+    """One HF golden of a family: transformers' forward pass (and greedy generation) on a tiny
+    random HF model, stored in ``tests/assets/golden/<name>/`` (and ``adversarial/<name>/``).
+
+    ``generator`` is the module ``scripts/goldens/<generator>.py`` whose ``CASES`` holds the
+    ``Case`` of that name (the HF config and model classes, the tiny config, its init and checks);
+    ``scripts/make_goldens.py`` and ``make_generate_goldens.py`` generate every declared golden,
+    ``tests/parity/test_hf_golden.py`` checks each against nnxtron (``TOL`` there; its config must
+    import as this family). ``fused_checked``: that test also loads its ``fused.safetensors`` (the
+    transformers>=5 fused expert layout)."""
+
+    name: str
+    generator: str
+    fused_checked: bool = False
+
+
+@dataclass(frozen=True)
+class StrategyRow:
+    """A row of the strategy-parity matrix for the family (``tests/parity/test_matrix.py``,
+    ``FAMILY_ROWS``): its tiny preset ``model`` with ``overrides``, scanned or not, under the remat
+    policy ``remat``, on ``mesh`` (a mesh name of that test) with ``accumulation`` microbatches,
+    against the same model unrolled, without remat, on one device."""
+
+    model: str
+    scan: bool
+    remat: str
+    mesh: str
+    accumulation: int
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class Family:
     """A decoder family: its block (dense or MoE kind), weight maps and HF config maps.
 
@@ -76,7 +109,9 @@ class Family:
     ``maxtext``: the family's MaxText checkpoint names (``models/maxtext_map.py``; None: MaxText
     checkpoints of it are not converted). ``hf_multimodal_type``: the ``model_type`` of the HF
     multimodal wrapper around this text decoder (its config's ``text_config``), whose keys starting
-    with ``hf_vision_prefixes`` are the vision parts, not imported. The family's config-level rules
+    with ``hf_vision_prefixes`` are the vision parts, not imported. ``goldens``: its HF goldens
+    (``Golden``; generated and tested in this order); ``strategy_rows``: its rows of the strategy-parity
+    matrix (a family whose preset the matrix's own rows run has none). The family's config-level rules
     (checks, MaxText config facts) are ``config/families.py``'s row of the same name.
     """
 
@@ -98,3 +133,5 @@ class Family:
     maxtext: MaxTextMap | None = None
     hf_multimodal_type: str = ""
     hf_vision_prefixes: tuple[str, ...] = ()
+    goldens: tuple[Golden, ...] = ()
+    strategy_rows: tuple[StrategyRow, ...] = ()

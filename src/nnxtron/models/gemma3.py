@@ -31,8 +31,8 @@ from nnxtron.layers import dropout
 from nnxtron.layers.attention import gqa_attention
 from nnxtron.layers.mlp import GatedMLP
 from nnxtron.layers.norms import RMSNorm, rms_norm
-from nnxtron.models.family import Family, WeightMap
-from nnxtron.models.hf_common import common_config_to_hf, gated_mlp_weights, hf_ties_head, top_weights
+from nnxtron.models.family import Family, Golden, StrategyRow, WeightMap
+from nnxtron.models.hf_common import common_config_to_hf, gated_mlp_weights, hf_ties_head, optional_size, top_weights
 from nnxtron.models.maxtext_map import EMBED_SCALE, NORM_OFFSET, MaxTextMap, Rule, attention_rules, mlp_rules
 from nnxtron.models.maxtext_map import top_rules as maxtext_top_rules
 from nnxtron.parallel.sharding import RESIDUAL, constrain
@@ -142,13 +142,13 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     full_type = full.get("rope_type", "default")
     if full_type not in ("default", "linear"):
         raise ConfigError(f"HF Gemma 3 global-layer rope_type '{full_type}' is not supported; use default or linear")
-    heads = int(hf["num_attention_heads"])
+    heads, width = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     return {
         "decoder_block": "gemma3",
-        "base_emb_dim": int(hf["hidden_size"]),
+        "base_emb_dim": width,
         "base_num_query_heads": heads,
-        "base_num_kv_heads": int(hf.get("num_key_value_heads") or heads),
-        "head_dim": int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        "base_num_kv_heads": optional_size(hf, "num_key_value_heads", heads),
+        "head_dim": optional_size(hf, "head_dim", width // heads),
         "base_mlp_dim": int(hf["intermediate_size"]),
         "base_num_decoder_layers": layers,
         "vocab_size": int(hf["vocab_size"]),
@@ -166,7 +166,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "rope_type": full_type,
         "rope_scaling_factor": float(full.get("factor", 1.0)),
         "rope_interleave": False,
-        "max_position_embeddings": int(hf.get("max_position_embeddings") or 131072),
+        "max_position_embeddings": optional_size(hf, "max_position_embeddings", 131072, zero_is_default=True),
     }
 
 
@@ -215,5 +215,7 @@ FAMILIES = (
         maxtext=MaxTextMap(maxtext_layer_rules, maxtext_top_level, scan_cycle=MAXTEXT_CYCLE),
         hf_multimodal_type="gemma3",
         hf_vision_prefixes=("vision_tower.", "multi_modal_projector."),
+        goldens=(Golden("gemma3", "gemma3"),),
+        strategy_rows=(StrategyRow("gemma3-tiny", True, "full", "fsdp4_tensor2", 2),),  # 8 layers = a 6-layer cycle + 2
     ),
 )

@@ -33,8 +33,8 @@ from nnxtron.layers.kv_cache import CacheSpec
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.mlp import MLP
 from nnxtron.layers.norms import LayerNorm
-from nnxtron.models.family import Family, WeightMap
-from nnxtron.models.hf_common import hf_ties_head
+from nnxtron.models.family import Family, Golden, StrategyRow, WeightMap
+from nnxtron.models.hf_common import hf_ties_head, optional_size
 from nnxtron.parallel.ring_attention import ContextParallel
 from nnxtron.parallel.sharding import RESIDUAL, constrain
 
@@ -161,7 +161,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "base_num_query_heads": heads,
         "base_num_kv_heads": heads,
         "head_dim": dim // heads,
-        "base_mlp_dim": int(hf.get("n_inner") or 4 * dim),
+        "base_mlp_dim": optional_size(hf, "n_inner", 4 * dim),  # 0: HF builds a 0-wide MLP
         "base_num_decoder_layers": int(hf["n_layer"]),
         "vocab_size": int(hf["vocab_size"]),
         "normalization_layer_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
@@ -213,5 +213,7 @@ FAMILIES = (
         config_to_hf=config_to_hf,
         make_final_norm=layer_norm,
         hf_layer_prefix="transformer.h.{i}.",
+        goldens=(Golden("gpt2", "gpt2"),),  # HF GPT-2 through the adaptor
+        strategy_rows=(StrategyRow("gpt3-52k", True, "minimal", "fsdp2_context4", 2, (("base_num_decoder_layers", 3),)),),
     ),
 )

@@ -56,6 +56,22 @@ def top_weights(cfg: Config) -> tuple[WeightMap, ...]:
     return tuple(maps)
 
 
+def optional_size(hf: dict[str, Any], field: str, default: int, *, zero_is_default: bool = False) -> int:
+    """An HF ``config.json`` size or count that may be left out: absent or null is ``default``,
+    as transformers reads it. A value must be a whole number >= 1 (true/false, ``4.5`` and
+    ``"4"`` raise where they are read: ``convert/hf_values.py``); 0 is ``default`` only where
+    transformers also reads 0 so (``zero_is_default``), else a ValueError naming the field."""
+    value = hf.get(field)
+    if value is None:
+        return default
+    number = int(value)
+    if number == 0 and zero_is_default:
+        return default
+    if number < 1:
+        raise ValueError(f"{field}={number} where a size or count >= 1 belongs (null or no entry: the default)")
+    return number
+
+
 def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """nnxtron RoPE values from an HF config (transformers 5 ``rope_parameters`` or 4.x keys)."""
     rope = dict(hf.get("rope_parameters") or {})
@@ -81,7 +97,9 @@ def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             rope_type="yarn",
             rope_scaling_factor=float(rope["factor"]),
             rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            max_position_embeddings=int(hf.get("max_position_embeddings") or rope["original_max_position_embeddings"]),
+            max_position_embeddings=optional_size(
+                hf, "max_position_embeddings", int(rope["original_max_position_embeddings"]), zero_is_default=True
+            ),
             beta_fast=float(rope.get("beta_fast") or 32.0),
             beta_slow=float(rope.get("beta_slow") or 1.0),
             mscale=float(rope.get("mscale") or 0.0),  # 0 = absent (HF semantics)
@@ -114,20 +132,23 @@ def rope_to_hf(cfg: Config) -> dict[str, Any]:
     return rope
 
 
-def common_config_from_hf(hf: dict[str, Any], decoder_block: str) -> dict[str, Any]:
-    """The config values every pre-norm family reads the same way from an HF ``config.json``."""
+def common_config_from_hf(hf: dict[str, Any], decoder_block: str, head_dim_zero_is_default: bool = False) -> dict[str, Any]:
+    """The config values every pre-norm family reads the same way from an HF ``config.json``.
+    ``head_dim_zero_is_default``: the HF class's attention reads ``config.head_dim or hidden_size //
+    num_attention_heads`` (transformers 5: Mistral, Mixtral); the others (Llama, Qwen3, Llama 4)
+    build 0-wide projections for head_dim 0, which cannot hold the weights: refused."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"HF hidden_act '{hf['hidden_act']}' is not supported; only silu")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"HF {flag}=true is not supported by decoder_block {decoder_block}")
-    heads = int(hf["num_attention_heads"])
+    heads, width = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     values = {
         "decoder_block": decoder_block,
-        "base_emb_dim": int(hf["hidden_size"]),
+        "base_emb_dim": width,
         "base_num_query_heads": heads,
-        "base_num_kv_heads": int(hf.get("num_key_value_heads") or heads),
-        "head_dim": int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        "base_num_kv_heads": optional_size(hf, "num_key_value_heads", heads),  # 0: HF divides the heads by it
+        "head_dim": optional_size(hf, "head_dim", width // heads, zero_is_default=head_dim_zero_is_default),
         "base_mlp_dim": int(hf["intermediate_size"]),
         "base_num_decoder_layers": int(hf["num_hidden_layers"]),
         "vocab_size": int(hf["vocab_size"]),
@@ -138,8 +159,11 @@ def common_config_from_hf(hf: dict[str, Any], decoder_block: str) -> dict[str, A
         "rope_interleave": False,
         "mlp_activations": ["silu", "linear"],
     }
-    if hf.get("max_position_embeddings"):  # the context the model was made for: generate, serve and the export keep it
-        values["max_position_embeddings"] = int(hf["max_position_embeddings"])
+    # the context the model was made for (generate, serve and the export keep it); HF keeps 0 but
+    # reads it nowhere for these RoPE types, so 0 is "not given" (nnxtron's default bounds decoding)
+    positions = optional_size(hf, "max_position_embeddings", 0, zero_is_default=True)
+    if positions:
+        values["max_position_embeddings"] = positions
     values.update(rope_from_hf(hf))
     return values
 

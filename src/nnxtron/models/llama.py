@@ -11,7 +11,7 @@ from typing import Any
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.family import WeightMap
+from nnxtron.models.family import Golden, StrategyRow, WeightMap
 from nnxtron.models.hf_common import (
     GQA_WEIGHTS,
     NORM_WEIGHTS,
@@ -31,8 +31,9 @@ def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """nnxtron config values for an HF Llama/Mistral ``config.json``."""
-    return common_config_from_hf(hf, "mistral" if hf["model_type"] == "mistral" else "llama2")
+    """nnxtron config values for an HF Llama/Mistral ``config.json`` (MistralAttention reads head_dim 0 as the default)."""
+    mistral = hf["model_type"] == "mistral"
+    return common_config_from_hf(hf, "mistral" if mistral else "llama2", head_dim_zero_is_default=mistral)
 
 
 def config_to_hf(cfg: Config) -> dict[str, Any]:
@@ -54,6 +55,26 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
 MAXTEXT = pre_norm_map()  # dense layers only
 
 FAMILIES = (
-    pre_norm_family("llama2", "llama", "LlamaForCausalLM", layer_weights, config_from_hf, config_to_hf, maxtext=MAXTEXT),
-    pre_norm_family("mistral", "mistral", "MistralForCausalLM", layer_weights, config_from_hf, config_to_hf, maxtext=MAXTEXT),
+    pre_norm_family(
+        "llama2",
+        "llama",
+        "LlamaForCausalLM",
+        layer_weights,
+        config_from_hf,
+        config_to_hf,
+        maxtext=MAXTEXT,
+        # no strategy rows of its own: the matrix's rows run llama3.1-tiny
+        goldens=(Golden("llama2", "llama"), Golden("llama31", "llama")),
+    ),
+    pre_norm_family(
+        "mistral",
+        "mistral",
+        "MistralForCausalLM",
+        layer_weights,
+        config_from_hf,
+        config_to_hf,
+        maxtext=MAXTEXT,
+        goldens=(Golden("mistral", "llama"),),
+        strategy_rows=(StrategyRow("mistral-tiny", True, "minimal", "fsdp4_tensor2", 2),),  # sliding window 8 < 16 tokens
+    ),
 )

@@ -25,8 +25,14 @@ from flax import nnx
 from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.family import WeightMap
-from nnxtron.models.hf_common import GQA_WEIGHTS, common_config_from_hf, common_config_to_hf, gated_mlp_weights
+from nnxtron.models.family import Golden, StrategyRow, WeightMap
+from nnxtron.models.hf_common import (
+    GQA_WEIGHTS,
+    common_config_from_hf,
+    common_config_to_hf,
+    gated_mlp_weights,
+    optional_size,
+)
 from nnxtron.models.prenorm import PreNormBlock, pre_norm_family
 
 NORM_WEIGHTS = (
@@ -88,7 +94,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         temperature_tuning=bool(hf.get("attn_temperature_tuning", False)) and nope > 0,
         temperature_tuning_floor_scale=float(hf.get("floor_scale", 8192)),
         temperature_tuning_scale=float(hf.get("attn_scale", 0.1)),
-        max_position_embeddings=int(hf.get("max_position_embeddings") or 8192),
+        max_position_embeddings=optional_size(hf, "max_position_embeddings", 8192, zero_is_default=True),
     )
     if step:
         values.update(
@@ -156,5 +162,7 @@ FAMILIES = (
         make_block,
         hf_multimodal_type="llama4",
         hf_vision_prefixes=("vision_model.", "multi_modal_projector."),
+        goldens=(Golden("llama4", "llama4"),),
+        strategy_rows=(StrategyRow("llama4-tiny", True, "save_dot_except_mlp", "data2_fsdp4", 2),),
     ),
 )

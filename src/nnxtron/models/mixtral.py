@@ -13,7 +13,7 @@ from typing import Any
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.family import WeightMap
+from nnxtron.models.family import Golden, StrategyRow, WeightMap
 from nnxtron.models.hf_common import (
     GQA_WEIGHTS,
     NORM_WEIGHTS,
@@ -35,7 +35,7 @@ def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    values = common_config_from_hf(hf, "mixtral")
+    values = common_config_from_hf(hf, "mixtral", head_dim_zero_is_default=True)  # MixtralAttention: head_dim or width // heads
     values.update(
         num_experts=int(hf["num_local_experts"]),
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
@@ -66,5 +66,15 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
 
 MAXTEXT = pre_norm_map(lambda cfg: expert_rules("MoeBlock_0/"))
 FAMILIES = (
-    pre_norm_family("mixtral", "mixtral", "MixtralForCausalLM", layer_weights, config_from_hf, config_to_hf, maxtext=MAXTEXT),
+    pre_norm_family(
+        "mixtral",
+        "mixtral",
+        "MixtralForCausalLM",
+        layer_weights,
+        config_from_hf,
+        config_to_hf,
+        maxtext=MAXTEXT,
+        goldens=(Golden("mixtral", "mixtral_qwen3", fused_checked=True),),
+        strategy_rows=(StrategyRow("mixtral-tiny", True, "full", "data2_fsdp4", 2),),
+    ),
 )

@@ -17,7 +17,7 @@ from typing import Any
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.family import WeightMap
+from nnxtron.models.family import Golden, StrategyRow, WeightMap
 from nnxtron.models.hf_common import (
     GQA_WEIGHTS,
     NORM_WEIGHTS,
@@ -94,6 +94,30 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
 
 
 FAMILIES = (
-    pre_norm_family("qwen3", "qwen3", "Qwen3ForCausalLM", layer_weights, config_from_hf, config_to_hf),
-    pre_norm_family("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", layer_weights, config_from_hf, config_to_hf),
+    pre_norm_family(
+        "qwen3",
+        "qwen3",
+        "Qwen3ForCausalLM",
+        layer_weights,
+        config_from_hf,
+        config_to_hf,
+        goldens=(Golden("qwen3", "mixtral_qwen3"),),
+        strategy_rows=(StrategyRow("qwen3-tiny", True, "save_dot_except_mlp", "fsdp2_context4", 2),),  # qk-norm, context parallel
+    ),
+    pre_norm_family(
+        "qwen3_moe",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        layer_weights,
+        config_from_hf,
+        config_to_hf,
+        goldens=(
+            Golden("qwen3_moe", "mixtral_qwen3", fused_checked=True),
+            Golden("qwen3_moe_norenorm", "mixtral_qwen3"),
+            Golden("qwen3_moe_dense", "mixtral_qwen3", fused_checked=True),
+            Golden("qwen3_moe_prefix", "mixtral_qwen3", fused_checked=True),
+        ),
+        # the load-balance loss is not additive over microbatches: no accumulation in its row
+        strategy_rows=(StrategyRow("qwen3-moe-tiny", True, "none", "fsdp4_tensor2", 1, (("load_balance_loss_weight", 0.01),)),),
+    ),
 )

@@ -30,21 +30,26 @@ JAX_INIT_GRACE_S = 30  # JAX's own deadline comes this much later: it aborts the
 PEER_TIMEOUT_S = 60  # a process silent this long (JAX's heartbeat) is taken for dead; the others stop
 
 
-def initialize(
+def check_flags(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     detect: bool = False,
-    peer_timeout: int = PEER_TIMEOUT_S,
-    init_timeout: int = INIT_TIMEOUT_S,
+    peer_timeout: int | None = None,
+    init_timeout: int | None = None,
 ) -> bool:
-    """Join the distributed run described by the arguments; False (nothing done) when none
-    is given and ``detect`` is off. Must run before anything touches a JAX backend.
-
-    Not joined within ``init_timeout`` seconds (no coordinator answers, a process was never
-    started): the process ends with one line and status 2 (``_JoinDeadline``)."""
+    """Whether the flags join a multi-host run; one-line errors for flags that cannot work
+    together, among them a timeout given to a single-process run (which has no peers to time
+    out: the flag would be ignored). Checked before anything is loaded."""
     given = [coordinator_address, num_processes, process_id]
     if not detect and all(v is None for v in given):
+        unread = [flag for flag, v in (("--peer-timeout", peer_timeout), ("--init-timeout", init_timeout)) if v is not None]
+        if unread:
+            raise UserError(
+                f"{' and '.join(unread)} {'is' if len(unread) == 1 else 'are'} read only by a multi-host run (with "
+                "--coordinator-address, --num-processes and --process-id, or --distributed); this run is single-process: "
+                "drop it"
+            )
         return False
     if not detect and any(v is None for v in given):
         raise UserError(
@@ -52,12 +57,33 @@ def initialize(
             "or --distributed to detect them from the cluster (SLURM, MPI, TPU, Kubernetes)"
         )
     for flag, seconds in (("--peer-timeout", peer_timeout), ("--init-timeout", init_timeout)):
-        if seconds < 1:
+        if seconds is not None and seconds < 1:
             raise UserError(f"{flag} must be at least 1 second, got {seconds}")
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes must be at least 1, got {num_processes}")
     if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
         raise UserError(f"--process-id must be in [0, {num_processes}), got {process_id}")
+    return True
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    detect: bool = False,
+    peer_timeout: int | None = None,
+    init_timeout: int | None = None,
+) -> bool:
+    """Join the distributed run described by the arguments (``check_flags``; a timeout left
+    None: its default); False (nothing done) when none is given and ``detect`` is off. Must run
+    before anything touches a JAX backend.
+
+    Not joined within ``init_timeout`` seconds (no coordinator answers, a process was never
+    started): the process ends with one line and status 2 (``_JoinDeadline``)."""
+    if not check_flags(coordinator_address, num_processes, process_id, detect, peer_timeout, init_timeout):
+        return False
+    peer_timeout = PEER_TIMEOUT_S if peer_timeout is None else peer_timeout
+    init_timeout = INIT_TIMEOUT_S if init_timeout is None else init_timeout
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only read by the CPU backend

@@ -19,7 +19,7 @@ import contextlib
 import json
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -101,9 +101,16 @@ class BodyGuard:
         await self.app(scope, replay, send)
 
 
-def read_timeout_protocol(limits: Limits) -> type[H11Protocol]:
+def read_timeout_protocol(limits: Limits, answered: Callable[[int], None] | None = None) -> type[H11Protocol]:
     """uvicorn's h11 protocol, with a deadline of ``limits.read_timeout`` seconds for a request's
-    headers, counted from the connection's opening or from the first byte after a response."""
+    headers, counted from the connection's opening or from the first byte after a response.
+    ``answered(status)`` is called for what the protocol answers itself, before a request reaches
+    the application (whose answers the application counts): the 408 of that deadline and h11's 400
+    (a malformed request line or headers, headers over ``MAX_HEADER_BYTES``)."""
+
+    def count(status: int) -> None:
+        if answered is not None:
+            answered(status)
 
     class ReadTimeoutProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -145,6 +152,11 @@ def read_timeout_protocol(limits: Limits) -> type[H11Protocol]:
             headers = b"".join(b"%s: %s\r\n" % pair for pair in start["headers"])
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\n%s\r\n%s" % (headers, body))
             self.transport.close()
+            count(408)
+
+        def send_400_response(self, msg: str) -> None:
+            super().send_400_response(msg)
+            count(400)
 
     return ReadTimeoutProtocol
 

@@ -23,8 +23,9 @@ import uvicorn
 
 from nnxtron.config.schema import Config
 from nnxtron.convert.runs import load_model
-from nnxtron.data.chat_template import ChatTemplate, find_chat_template
+from nnxtron.data.chat_template import ChatTemplate, RenderLimits, find_chat_template
 from nnxtron.data.sources import tokenizer_directories, tokenizer_for
+from nnxtron.data.template_render import DEFAULT_LIMITS
 from nnxtron.data.tokenizer import Tokenizer
 from nnxtron.errors import UserError
 from nnxtron.infer.engine import Engine
@@ -64,9 +65,16 @@ class ServeOptions:
     read_timeout: float = Limits.read_timeout  # seconds for a request's headers, and again for its body (408)
     max_connections: int = 512  # open connections and requests together; more are answered 503
     drain_timeout: float = 30.0  # seconds the requests in flight get to finish after SIGINT / SIGTERM
+    template_timeout: float = DEFAULT_LIMITS.seconds  # one rendering of the chat template (data/template_render.py)
+    template_memory_mib: int = DEFAULT_LIMITS.memory_mib
+    template_max_chars: int = DEFAULT_LIMITS.max_chars
 
     def limits(self) -> Limits:
         return Limits(max_body_bytes=self.max_body_bytes, read_timeout=self.read_timeout)
+
+    def render_limits(self) -> RenderLimits:
+        """The chat template's rendering limits (``--chat-template-timeout`` / ``-memory-mib`` / ``-max-chars``)."""
+        return RenderLimits(self.template_timeout, self.template_memory_mib, self.template_max_chars)
 
     def check(self) -> None:
         """One-line errors for values that cannot work (before the model is loaded)."""
@@ -97,6 +105,7 @@ class ServeOptions:
             raise UserError(f"--log-level {self.log_level} is not one of {', '.join(LOG_LEVELS)}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise UserError(f"--chat-template {self.chat_template} is not a file; pass a Jinja chat template file")
+        self.render_limits()  # one line naming the flag whose value cannot work
 
 
 @dataclass
@@ -114,22 +123,28 @@ class Loaded:
         return self.model.config
 
 
-def load(path: str | Path, overrides: Iterable[str] = (), chat_template: str | None = None, name: str | None = None) -> Loaded:
+def load(
+    path: str | Path,
+    overrides: Iterable[str] = (),
+    chat_template: str | None = None,
+    name: str | None = None,
+    limits: RenderLimits = DEFAULT_LIMITS,
+) -> Loaded:
     """The model of a run directory or HF directory (as ``nnxtron generate`` opens it), its
-    tokenizer and its chat template (``chat_template``: a file that replaces it)."""
+    tokenizer and its chat template (``chat_template``: a file that replaces it; rendered under ``limits``)."""
     model = load_model(path, list(overrides))
     cfg = model.config
     tokenizer = tokenizer_for(cfg)
-    template, reason = load_chat_template(path, cfg, tokenizer, chat_template)
+    template, reason = load_chat_template(path, cfg, tokenizer, chat_template, limits)
     return Loaded(model, tokenizer, template, reason, name or Path(path).resolve().name)
 
 
 def load_chat_template(
-    path: str | Path, cfg: Config, tokenizer: Tokenizer, file: str | None = None
+    path: str | Path, cfg: Config, tokenizer: Tokenizer, file: str | None = None, limits: RenderLimits = DEFAULT_LIMITS
 ) -> tuple[ChatTemplate | None, str]:
     """(template, "") or (None, why there is none): ``file``, else the one that came with the model
     (``tokenizer_directories``: a run's ``tokenizer/``, an HF directory). A template that is there but broken is an error."""
-    return find_chat_template(tokenizer_directories(cfg, path), tokenizer, file)
+    return find_chat_template(tokenizer_directories(cfg, path), tokenizer, file, limits)
 
 
 def make_engine(model: Any, options: ServeOptions) -> Engine:
@@ -169,9 +184,15 @@ def listen(host: str, port: int) -> socket.socket:
 
 def make_server(state: ServeState, options: ServeOptions, port: int) -> GracefulServer:
     """uvicorn (its h11 protocol, with the read deadline) around ``create_app(state)``, with the options'
-    body, time and connection limits; ``state.limits`` is shared with the protocol, so changing it applies."""
+    body, time and connection limits; ``state.limits`` is shared with the protocol, so changing it applies.
+    What the protocol answers before a request has a route (a 408 for headers too slow, h11's 400) is
+    counted in ``nnxtron_requests_total`` with ``endpoint="other"``."""
+
+    def answered(status: int) -> None:
+        state.metrics.requests.inc(endpoint="other", status=str(status))
+
     config = uvicorn.Config(
-        create_app(state), host=options.host, port=port, log_level=options.log_level, http=read_timeout_protocol(state.limits),
+        create_app(state), host=options.host, port=port, log_level=options.log_level, http=read_timeout_protocol(state.limits, answered),
         timeout_keep_alive=KEEP_ALIVE_SECONDS, timeout_graceful_shutdown=options.drain_timeout,
         limit_concurrency=options.max_connections, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )  # fmt: skip
@@ -197,7 +218,7 @@ def serve(path: str | Path, overrides: Iterable[str], options: ServeOptions, say
     options.check()
     sock = listen(options.host, options.port)
     try:
-        loaded = load(path, overrides, options.chat_template, options.model_name)
+        loaded = load(path, overrides, options.chat_template, options.model_name, options.render_limits())
         enable_compilation_cache(loaded.config)
         engine = make_engine(loaded.model, options)
         state = ServeState(

@@ -33,6 +33,7 @@ from nnxtron.config.schema import Config
 from nnxtron.data.sources import make_sources
 from nnxtron.errors import UserError
 from nnxtron.infer.paging import Paging
+from nnxtron.layers.attention import attention_in_use
 from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.runtime.compile_cache import count_cache_events, enable_compilation_cache
@@ -154,7 +155,24 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
         "peak_source": peak_source,
         "mfu": tflops * 1e12 / peak,
         **pipeline_fields(cfg, step_seconds),
+        **memory_fields(compiled),
         "loss": loss,
+    }
+
+
+def memory_fields(compiled: Any) -> dict[str, Any]:
+    """What XLA's memory analysis of the compiled step says (bytes; None where the backend
+    does not say), and the device's peak bytes in use so far (TPU and GPU report it)."""
+    analysis = compiled.memory_analysis()
+    read = lambda name: getattr(analysis, name, None) if analysis is not None else None  # noqa: E731
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {
+        "memory_temp_bytes": read("temp_size_in_bytes"),
+        "memory_argument_bytes": read("argument_size_in_bytes"),
+        "memory_output_bytes": read("output_size_in_bytes"),
+        "memory_alias_bytes": read("alias_size_in_bytes"),
+        "device_peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "device_bytes_limit": stats.get("bytes_limit"),
     }
 
 
@@ -179,6 +197,7 @@ def _identity(cfg: Config) -> dict[str, Any]:
     return {
         "model_name": cfg.model_name,
         "decoder_block": cfg.decoder_block,
+        "attention": attention_in_use(cfg),
         "dtype": cfg.dtype,
         "quantization": cfg.quantization if cfg.use_qwix_quantization else None,
         "backend": jax.default_backend(),

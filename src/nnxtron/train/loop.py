@@ -25,6 +25,7 @@ from nnxtron.config.stacks import pipeline_summary
 from nnxtron.data.pipeline import BatchSource, DataIterator
 from nnxtron.data.sources import keep_tokenizer, make_sources
 from nnxtron.errors import CheckpointError, DataError, TrainingError, UserError
+from nnxtron.layers.attention import attention_in_use
 from nnxtron.models.quant import summary
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.params import flatten_with_treedef
@@ -301,6 +302,7 @@ class Trainer:
                 bar.log(f"parameters unsharded over model axes: {100 * self.setup.unsharded_fraction:.3f}% "
                         f"(sharding_tolerance {100 * cfg.sharding_tolerance:g}%)")  # fmt: skip
                 bar.log(f"peak {peak / 1e12:.3f} TFLOP/s from {peak_source}")
+                bar.log(f"attention: {attention_in_use(cfg)} (attention={cfg.attention}; docs/attention.md)")
                 bar.log(_cache_line(cfg, self.compilation_cache))
                 if cfg.use_qwix_quantization:
                     bar.log(summary(cfg))

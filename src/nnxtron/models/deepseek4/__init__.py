@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from nnxtron.models.deepseek4.block import DeepSeek4Block, stream_head
 from nnxtron.models.deepseek4.hf import config_from_hf, config_to_hf, layer_weights, top_weights
-from nnxtron.models.family import Family
+from nnxtron.models.family import Family, Golden, StrategyRow
 
 FAMILIES = (
     Family(
@@ -36,5 +36,8 @@ FAMILIES = (
         config_to_hf=config_to_hf,
         make_stream_head=stream_head,
         block_takes_tokens=True,
+        goldens=(Golden("deepseek4", "deepseek4", fused_checked=True),),
+        # hash-routed prefix block + (HCA, CSA) block + HCA remainder, mHC streams, expert loads
+        strategy_rows=(StrategyRow("deepseek4-test", True, "full", "data2_fsdp4", 2),),
     ),
 )

@@ -14,7 +14,7 @@ from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 from nnxtron.models.family import WeightMap
-from nnxtron.models.hf_common import rope_from_hf
+from nnxtron.models.hf_common import optional_size, rope_from_hf
 
 
 def _w(path: str, hub: str, module: str, in_dims: int = 0, **kw: Any) -> WeightMap:
@@ -168,7 +168,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "first_num_hash_layers": hashed,
         "mlp_activations_limit": float(hf.get("swiglu_limit") or 0.0),
         "mlp_activations": ["silu", "linear"],
-        "max_position_embeddings": int(hf.get("max_position_embeddings") or 1048576),
+        "max_position_embeddings": optional_size(hf, "max_position_embeddings", 1048576, zero_is_default=True),
     }
 
 
