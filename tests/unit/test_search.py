@@ -255,6 +255,26 @@ def _search(memory_gib: float, *overrides: str) -> Search:
     return s
 
 
+def test_a_tpu_search_compiles_attention_auto_as_the_chip_runs_it():
+    """On a TPU preset ``auto`` is splash (xla with the sequence sharded), never the fake CPU
+    devices' xla; the query blocks splash refuses are not offered; a GPU preset keeps ``auto``."""
+    request = SearchRequest(None, ["model_name=llama2-tiny"], 8, with_memory(PRESETS["tpu-v5e"], 16))
+    tpu = Search(request)
+    schedule = {"gradient_accumulation_steps": 1, "num_pipeline_microbatches": -1, "num_layers_per_pipeline_stage": 1}
+    plain = candidate(_mesh(fsdp=8), schedule, "full", (False, False), (0, 1))
+    context = candidate(_mesh(fsdp=4, context=2), schedule, "full", (False, False), (0, 1))
+    assert tpu._args(plain)[-1] == "attention=splash" and tpu._config(plain).attention == "splash"
+    assert tpu._args(context)[-1] == "attention=xla"
+    assert "attention_query_block" not in memory_saving(
+        tiny_config("llama3.1-8b", attention="splash", max_target_length=4096), _mesh(fsdp=8), 4096
+    )
+    pinned = Search(replace(request, overrides=["model_name=llama2-tiny", "attention=xla"]))
+    assert pinned._args(plain) == ["model_name=llama2-tiny", "attention=xla", *plain.args()]  # the user's choice stands
+    gpu = Search(replace(request, device=with_memory(PRESETS["h100"], 16)))
+    assert gpu._args(plain) == ["model_name=llama2-tiny", *plain.args()]
+    assert [p.backend for p in (PRESETS["tpu-v6e"], PRESETS["b200"])] == ["tpu", "gpu"]
+
+
 def _queued(s: Search, **values) -> list:
     return [q for q in s.queue if all(q.candidate.values[k] == v for k, v in values.items())]
 

@@ -34,6 +34,7 @@ from nnxtron.config import load_config
 from nnxtron.config.derived import MESH_AXES, derive
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError, UserError
+from nnxtron.layers.attention import resolve_attention
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.tools.search.cost import (
     analytic_collectives,
@@ -146,10 +147,23 @@ class Search:
 
     # ---------------------------------------------------------------- candidates
 
+    def _args(self, cand: Candidate) -> list[str]:
+        """The words of the candidate's config as it is compiled. ``attention=auto`` is compiled
+        as the target device resolves it: on a TPU preset ``splash`` (``xla`` with the sequence
+        sharded), where the fake CPU devices would pick ``xla``, whose ``[S, S]`` scores change
+        the memory plan. On a GPU preset ``auto`` stays ``xla`` here (cuDNN does not compile on
+        a CPU): its memory is then an upper bound."""
+        words = [*self.req.overrides, *cand.args()]
+        if self.base.attention == "auto" and self.req.device.backend == "tpu":
+            sharded = cand.mesh["context"] > 1
+            chosen = resolve_attention("auto", "tpu", self.base.dtype, self.base.resolved_head_dim, sequence_sharded=sharded)
+            words.append(f"attention={chosen}")
+        return words
+
     def _config(self, cand: Candidate) -> Config | str:
         """The candidate's config, or why it cannot run (a prune reason)."""
         try:
-            cfg = load_config(self.req.file, [*self.req.overrides, *cand.args()])
+            cfg = load_config(self.req.file, self._args(cand))
         except ConfigError as err:
             return str(err)
         return check(cfg, self.req.devices) or cfg
@@ -320,7 +334,7 @@ class Search:
                         {
                             "id": job_id,
                             "file": self.req.file,
-                            "overrides": [*self.req.overrides, *item.candidate.args()],
+                            "overrides": self._args(item.candidate),
                             "devices_per_node": self.req.device.devices_per_node,
                         }
                     )

@@ -57,6 +57,11 @@ class DevicePreset:
     runs_compiled_program: bool = False  # matmul FLOPs from the compiled program (cpu), else the model's count
     fresh_temp_seconds_per_byte: float = 0.0  # per byte of a step's temporaries faulted in fresh each step
 
+    @property
+    def backend(self) -> str:
+        """The JAX backend this device is, as ``layers.attention.resolve_attention`` names it."""
+        return "tpu" if self.name.startswith("tpu") else "cpu" if self.name == "cpu" else "gpu"
+
 
 PRESETS: dict[str, DevicePreset] = {
     p.name: p

@@ -188,13 +188,13 @@ def candidate(
 
 def memory_saving(cfg: Config, mesh: dict[str, int], tokens_per_device: float) -> dict[str, int]:
     """The memory knobs that apply to ``cfg`` on ``mesh``, set to save memory: attention in
-    blocks of ``QUERY_BLOCK`` queries (global or MLA attention, not cuDNN, not ring attention,
-    a sequence it divides) and the routed experts in ``TOKEN_CHUNKS`` pieces (grouped MoE,
+    blocks of ``QUERY_BLOCK`` queries (global or MLA attention, not cuDNN or splash, which are
+    blockwise already, not ring attention, a sequence it divides) and the routed experts in ``TOKEN_CHUNKS`` pieces (grouped MoE,
     when the tokens a device routes divide). Empty when neither applies."""
     out = {}
     seq, context = cfg.max_target_length, mesh["context"]
     ring = context > 1 and cfg.context_parallel_strategy == "ring"
-    if cfg.attention_type in ("global", "mla") and cfg.attention != "cudnn" and not ring:
+    if cfg.attention_type in ("global", "mla") and cfg.attention not in ("cudnn", "splash") and not ring:
         if seq > QUERY_BLOCK and seq % QUERY_BLOCK == 0 and QUERY_BLOCK % context == 0:
             out["attention_query_block"] = QUERY_BLOCK
     routed = tokens_per_device * mesh["expert"]
