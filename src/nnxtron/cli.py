@@ -77,6 +77,10 @@ def _split_file_and_overrides(args: Sequence[str]) -> tuple[str | None, list[str
 
 
 def _cmd_config(ns: argparse.Namespace) -> int:
+    if ns.action == "readers":
+        return _config_readers(ns)
+    if ns.json:
+        raise UserError("--json is an option of `nnxtron config readers`")
     import jax
 
     from nnxtron.config import config_to_yaml, derive
@@ -96,6 +100,22 @@ def _cmd_config(ns: argparse.Namespace) -> int:
     print("# derived for", jax.device_count(), "device(s):")
     for key, value in derive(cfg, jax.device_count()).as_dict().items():
         print(f"#   {key}: {value}")
+    return 0
+
+
+def _config_readers(ns: argparse.Namespace) -> int:
+    """``nnxtron config readers [KEY ...]``: where the package reads each key (tools/read_sites.py)."""
+    from nnxtron.tools.read_sites import KEYS, format_sites, read_sites, sites_json
+
+    unknown = [key for key in ns.args if key not in KEYS]
+    if unknown or ns.inert:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], KEYS, n=1) if unknown else []
+        hint = f"; did you mean {close[0]}?" if close else "; give config keys (nnxtron config show lists them)"
+        raise UserError("--inert is an option of `nnxtron config show`" if ns.inert else f"{unknown[0]}: not a config key{hint}")
+    sites = read_sites(ns.args)
+    print(sites_json(sites, ns.args) if ns.json else "\n".join(format_sites(sites, ns.args)))
     return 0
 
 
@@ -748,10 +768,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unscanned", action="store_false", dest="scanned", help="to-maxtext: one array per layer")
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("config", help="print the resolved config")
-    p.add_argument("action", choices=["show"])
-    p.add_argument("args", nargs="*", help=file_help)
+    p = sub.add_parser("config", help="print the resolved config (show) or where the code reads each key (readers)")
+    p.add_argument("action", choices=["show", "readers"])
+    p.add_argument("args", nargs="*", help=file_help + "; readers: [KEY ...], the keys to list (default: all)")
     p.add_argument("--inert", action="store_true", help="print the keys that change nothing, with their reasons (docs/config.md)")
+    p.add_argument("--json", action="store_true", help="readers: the read sites as one JSON object")
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("bench", help="compile and time the train step (or decoding); prints one JSON line")
@@ -816,7 +837,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser()
         ns, extra = parser.parse_known_args(argv)
         target = "overrides" if hasattr(ns, "overrides") else "args"
-        unknown = [arg for arg in extra if "=" not in arg or arg.startswith("-")]
+        keys = getattr(ns, "action", None) == "readers"  # `config readers --json KEY`: a key after an option
+        unknown = [arg for arg in extra if arg.startswith("-") or ("=" not in arg and not keys)]
         if unknown:
             words = list(sys.argv[1:] if argv is None else argv)
             parser.error(f"unrecognized arguments: {' '.join(unknown)}{_key_value_hint(unknown, words)}")

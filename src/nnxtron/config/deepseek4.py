@@ -99,6 +99,8 @@ def check(cfg: Config) -> None:
         raise ConfigError("decoder_block=deepseek4 has no dense layers; set first_num_dense_layers=0 and dense_layers=[]")
     if cfg.mtp_num_layers:
         raise ConfigError("mtp_num_layers > 0 is not supported with decoder_block=deepseek4 (HF drops its MTP layer)")
+    if not cfg.rope_interleave:  # models/deepseek4/compressed.py: rope_specs rotates adjacent pairs, as HF does
+        raise ConfigError("decoder_block=deepseek4 rotates adjacent pairs (HF DeepSeek-V4); set rope_interleave=true")
     if cfg.qk_rope_head_dim > cfg.resolved_head_dim or cfg.qk_rope_head_dim > cfg.indexer_head_dim:
         raise ConfigError("qk_rope_head_dim must be at most head_dim and indexer_head_dim (RoPE on the last dims)")
     if cfg.base_num_kv_heads != 1:
