@@ -115,5 +115,10 @@ def installed(handler: Callable[[int, FrameType | None], None] = handle) -> Iter
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        sys.unraisablehook, sys.excepthook = unraisable, excepthook
+        # restored only where still ours: a hook installed inside the block (the checkpointer's, which
+        # quiets orbax's coroutines collected at exit, after this block) chains to ours and stays
+        if sys.unraisablehook is quiet_unraisable:
+            sys.unraisablehook = unraisable
+        if sys.excepthook is quiet_excepthook:
+            sys.excepthook = excepthook
         _received, _line = outer
