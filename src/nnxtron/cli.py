@@ -279,6 +279,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         check_tokenizer(ns.path, parse_overrides(overrides))
     model = load_model(ns.path, overrides)  # an HF directory or a run brings its own tokenizer
     cfg = model.config
+    if not is_hf_directory(ns.path) and cfg.init_from and not cfg.tokenizer_path and is_hf_directory(cfg.init_from):
+        check_tokenizer(cfg.init_from, parse_overrides(overrides))  # a run trained from its ids alone has no text either
     template = None
     if ns.chat:  # the chat template that came with the model
         from nnxtron.data.chat_template import find_chat_template

@@ -196,6 +196,19 @@ def test_synthetic_training_from_an_hf_directory_without_tokenizer_samples_no_te
     assert code == 0 and seen["sample"] == 8, err
 
 
+def test_generate_from_a_run_trained_on_a_tokenizerless_hf_directory_is_refused(hf_without_tokenizer, tmp_path, capsys):
+    """The run trained on ids (synthetic data) records no tokenizer of its model: ``generate`` on it
+    refuses as on the HF directory itself, unless told which tokenizer to use."""
+    args = [f"init_from={hf_without_tokenizer}", "dataset_type=synthetic", "dataset_path=[]", "steps=1",
+            "sample_after_training=0", f"base_output_directory={tmp_path}", "run_name=r", "--no-progress"]  # fmt: skip
+    code, _, err = run_cli(capsys, "train", *args)
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "generate", str(tmp_path / "r"), "--prompt", "a", "max_new_tokens=2")
+    assert code == 2 and "holds no tokenizer file" in err and "Traceback" not in err, err
+    code, _, err = run_cli(capsys, "generate", str(tmp_path / "r"), "--prompt", "a", "max_new_tokens=2", "tokenizer_type=byte")
+    assert code == 0, err
+
+
 def test_unreadable_checkpoint_names_the_whole_reason(converted_run, tmp_path, capsys):
     """A data file of the checkpoint emptied: the line quotes TensorStore's reason, not orbax's
     wrapper cut mid-word ("See full TensorStore details: <bound method pybind11_detail_fun...")."""
