@@ -267,20 +267,15 @@ def _print_sample_from_state(cfg, result, max_new_tokens: int) -> None:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from nnxtron.config.loader import is_hf_directory, parse_overrides
-    from nnxtron.convert.hf import check_tokenizer
-    from nnxtron.convert.runs import load_model
+    from nnxtron.convert.runs import check_text_tokenizer, load_model
     from nnxtron.runtime.compile_cache import enable_compilation_cache
 
     overrides = list(ns.overrides)
     if ns.prompt is not None:
         overrides.append(f"prompt={ns.prompt}")
-    if is_hf_directory(ns.path):
-        check_tokenizer(ns.path, parse_overrides(overrides))
+    check_text_tokenizer(ns.path, overrides)
     model = load_model(ns.path, overrides)  # an HF directory or a run brings its own tokenizer
     cfg = model.config
-    if not is_hf_directory(ns.path) and cfg.init_from and not cfg.tokenizer_path and is_hf_directory(cfg.init_from):
-        check_tokenizer(cfg.init_from, parse_overrides(overrides))  # a run trained from its ids alone has no text either
     template = None
     if ns.chat:  # the chat template that came with the model
         from nnxtron.data.chat_template import find_chat_template
@@ -307,8 +302,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
     from nnxtron.config.loader import is_hf_directory, parse_overrides
-    from nnxtron.convert.hf import check_tokenizer
-    from nnxtron.convert.runs import load_model
+    from nnxtron.convert.runs import check_text_tokenizer, load_model
     from nnxtron.infer.score import CORPUS_KEYS, held_out_by_training, run_corpus_line, score_corpus
     from nnxtron.runtime.compile_cache import enable_compilation_cache
 
@@ -325,8 +319,7 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
             f"nnxtron eval {ns.path}: an HF directory has no training corpus to score; give one with dataset_type= and "
             "dataset_path= (or lm-eval harness tasks with --tasks)"
         )
-    if is_hf_directory(ns.path):
-        check_tokenizer(ns.path, parse_overrides(ns.overrides))
+    check_text_tokenizer(ns.path, ns.overrides)
     model = load_model(ns.path, list(ns.overrides))  # the data keys among the overrides choose the corpus
     cfg = model.config
     enable_compilation_cache(cfg)

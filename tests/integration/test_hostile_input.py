@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nnxtron.cli import MAX_SEARCH_WORKERS
-from nnxtron.errors import reason
+from nnxtron.errors import CheckpointError, reason
 from tests.integration.conftest import assert_user_error, run_cli
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
@@ -207,6 +207,10 @@ def test_generate_from_a_run_trained_on_a_tokenizerless_hf_directory_is_refused(
     assert code == 2 and "holds no tokenizer file" in err and "Traceback" not in err, err
     code, _, err = run_cli(capsys, "generate", str(tmp_path / "r"), "--prompt", "a", "max_new_tokens=2", "tokenizer_type=byte")
     assert code == 0, err
+    from nnxtron.serve.server import load  # serve opens it the same way
+
+    with pytest.raises(CheckpointError, match="holds no tokenizer file"):
+        load(tmp_path / "r")
 
 
 def test_unreadable_checkpoint_names_the_whole_reason(converted_run, tmp_path, capsys):

@@ -83,6 +83,20 @@ def _check_run_dir(run_dir: Path) -> None:
         )
 
 
+def check_text_tokenizer(path: str | Path, overrides: Iterable[str] = ()) -> None:
+    """Before a command turns the model at ``path`` into text (generate, eval, serve): an HF
+    directory without tokenizer files is refused unless ``overrides`` choose a tokenizer
+    (``check_tokenizer``); so is a run made from such a directory on ids alone
+    (``dataset_type=synthetic``), which records no tokenizer of that model either."""
+    given = parse_overrides(list(overrides))
+    if is_hf_directory(path):
+        check_tokenizer(path, given)
+        return
+    cfg = run_config(Path(path), list(overrides))
+    if cfg.init_from and not cfg.tokenizer_path and is_hf_directory(cfg.init_from):
+        check_tokenizer(cfg.init_from, given)
+
+
 def load_model(path: str | Path, overrides: Iterable[str] = ()) -> Decoder:
     """The trained model at ``path``: a run directory (latest checkpoint) or an HF directory.
 

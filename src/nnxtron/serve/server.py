@@ -22,7 +22,7 @@ from typing import Any
 import uvicorn
 
 from nnxtron.config.schema import Config
-from nnxtron.convert.runs import load_model
+from nnxtron.convert.runs import check_text_tokenizer, load_model
 from nnxtron.data.chat_template import ChatTemplate, RenderLimits, find_chat_template
 from nnxtron.data.sources import tokenizer_directories, tokenizer_for
 from nnxtron.data.template_render import DEFAULT_LIMITS
@@ -132,6 +132,7 @@ def load(
 ) -> Loaded:
     """The model of a run directory or HF directory (as ``nnxtron generate`` opens it), its
     tokenizer and its chat template (``chat_template``: a file that replaces it; rendered under ``limits``)."""
+    check_text_tokenizer(path, overrides)
     model = load_model(path, list(overrides))
     cfg = model.config
     tokenizer = tokenizer_for(cfg)
