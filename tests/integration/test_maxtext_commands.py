@@ -23,13 +23,13 @@ import pytest
 
 from nnxtron.config.loader import load_config_report
 from nnxtron.runtime.fake_devices import fake_device_env
+from tests.conftest import COMPILE_SPEED_FLAGS
 from tests.integration.conftest import assert_user_error, metric_records, run_cli
 from tests.unit.test_maxtext_config import BASE, REFERENCE
 
 STEPS = 20
-# tests/conftest.py's flag (faster compiles of tiny models): 20 steps of this model run ~2x slower without
-# LLVM optimisation (measured: 9.2 s vs 3-5 s a step), so the child processes here drop it
-NO_BACKEND_OPTIMIZATION = "--xla_backend_optimization_level=0"
+# tests/conftest.py's flags (faster compiles of tiny models): 20 steps of this model run ~2x slower without
+# LLVM optimisation (measured: 9.2 s vs 3-5 s a step), so the child processes here drop them
 FP8_FULL = ["use_qwix_quantization=true", "quantization=fp8_full"]
 LINEN = ["enable_nnx=false", "pure_nnx_decoder=false", "pure_nnx=false"]
 # the MoE test config of MaxText's pipeline change (its use_ring_of_experts / use_ragged_sort / ragged_buffer_factor row)
@@ -45,7 +45,7 @@ def maxtext_command(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess,
     in a child process on one CPU device: (the finished process, its wall time in seconds)."""
     args = ["train", str(BASE), f"base_output_directory={tmp_path}", "run_name=nnx_mtp", *REFERENCE, *extra]
     env = {**os.environ, **fake_device_env(1)}
-    env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if f != NO_BACKEND_OPTIMIZATION)
+    env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if f not in COMPILE_SPEED_FLAGS)
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "nnxtron", *args], capture_output=True, text=True, env=env, timeout=900, check=False
