@@ -34,11 +34,15 @@ MESHES = {
     "data2_fsdp2_tensor2": {"ici_data_parallelism": 2, "ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 2},
     "fsdp4_tensor2": {"ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 2},
 }
-# Bounds, measured on 8 fake CPU devices (jax 0.10.2, float32). "state" = params and Adam
-# moments, max over leaves of max|a - b| / max|b|, compared in layer-list layout.
-# - scan_layers flipped on resume: losses bitwise equal; state 1.1e-7 (scanned -> unrolled),
-#   2.6e-7 (unrolled -> scanned). From scratch the two layouts also give bitwise-equal losses
-#   and states within 9.6e-7: XLA fuses the scanned body and the unrolled layers differently.
+# Bounds, measured on 8 fake CPU devices (jax 0.10.2, float32, the test suite's XLA flags:
+# tests/conftest.py). "state" = params and Adam moments, max over leaves of max|a - b| / max|b|,
+# compared in layer-list layout.
+# - scan_layers flipped on resume: losses bitwise equal scanned -> unrolled, 6.0e-8 relative
+#   unrolled -> scanned; state 4.5e-7 and 3.9e-7. From scratch the two layouts give losses
+#   within 6.1e-8 and states within 7.5e-6 after 6 steps: XLA fuses the scanned body and the
+#   unrolled layers differently, and Adam's division by small second moments amplifies it.
+#   (With XLA's MLIR fusion emitters, the default outside the tests, the flipped losses were
+#   bitwise equal both ways and the from-scratch states within 9.6e-7.)
 # - mesh changed on resume (fsdp=8 -> data2 x fsdp2 x tensor2 or fsdp4 x tensor2): losses
 #   9.4e-8 relative, state 7.1e-7 (the reduction order changes).
 # - restore itself is exact: parameters restored on another mesh or in the other layout are
@@ -46,6 +50,7 @@ MESHES = {
 #   |diff| 1.6e-6 on another mesh, 1.2e-6 with the other layout, against max |logits| 6.9
 #   (2.3e-7 and 1.7e-7 of it).
 STATE_RTOL = 5e-6
+SCRATCH_STATE_RTOL = 3e-5  # two layouts from scratch, 6 steps
 LOSS_RTOL = 1e-6
 LOGITS_RTOL = 1e-6  # of max |logits|
 
@@ -94,11 +99,11 @@ def flipped(corpus, runs):
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned->unrolled", "unrolled->scanned"])
-def test_resume_with_the_other_scan_layout_continues_exactly(runs, flipped, scan):
+def test_resume_with_the_other_scan_layout_continues_the_loss_curve(runs, flipped, scan):
     _, straight = runs
     resumed = flipped[scan]
     assert resumed.start_step == 3 and resumed.end_step == 6
-    assert straight[scan].losses[3:] == resumed.losses  # bitwise
+    np.testing.assert_allclose(resumed.losses, straight[scan].losses[3:], rtol=LOSS_RTOL, atol=0)
     a, b = _layer_list(straight[scan].state), _layer_list(resumed.state)
     assert any(k.startswith("opt_state/") and "/layers/layers/1/" in k for k in a)  # Adam moments too
     assert _max_rel(b, a) <= STATE_RTOL
@@ -108,7 +113,7 @@ def test_scanned_and_unrolled_runs_agree(runs):
     """Context for the bound above: the two layouts run from scratch agree to float32 noise."""
     _, straight = runs
     np.testing.assert_allclose(straight[True].losses, straight[False].losses, rtol=LOSS_RTOL, atol=0)
-    assert _max_rel(_layer_list(straight[True].state), _layer_list(straight[False].state)) <= STATE_RTOL
+    assert _max_rel(_layer_list(straight[True].state), _layer_list(straight[False].state)) <= SCRATCH_STATE_RTOL
 
 
 @pytest.mark.parametrize("mesh", ["data2_fsdp2_tensor2", "fsdp4_tensor2"])

@@ -208,7 +208,9 @@ def test_sgd_with_momentum_follows_the_heavy_ball_formula():
     g1, g2, u1, u2 = _ours(cfg, _params(cfg))
     for key in g1:
         np.testing.assert_allclose(u1[key], -lr * g1[key], rtol=1e-6, err_msg=key)
-        np.testing.assert_allclose(u2[key], -lr * (g2[key] + momentum * g1[key]), rtol=1e-6, atol=1e-9, err_msg=key)
+        expected = -lr * (g2[key] + momentum * g1[key])
+        # where g2 and momentum * g1 nearly cancel, float32 rounding is relative to their size: atol 1e-6 of the leaf's largest
+        np.testing.assert_allclose(u2[key], expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max(), err_msg=key)
 
 
 def test_muon_orthogonalizes_each_layer_matrix_and_uses_adam_for_the_rest():
