@@ -1,7 +1,7 @@
 """MFU of a llama-style model's train step on one accelerator, GPU or TPU.
 
-    python benchmarks/accelerator_mfu.py [--model llama1b|llama552m] [--batch N] [--seq 2048]
-                                         [--remat POLICY] [--steps 10] [--set key=value ...] [--out FILE|-]
+    python benchmarks/accelerator_mfu.py [--model NAME] [--batch N] [--seq 2048] [--remat POLICY]
+                                         [--steps 10] [--set key=value ...] [--fused-backward] [--out FILE|-]
 
 Models (bfloat16 activations, float32 master weights, synthetic data, one device, tied
 embeddings, heads of 64):
@@ -11,6 +11,17 @@ embeddings, heads of 64):
 * ``llama552m`` (the default on a TPU): emb 2048, 8 layers, 32 / 8 heads, MLP 8192, vocab
   32000 (issue 46's model, which fits one v5e chip); batch 4, ``remat_policy=minimal_with_context``
   (the best policy measured there: benchmarks/results/tpu_mfu-TPU_v5_lite.json); target >= 55%.
+* ``mixtral_style``: Mixtral's block (8 experts, top-2 softmax) at emb 2048, 8 layers, 32 / 8
+  heads, experts of 1024, vocab 32000, untied (618M parameters, 16 bytes each with Adam: what
+  fits one v5e chip); batch 4, ``remat_policy=full``; target >= 40%.
+* ``deepseek3_style``: DeepSeek-V3's block (MLA with kv rank 512, 16 heads, 64 routed experts
+  top-6 + 1 shared, sigmoid routing with correction bias) at emb 2048, 4 layers (1 dense of
+  MLP 4096, 3 MoE with experts of 256), vocab 32000 (~510M parameters); batch 4, ``full``; target >= 30%.
+
+MoE MFU counts the FLOPs of the routed experts each token visits (top-k), not all experts.
+The routed tokens go through ``grouped_matmul=auto`` (``ragged_dot`` on a TPU: 116 TFLOP/s on
+the chip, equal to Pallas megablox ``gmm``; benchmarks/results/tpu_mfu-TPU_v5_lite.json).
+``--fused-backward`` turns on the splash kernel's one-kernel backward (``layers.splash.FUSED_BACKWARD``).
 
 It runs ``nnxtron bench`` (the Trainer's own step) and reports tokens/s and MFU against the
 device's dense bf16 peak (``nnxtron.runtime.peak.KNOWN_PEAK_TFLOPS``, or ``--set
@@ -35,9 +46,21 @@ COMMON = [
 ]  # fmt: skip
 LLAMA_1B = [*COMMON, "base_num_decoder_layers=16", "vocab_size=128256", "normalization_layer_epsilon=1e-5"]
 LLAMA_552M = [*COMMON, "base_num_decoder_layers=8", "vocab_size=32000"]
+MOE_COMMON = ["dtype=bfloat16", "weight_dtype=float32", "dataset_type=synthetic", "scan_layers=true", "vocab_size=32000"]
+MIXTRAL_STYLE = [
+    "model_name=mixtral-8x7b", *MOE_COMMON, "base_emb_dim=2048", "base_num_query_heads=32", "base_num_kv_heads=8",
+    "head_dim=64", "base_mlp_dim=1024", "base_moe_mlp_dim=1024", "base_num_decoder_layers=8",
+]  # fmt: skip
+DEEPSEEK3_STYLE = [
+    "model_name=deepseek3-tiny", *MOE_COMMON, "base_emb_dim=2048", "base_num_query_heads=16", "base_num_kv_heads=16",
+    "q_lora_rank=0", "kv_lora_rank=512", "base_mlp_dim=4096", "base_moe_mlp_dim=256", "num_experts=64",
+    "num_experts_per_tok=6", "shared_experts=1", "base_num_decoder_layers=4", "first_num_dense_layers=1",
+]  # fmt: skip
 MODELS = {  # name: (overrides, default batch, default remat policy)
     "llama1b": (LLAMA_1B, 8, "none"),
     "llama552m": (LLAMA_552M, 4, "minimal_with_context"),
+    "mixtral_style": (MIXTRAL_STYLE, 4, "full"),
+    "deepseek3_style": (DEEPSEEK3_STYLE, 4, "full"),
 }
 DEFAULT_MODEL = {"gpu": "llama1b", "tpu": "llama552m"}
 
@@ -53,12 +76,13 @@ def overrides(args: argparse.Namespace, backend: str = "gpu") -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default=None, help="llama1b on a GPU, llama552m on a TPU")
+    parser.add_argument("--model", choices=sorted(MODELS), default=None, help="default: llama1b on a GPU, llama552m on a TPU")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: the model's)")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--remat", default=None, help="remat_policy (default: the model's)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config override")
+    parser.add_argument("--fused-backward", action="store_true", help="the splash kernel's one-kernel backward")
     parser.add_argument(
         "--out", default=None, help="JSON result file (default benchmarks/results/accelerator_mfu-<device>.json; '-' = none)"
     )
@@ -72,9 +96,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     backend = jax.default_backend()
     if backend not in ("gpu", "tpu"):
         raise SystemExit(f"accelerator_mfu.py measures a GPU or a TPU; this machine's JAX backend is {backend!r}")
+    from nnxtron.layers import splash
     from nnxtron.tools.bench import run_bench
 
-    result = run_bench(None, overrides(args, backend), steps=args.steps)
+    splash.FUSED_BACKWARD = args.fused_backward
+    result = {**run_bench(None, overrides(args, backend), steps=args.steps), "fused_backward": args.fused_backward}
     print(json.dumps(result, indent=1))
     if args.out != "-":
         device = result["device_kind"].replace(" ", "_") or backend

@@ -8,7 +8,8 @@ implementation, and the parity of each against a float32 reference computed by t
 at ``precision=highest``: ``err = max|x - ref| / max|ref|`` over the output and the q/k/v
 gradients. The bfloat16 bound the splash kernel is held to is calibrated by the xla path's own
 bfloat16 error on the same inputs: ``splash_err <= 2 * xla_err`` (``ok``). Then the kernel's
-block size is swept on the 552M shape (the choice in ``layers.splash.block_size``).
+block size is swept on the 552M shape, with the two-kernel backward and the fused one
+(``layers.splash.block_size`` and ``FUSED_BACKWARD``), each with its error against the reference.
 
 It refuses to run off a TPU (interpret mode says nothing about speed); the same code path is
 proven on CPU by tests/unit/test_splash_attention.py.
@@ -51,7 +52,7 @@ def _inputs(shape, dtype):
     return q, k, v, cot, np.broadcast_to(segments, (batch, seq)).astype(np.int32)
 
 
-def _fwd_bwd(implementation: str, shape, block: int | None = None):
+def _fwd_bwd(implementation: str, shape, block: int | None = None, fused_backward: bool | None = None):
     import jax
 
     from nnxtron.layers.attention import attend
@@ -62,7 +63,17 @@ def _fwd_bwd(implementation: str, shape, block: int | None = None):
 
     def f(q, k, v, segments):
         if block is not None:
-            return splash_attention(q, k, v, segments, scale=scale, sliding_window=window, chunk_size=chunk, block=block)
+            return splash_attention(
+                q,
+                k,
+                v,
+                segments,
+                scale=scale,
+                sliding_window=window,
+                chunk_size=chunk,
+                block=block,
+                fused_backward=fused_backward,
+            )
         return attend(
             q, k, v, segments, scale=scale, sliding_window=window, chunk_size=chunk, dtype=q.dtype, implementation=implementation
         )
@@ -121,11 +132,21 @@ def measure_shape(name: str, shape, repeats: int) -> dict[str, Any]:
 
 
 def block_sweep(repeats: int) -> list[dict[str, Any]]:
+    import jax
     import jax.numpy as jnp
 
     shape = SHAPES["llama552m_causal"]
     args = _inputs(shape, jnp.bfloat16)
-    return [{"block": b, "splash_seconds": _time(_fwd_bwd("splash", shape, block=b), args, repeats)} for b in BLOCKS]
+    *arrays, segments = args
+    with jax.default_matmul_precision("highest"):
+        reference = _fwd_bwd("xla", shape)(*(x.astype(jnp.float32) for x in arrays), segments)
+    rows = []
+    for block in BLOCKS:
+        for fused in (False, True):
+            fn = _fwd_bwd("splash", shape, block=block, fused_backward=fused)
+            rows.append({"block": block, "fused_backward": fused, "splash_seconds": _time(fn, args, repeats),
+                         "splash_err": _error(fn(*args), reference)})  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

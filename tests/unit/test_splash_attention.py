@@ -19,9 +19,9 @@ from flax import nnx
 
 from nnxtron.config import load_config
 from nnxtron.errors import ConfigError
-from nnxtron.layers import attention
+from nnxtron.layers import attention, splash
 from nnxtron.layers.attention import attend, resolve_attention
-from nnxtron.layers.splash import block_size, padded_length
+from nnxtron.layers.splash import block_size, padded_length, splash_attention
 from nnxtron.models.build import abstract_model, build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.tools.parity import assert_grad_parity, loss_and_grads
@@ -71,6 +71,30 @@ def test_splash_equals_xla_forward_and_backward(computed, case):
     for name, got, ref in zip(("output", "d/dq", "d/dk", "d/dv"), computed[case, "splash"], computed[case, "xla"]):
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), err_msg=f"{case} {name}", **BOUND)
+
+
+def test_the_fused_backward_kernel_equals_the_two_kernel_backward():
+    """``fused_backward=True`` (the default, ``FUSED_BACKWARD``: dq accumulated inside the dk/dv
+    kernel, one backward kernel instead of two; benchmarks/tpu_attention.py's sweep) computes the
+    output and gradients of the two-kernel backward, on packed GQA and sliding-window MQA."""
+    for case in ("gqa", "mqa_sliding"):
+        _, _, window, chunk, *_ = CASES[case]
+        q, k, v, cotangent = _inputs(*CASES[case][:2], *CASES[case][4:])
+        results = {}
+        for fused in (True, False):
+
+            def f(q, k, v, fused=fused, window=window, chunk=chunk):
+                return splash_attention(
+                    q, k, v, SEGMENTS, scale=0.3, sliding_window=window, chunk_size=chunk, fused_backward=fused
+                )
+
+            out, vjp = jax.vjp(f, q, k, v)
+            kernels = str(jax.make_jaxpr(vjp)(cotangent)).count("pallas_call")
+            assert kernels == (1 if fused else 2), f"{case}: {kernels} backward kernels with fused_backward={fused}"
+            results[fused] = (out, *vjp(cotangent))
+        for name, got, ref in zip(("output", "d/dq", "d/dk", "d/dv"), results[True], results[False]):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), err_msg=f"{case} {name}", **BOUND)
+    assert splash.FUSED_BACKWARD  # what attention=splash runs
 
 
 def test_blocks_and_padding_follow_the_shape():
