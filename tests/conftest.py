@@ -93,6 +93,18 @@ def trace_train_step(cfg, devices: int):
     return model_setup, plan.trace_train_step(cfg, model_setup, tx, schedule, derived)
 
 
+def pytest_configure(config):
+    from tests.flags import read_coverage
+
+    read_coverage.configure(config)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.flags import read_coverage
+
+    read_coverage.finish(session)
+
+
 @pytest.fixture
 def tmp_run_base(tmp_path):
     return str(tmp_path / "runs")

@@ -25,6 +25,7 @@ from nnxtron.config.inert import INERT, INERT_UNLESS
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 from tests.flags import observers as obs
+from tests.flags import read_coverage
 
 TRACE = {"max_target_length": 16, "per_device_batch_size": 1}  # every traced family: tiny shapes
 FAMILIES: dict[str, dict[str, Any]] = {  # family -> what shrinks it further (the presets are already tiny)
@@ -58,6 +59,10 @@ RUN = {
 CACHE_DIR = str(obs.WORK / "jax-cache")
 PIPE = {"ici_pipeline_parallelism": 2, "base_num_decoder_layers": 4, "per_device_batch_size": 2}
 QUANT = {"use_qwix_quantization": True, "quantization": "int8"}
+GPIPE = {**PIPE, "num_layers_per_pipeline_stage": 2}  # one repeat
+MAXTEXT_LR = {"lr_schedule_convention": "maxtext", "lr_schedule_type": "cosine"}
+MAXTEXT_SCHEDULE_KEYS = ("learning_rate", "warmup_steps_fraction", "learning_rate_schedule_steps",
+                         "cosine_learning_rate_final_fraction", "steps")  # fmt: skip
 CUSTOM = {"remat_policy": "custom"}
 
 
@@ -321,6 +326,21 @@ MORE: dict[str, dict[str, Flag]] = {
     "adam_weight_decay": {"muon": F(0.01, base={"opt_type": "muon"})},
     # Gemma 3 presets say true (HF's head there): false multiplies the tied logits by sqrt(emb_dim)
     "normalize_embedding_logits": {"gemma3": F(False, family="gemma3-tiny")},
+    # the schedule keys under lr_schedule_convention=maxtext (train/schedules.py maxtext_schedule: its own reads)
+    **{key: {"maxtext": replace(VALUES[key], base={**VALUES[key].base, **MAXTEXT_LR})} for key in MAXTEXT_SCHEDULE_KEYS},
+    "wsd_decay_steps_fraction": {"maxtext": F(0.3, base={**MAXTEXT_LR, "lr_schedule_type": "wsd"})},
+    "wsd_decay_style": {"maxtext": F("cosine", base={**MAXTEXT_LR, "lr_schedule_type": "wsd"})},
+    "learning_rate_final_fraction": {"maxtext": F(0.3, base={**MAXTEXT_LR, "lr_schedule_type": "wsd"})},
+    # every pipeline schedule, both values (parallel/pipeline.py _Run.rounds: a scan over the rounds or a loop):
+    # PIPE is circular (4 layers, 2 stages, 1 layer a stage: 2 repeats); GPipe is one repeat; host offload
+    # fetches each round's weights from host memory
+    "scan_pipeline_repeats": {
+        "circular_true": F(True, base={**PIPE, "scan_pipeline_repeats": False}),
+        "gpipe": F(False, base=GPIPE),
+        "gpipe_true": F(True, base={**GPIPE, "scan_pipeline_repeats": False}),
+        "host_offload": F(False, base={**PIPE, "parameter_memory_host_offload": True}),
+        "host_offload_true": F(True, base={**PIPE, "parameter_memory_host_offload": True, "scan_pipeline_repeats": False}),
+    },
 }
 
 
@@ -412,7 +432,17 @@ def test_every_schema_key_has_one_entry():
 
 
 @pytest.mark.parametrize("key, flag", CASES)
-def test_flag_changes_its_observation(key, flag):
+def test_flag_changes_its_observation(key, flag, request):
+    """The observation changes; the read sites of the key that ran meanwhile are recorded
+    (tests/flags/read_coverage.py judges them when the whole matrix has run)."""
+    recorder = read_coverage.Recorder(key)
+    try:
+        _assert_observation_changes(key, flag, recorder)
+    finally:
+        read_coverage.save(request.node.callspec.id, key, recorder.hit, len(CASES), recorder.traced)
+
+
+def _assert_observation_changes(key: str, flag: Flag, recorder: read_coverage.Recorder) -> None:
     observe = obs.OBSERVERS[flag.observer]
     reference = _reference(flag)
     value = _value(key, flag)
@@ -421,19 +451,23 @@ def test_flag_changes_its_observation(key, flag):
     further = flag.family in FAMILY_CONTEXTS.get(key, {}) and FAMILY_CONTEXTS[key][flag.family] is flag
     if further:
         try:  # a further family: its config may refuse the value (then the flag is refused, not ignored)
-            var_cfg = load_config(values=variant)
+            with recorder:
+                var_cfg = load_config(values=variant)
         except ConfigError:
             return
     else:
-        var_cfg = load_config(values=variant)  # both must be valid
+        with recorder:  # the config's own derivations (cached per config, so not run again when observed)
+            var_cfg = load_config(values=variant)  # both must be valid
     assert getattr(var_cfg, key) != getattr(ref_cfg, key), f"{key}={value!r} is the reference config's own value"
     when = INERT_UNLESS.get(key)
     if when is not None and not when.reads(var_cfg):
         assert further, f"{key}'s own entry must be a config that reads it ({when.condition})"
+        recorder.hit.clear()  # the observation does not change here: nothing is proven
         _assert_inert(key, value, flag, reference, variant)
         return
     try:
-        observed = observe(obs.frozen(variant))
+        with recorder:
+            observed = observe(obs.frozen(variant))
     except ConfigError:
         if further:  # refused when the model is built (e.g. a family without MoE layers): not ignored
             return
