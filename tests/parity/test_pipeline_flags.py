@@ -2,13 +2,13 @@
 
 The flags — ``scan_pipeline_iterations``, ``scan_pipeline_repeats``,
 ``set_remat_policy_on_pipeline_iterations``, ``set_remat_policy_on_layers_per_stage``,
-``pipeline_delay_activation_forwarding``, ``pipeline_fsdp_ag_once``, ``scan_layers`` — times
-the two schedules (GPipe with 2 layers per stage, circular with 2 repeats) make 256
-combinations, all of which the config accepts (4 microbatches satisfy the circular
+``pipeline_delay_activation_forwarding``, ``pipeline_fsdp_ag_once``, ``scan_layers``,
+``scan_layers_per_stage`` — times the two schedules (GPipe with 2 layers per stage, circular
+with 2 repeats) make 512 combinations, all of which the config accepts (4 microbatches satisfy the circular
 schedule's bound with delayed forwarding). CI runs a *pairwise covering* subset, generated
-below: every value pair of every two factors appears in some row (10 rows instead of 256),
+below: every value pair of every two factors appears in some row (8 rows instead of 512),
 so any bug that needs two flags together to show is caught. ``NNXTRON_PIPELINE_FLAGS=all``
-runs all 256 (about 20 minutes on 2 cores; run before changing the pipeline's loops).
+runs all 512 (about 40 minutes on 2 cores; run before changing the pipeline's loops).
 
 Each row runs llama3.1-tiny (4 layers) on 4 fake devices (pipeline 2 x fsdp 2) and compares
 loss, input cotangent, every parameter gradient and the non-trainable state with the
@@ -37,6 +37,7 @@ FLAGS = (
     "pipeline_delay_activation_forwarding",
     "pipeline_fsdp_ag_once",
     "scan_layers",
+    "scan_layers_per_stage",
 )
 SCHEDULES = {"gpipe": dict(num_layers_per_pipeline_stage=2), "circular": dict(num_layers_per_pipeline_stage=1)}
 MODEL = dict(base_num_decoder_layers=4)

@@ -208,6 +208,7 @@ VALUES: dict[str, Flag] = {
     "pipeline_parallel_layers": F(2, base=PIPE),
     "scan_pipeline_iterations": F(False, base=PIPE),
     "scan_pipeline_repeats": F(False, base=PIPE),
+    "scan_layers_per_stage": F(False, base=GPIPE),
     "set_remat_policy_on_pipeline_iterations": F(False, base=PIPE),
     "set_remat_policy_on_layers_per_stage": F(True, base=PIPE),
     "pipeline_delay_activation_forwarding": F(True, base={**PIPE, "num_pipeline_microbatches": 4}),
@@ -340,6 +341,10 @@ MORE: dict[str, dict[str, Flag]] = {
         "gpipe_true": F(True, base={**GPIPE, "scan_pipeline_repeats": False}),
         "host_offload": F(False, base={**PIPE, "parameter_memory_host_offload": True}),
         "host_offload_true": F(True, base={**PIPE, "parameter_memory_host_offload": True, "scan_pipeline_repeats": False}),
+    },
+    "scan_layers_per_stage": {
+        "circular": F(False, base={**PIPE, "base_num_decoder_layers": 8, "num_layers_per_pipeline_stage": 2}),
+        "host_offload": F(False, base={**GPIPE, "parameter_memory_host_offload": True}),
     },
 }
 

@@ -38,7 +38,7 @@ def test_every_key_of_maxtexts_base_yml_is_in_the_table_with_its_default():
     extra = [k for k, r in KEYS.items() if r.default is NOT_IN_BASE]
     assert sorted(extra) == ["enable_nnx", "pure_nnx", "pure_nnx_decoder"]
     counts = Counter(r.kind for k, r in KEYS.items() if k in values)
-    assert counts == {IGNORED: 373, REFUSED: 243, HONOURED: 131, TRANSLATED: 39}
+    assert counts == {IGNORED: 372, REFUSED: 243, HONOURED: 131, TRANSLATED: 40}
 
 
 def test_each_class_carries_what_it_needs():
@@ -71,7 +71,17 @@ def test_maxtexts_base_yml_loads_unchanged_with_maxtexts_values():
         1.0, True, "all", "maxtext")  # fmt: skip
     assert (cfg.base_output_directory, cfg.max_num_checkpoints_to_keep, cfg.sample_after_training) == ("maxtext_output", 2**40, 0)
     assert cfg.tokenizer_type == "byte"  # synthetic data without tokenizer_path: MaxText reads no tokenizer
-    assert len(report.ignored) == 373 and "profiler" in report.ignored and "use_ragged_sort" in report.ignored
+    assert len(report.ignored) == 372 and "profiler" in report.ignored and "use_ragged_sort" in report.ignored
+
+
+def test_scan_layers_per_stage_follows_maxtexts_default_in_a_pipeline():
+    """MaxText runs a stage's layers one after another unless scan_layers_per_stage=true; nnxtron
+    reads the key only with pipeline stages (its own default scans them)."""
+    stages = ["ici_pipeline_parallelism=2", "base_num_decoder_layers=4", "ici_fsdp_parallelism=1", "ici_data_parallelism=1"]
+    assert load_config_report(BASE, stages)[0].scan_layers_per_stage is False
+    assert load_config_report(BASE, [*stages, "scan_layers_per_stage=true"])[0].scan_layers_per_stage is True
+    assert load_config_report(BASE)[0].scan_layers_per_stage is True  # no pipeline: not passed, nnxtron's default
+    assert load_config(values={"ici_pipeline_parallelism": 2, "base_num_decoder_layers": 4}).scan_layers_per_stage is True
 
 
 def test_reference_command_resolves():
@@ -106,7 +116,7 @@ def test_linen_variant_is_one_line(capsys):
 def test_config_show_lists_the_ignored_keys(capsys):
     code, out, _ = run_cli(capsys, "config", "show", str(BASE), "profiler=xplane")
     assert code == 0
-    assert "# MaxText keys ignored (373;" in out and "profiler='xplane'" in out and "gcs_metrics=False" in out
+    assert "# MaxText keys ignored (372;" in out and "profiler='xplane'" in out and "gcs_metrics=False" in out
     assert "dtype: bfloat16" in out
 
 
@@ -214,6 +224,6 @@ def test_train_prints_the_ignored_keys_at_start_up(capsys, tmp_path):
     )
     assert code == 0, err
     text = out + err
-    assert "MaxText keys ignored (373; infrastructure nnxtron does not have" in text
-    assert "372 at MaxText's default values; set otherwise: profiler='xplane'" in text
+    assert "MaxText keys ignored (372; infrastructure nnxtron does not have" in text
+    assert "371 at MaxText's default values; set otherwise: profiler='xplane'" in text
     assert "profilers and compiler dumps nnxtron does not have (36):\n    " in text  # named, grouped by reason

@@ -274,7 +274,7 @@ _ignored(
 )
 _ignored(
     REMAT,
-    scan_layers_per_stage=False, indexer_cutoff_threshold='remat', moe_mlpwi_0='remat', moe_mlpwi_1='remat', moe_mlpwo='remat',
+    indexer_cutoff_threshold='remat', moe_mlpwi_0='remat', moe_mlpwi_1='remat', moe_mlpwo='remat',
     moe_x_sorted='remat', moe_routing_maps='remat', kv_proj='remat', query_wa_proj='remat', kv_wa_proj='remat', mla_q='remat',
     mla_kv='remat', attention_out='remat', engram='remat',
 )
@@ -773,6 +773,8 @@ _translated("inhomogeneous_layer_cycle_interval", 1, "inhomogeneous_layer_cycle_
             lambda v, c: {"inhomogeneous_layer_cycle_interval": v if number(v, "inhomogeneous_layer_cycle_interval") > 1 else 0})  # fmt: skip
 _translated("scan_pipeline_repeats", False, "scan_pipeline_repeats, passed only with pipeline stages (unread without: both scan or unroll the same function)",
             lambda v, c: {"scan_pipeline_repeats": v} if _pipeline_stages(c) > 1 else {})  # fmt: skip
+_translated("scan_layers_per_stage", False, "scan_layers_per_stage, passed only with pipeline stages (unread without)",
+            lambda v, c: {"scan_layers_per_stage": v} if _pipeline_stages(c) > 1 else {})  # fmt: skip
 _translated("attention", "autoselected", "attention: autoselected and flash are auto, dot_product is dot_product, cudnn_flash_te is cudnn; "
             "other kernels are refused", _attention)  # fmt: skip
 _translated("o_lora_rank", 0, "o_lora_rank; 0 (unset) keeps nnxtron's", _positive_or_nothing("o_lora_rank"))

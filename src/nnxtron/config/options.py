@@ -77,6 +77,7 @@ PIPELINE_OPTIONS_OFF: dict[str, Any] = {
     "pipeline_parallel_layers": -1,
     "scan_pipeline_iterations": True,
     "scan_pipeline_repeats": True,
+    "scan_layers_per_stage": True,
     "set_remat_policy_on_pipeline_iterations": True,
     "set_remat_policy_on_layers_per_stage": False,
     "pipeline_delay_activation_forwarding": False,

@@ -51,6 +51,7 @@ class PipelineSpec:
     delay: int = 1  # iterations per stage-to-stage hop (2 = delayed activation forwarding)
     scan_iterations: bool = True
     scan_repeats: bool = True
+    scan_stage_layers: bool = True  # a stage's blocks under lax.scan (false: a Python loop)
     remat_iterations: bool = True
     remat_layers: bool = False
     fsdp_ag_once: bool = False
@@ -162,6 +163,7 @@ def pipeline_spec(cfg: Config) -> PipelineSpec | None:
         delay=delay,
         scan_iterations=cfg.scan_pipeline_iterations,
         scan_repeats=cfg.scan_pipeline_repeats,
+        scan_stage_layers=cfg.scan_layers_per_stage,
         remat_iterations=cfg.set_remat_policy_on_pipeline_iterations,
         remat_layers=cfg.set_remat_policy_on_layers_per_stage,
         fsdp_ag_once=cfg.pipeline_fsdp_ag_once,

@@ -223,6 +223,7 @@ class Config(BaseModel):
     pipeline_parallel_layers: int = Field(ge=-1, le=MAX_COUNT)  # layers of the main stack that are pipelined (-1 = all)
     scan_pipeline_iterations: bool  # iterations of one repeat under lax.scan (false: unrolled)
     scan_pipeline_repeats: bool  # the repeats under lax.scan (false: unrolled)
+    scan_layers_per_stage: bool  # a stage's layers under lax.scan (false: a Python loop, MaxText's default)
     set_remat_policy_on_pipeline_iterations: bool  # remat_policy around each pipeline iteration
     set_remat_policy_on_layers_per_stage: bool  # remat_policy around each layer inside a stage
     pipeline_delay_activation_forwarding: bool  # a stage's output reaches the next stage one iteration later

@@ -220,12 +220,14 @@ def stage_step(graphdef: nnx.GraphDef, spec: PipelineSpec, remat: RematSpec, axi
     weights ``pipeline_weights.pick(weights, choice)`` and the state of its repeat.
 
     ``keys``: () or (each stage's dropout keys, each stage's first block index). ``unroll``:
-    the blocks in a Python loop (``scan_layers=false``), else ``_indexed_stack``. Per-iteration
+    the blocks in a Python loop (``scan_layers=false``; ``scan_layers_per_stage=false`` too),
+    else ``_indexed_stack``. Per-iteration
     remat wraps this step only: the checkpoint keeps its inputs (activations, repeat ids, the
     small non-trainable state), never the microbatch buffer, and the stage weights are
     loop-invariant."""
     layer_remat = remat if spec.remat_layers else RematSpec("none")
     lps = spec.layers_per_stage
+    unroll = unroll or not spec.scan_stage_layers  # scan_layers=false, or scan_layers_per_stage=false
 
     def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple, keys: Keys | None, first: jax.Array | None) -> tuple:
         ids = None if keys is None else first + jnp.arange(lps, dtype=jnp.int32)

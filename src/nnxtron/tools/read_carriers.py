@@ -36,6 +36,7 @@ CARRIERS: dict[str, Carrier] = {
             "delay": ("pipeline_delay_activation_forwarding",),
             "scan_iterations": ("scan_pipeline_iterations",),
             "scan_repeats": ("scan_pipeline_repeats",),
+            "scan_stage_layers": ("scan_layers_per_stage",),
             "remat_iterations": ("set_remat_policy_on_pipeline_iterations",),
             "remat_layers": ("set_remat_policy_on_layers_per_stage",),
             "fsdp_ag_once": ("pipeline_fsdp_ag_once",),
