@@ -29,6 +29,7 @@ from typing import Any
 from tests.flags.read_sites_not_proven import NOT_PROVEN
 
 ENV = "NNXTRON_READ_COVERAGE_DIR"  # the directory the cases of this session write to (set by the controller)
+OFF = "off"  # NNXTRON_READ_COVERAGE_DIR=off: no tracing, no verdict (to time the matrix without it)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,7 +63,7 @@ class Recorder:
     def __init__(self, key: str):
         self.lines = sites_by_key().get(key, {})
         self.hit: set[str] = set()
-        self.traced = sys.gettrace() is None
+        self.traced = sys.gettrace() is None and os.environ.get(ENV) != OFF
         self.active = False
         self._spans: dict[CodeType, bool] = {}
 
@@ -86,8 +87,6 @@ class Recorder:
     def __enter__(self) -> Recorder:
         self.active = self.traced and bool(self.lines)
         if self.active:
-            for cached in _package_caches():  # a read behind a cache filled by an earlier (untraced) config runs again
-                cached.cache_clear()
             threading.settrace(self._global)
             sys.settrace(self._global)
         return self
@@ -98,19 +97,10 @@ class Recorder:
             threading.settrace(None)  # type: ignore[arg-type]
 
 
-def _package_caches() -> list:
-    """The ``functools`` caches of the package's modules loaded so far (module-level functions)."""
-    found = []
-    for name, module in list(sys.modules.items()):
-        if name.split(".")[0] == "nnxtron" and module is not None:
-            found += [v for v in vars(module).values() if hasattr(v, "cache_clear") and getattr(v, "__module__", None) == name]
-    return found
-
-
 def save(case: str, key: str, hit: set[str], cases: int, traced: bool) -> None:
     """Append one case's record (this process's file in the session's directory)."""
     directory = os.environ.get(ENV)
-    if not directory:
+    if not directory or directory == OFF:
         return
     record = {"case": case, "key": key, "hit": sorted(hit), "cases": cases, "traced": traced}
     with open(Path(directory) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl", "a") as out:
@@ -157,7 +147,7 @@ def configure(config) -> None:
 def finish(session) -> None:
     """In the controller: when every case of the matrix ran, traced, fail the session on
     :func:`report`'s problems (printed)."""
-    if hasattr(session.config, "workerinput") or not os.environ.get(ENV):
+    if hasattr(session.config, "workerinput") or os.environ.get(ENV, OFF) == OFF:
         return
     records = load(Path(os.environ[ENV]))
     if not records or len({r["case"] for r in records}) != records[0]["cases"] or not all(r["traced"] for r in records):
