@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import sys
 import threading
 from collections import defaultdict
@@ -41,18 +42,13 @@ def _sites() -> tuple:
     return tuple(s for s in read_sites() if s.key != "*")
 
 
-_BY_KEY: dict[str, dict[str, dict[int, set[str]]]] | None = None
-
-
+@functools.cache
 def sites_by_key() -> dict[str, dict[str, dict[int, set[str]]]]:
     """key -> absolute file -> line -> the ids of that key's read sites on the line."""
-    global _BY_KEY
-    if _BY_KEY is None:
-        table: dict[str, dict[str, dict[int, set[str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(set)))
-        for site in _sites():
-            table[site.key][str(ROOT / site.file)][site.line].add(site.id)
-        _BY_KEY = table
-    return _BY_KEY
+    table: dict[str, dict[str, dict[int, set[str]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(set)))
+    for site in _sites():
+        table[site.key][str(ROOT / site.file)][site.line].add(site.id)
+    return table
 
 
 class Recorder:
@@ -149,7 +145,9 @@ def finish(session) -> None:
     :func:`report`'s problems (printed)."""
     if hasattr(session.config, "workerinput") or os.environ.get(ENV, OFF) == OFF:
         return
-    records = load(Path(os.environ[ENV]))
+    directory = Path(os.environ[ENV])
+    records = load(directory)
+    shutil.rmtree(directory, ignore_errors=True)  # the controller made it (configure); nothing reads it later
     if not records or len({r["case"] for r in records}) != records[0]["cases"] or not all(r["traced"] for r in records):
         return  # a part of the matrix ran (or under another tracer): nothing to judge
     problems = report(records)
