@@ -1,7 +1,7 @@
 """MFU of a llama-style model's train step on one accelerator, GPU or TPU.
 
     python benchmarks/accelerator_mfu.py [--model NAME] [--batch N] [--seq 2048] [--remat POLICY]
-                                         [--steps 10] [--set key=value ...] [--fused-backward] [--out FILE|-]
+                                         [--steps 10] [--set key=value ...] [--two-kernel-backward] [--out FILE|-]
 
 Models (bfloat16 activations, float32 master weights, synthetic data, one device, tied
 embeddings, heads of 64):
@@ -9,19 +9,22 @@ embeddings, heads of 64):
 * ``llama1b`` (the default on a GPU): Llama 3.2 1B's shape, emb 2048, 16 layers, 32 query /
   8 key-value heads, MLP 8192, vocab 128256; batch 8, ``remat_policy=none``; target >= 50%.
 * ``llama552m`` (the default on a TPU): emb 2048, 8 layers, 32 / 8 heads, MLP 8192, vocab
-  32000 (issue 46's model, which fits one v5e chip); batch 4, ``remat_policy=minimal_with_context``
-  (the best policy measured there: benchmarks/results/tpu_mfu-TPU_v5_lite.json); target >= 55%.
+  32000 (issue 46's model, which fits one v5e chip); batch 4, ``scan_layers=false
+  remat_policy=none`` (the best measured there: benchmarks/results/tpu_mfu-TPU_v5_lite.json;
+  unrolled, nothing is recomputed and XLA's temporaries are 5.2 GB, against 19 GB scanned); target >= 55%.
 * ``mixtral_style``: Mixtral's block (8 experts, top-2 softmax) at emb 2048, 8 layers, 32 / 8
   heads, experts of 1024, vocab 32000, untied (618M parameters, 16 bytes each with Adam: what
-  fits one v5e chip); batch 4, ``remat_policy=full``; target >= 40%.
+  fits one v5e chip); batch 4, ``remat_policy=minimal_with_context``; target >= 40%.
 * ``deepseek3_style``: DeepSeek-V3's block (MLA with kv rank 512, 16 heads, 64 routed experts
   top-6 + 1 shared, sigmoid routing with correction bias) at emb 2048, 4 layers (1 dense of
   MLP 4096, 3 MoE with experts of 256), vocab 32000 (~510M parameters); batch 4, ``full``; target >= 30%.
+  Both MoE models run unrolled (``scan_layers=false``), the faster layout on the chip.
 
 MoE MFU counts the FLOPs of the routed experts each token visits (top-k), not all experts.
 The routed tokens go through ``grouped_matmul=auto`` (``ragged_dot`` on a TPU: 116 TFLOP/s on
 the chip, equal to Pallas megablox ``gmm``; benchmarks/results/tpu_mfu-TPU_v5_lite.json).
-``--fused-backward`` turns on the splash kernel's one-kernel backward (``layers.splash.FUSED_BACKWARD``).
+The splash kernel's backward is the library's (one kernel, ``layers.splash.FUSED_BACKWARD``);
+``--two-kernel-backward`` measures the two-kernel one it replaced.
 
 It runs ``nnxtron bench`` (the Trainer's own step) and reports tokens/s and MFU against the
 device's dense bf16 peak (``nnxtron.runtime.peak.KNOWN_PEAK_TFLOPS``, or ``--set
@@ -42,11 +45,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 COMMON = [
     "model_name=default", "decoder_block=llama2", "base_emb_dim=2048", "base_num_query_heads=32", "base_num_kv_heads=8",
     "head_dim=64", "base_mlp_dim=8192", "logits_via_embedding=true", "rope_max_timescale=500000",
-    "dtype=bfloat16", "weight_dtype=float32", "dataset_type=synthetic", "scan_layers=true", "ici_fsdp_parallelism=1",
+    "dtype=bfloat16", "weight_dtype=float32", "dataset_type=synthetic", "ici_fsdp_parallelism=1",
 ]  # fmt: skip
-LLAMA_1B = [*COMMON, "base_num_decoder_layers=16", "vocab_size=128256", "normalization_layer_epsilon=1e-5"]
-LLAMA_552M = [*COMMON, "base_num_decoder_layers=8", "vocab_size=32000"]
-MOE_COMMON = ["dtype=bfloat16", "weight_dtype=float32", "dataset_type=synthetic", "scan_layers=true", "vocab_size=32000"]
+LLAMA_1B = [*COMMON, "base_num_decoder_layers=16", "vocab_size=128256", "normalization_layer_epsilon=1e-5", "scan_layers=true"]
+LLAMA_552M = [*COMMON, "base_num_decoder_layers=8", "vocab_size=32000", "scan_layers=false"]
+MOE_COMMON = ["dtype=bfloat16", "weight_dtype=float32", "dataset_type=synthetic", "scan_layers=false", "vocab_size=32000"]
 MIXTRAL_STYLE = [
     "model_name=mixtral-8x7b", *MOE_COMMON, "base_emb_dim=2048", "base_num_query_heads=32", "base_num_kv_heads=8",
     "head_dim=64", "base_mlp_dim=1024", "base_moe_mlp_dim=1024", "base_num_decoder_layers=8",
@@ -58,8 +61,8 @@ DEEPSEEK3_STYLE = [
 ]  # fmt: skip
 MODELS = {  # name: (overrides, default batch, default remat policy)
     "llama1b": (LLAMA_1B, 8, "none"),
-    "llama552m": (LLAMA_552M, 4, "minimal_with_context"),
-    "mixtral_style": (MIXTRAL_STYLE, 4, "full"),
+    "llama552m": (LLAMA_552M, 4, "none"),
+    "mixtral_style": (MIXTRAL_STYLE, 4, "minimal_with_context"),
     "deepseek3_style": (DEEPSEEK3_STYLE, 4, "full"),
 }
 DEFAULT_MODEL = {"gpu": "llama1b", "tpu": "llama552m"}
@@ -82,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--remat", default=None, help="remat_policy (default: the model's)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config override")
-    parser.add_argument("--fused-backward", action="store_true", help="the splash kernel's one-kernel backward")
+    parser.add_argument(
+        "--two-kernel-backward", action="store_true", help="the splash kernel's two-kernel backward (default: one kernel)"
+    )
     parser.add_argument(
         "--out", default=None, help="JSON result file (default benchmarks/results/accelerator_mfu-<device>.json; '-' = none)"
     )
@@ -99,8 +104,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from nnxtron.layers import splash
     from nnxtron.tools.bench import run_bench
 
-    splash.FUSED_BACKWARD = args.fused_backward
-    result = {**run_bench(None, overrides(args, backend), steps=args.steps), "fused_backward": args.fused_backward}
+    if args.two_kernel_backward:
+        splash.FUSED_BACKWARD = False
+    result = {**run_bench(None, overrides(args, backend), steps=args.steps), "fused_backward": splash.FUSED_BACKWARD}
     print(json.dumps(result, indent=1))
     if args.out != "-":
         device = result["device_kind"].replace(" ", "_") or backend

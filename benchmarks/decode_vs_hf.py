@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nnxtron.convert.hf import from_hf
-from nnxtron.infer.decode import generate
+from nnxtron.infer.generate import generate
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "assets" / "golden"
 

@@ -41,8 +41,8 @@ import uvicorn
 
 from nnxtron.convert.hf import from_hf
 from nnxtron.data.tokenizer import ByteTokenizer
-from nnxtron.infer.decode import generate
 from nnxtron.infer.engine import Engine, SamplingParams, TokenEvent
+from nnxtron.infer.generate import generate
 from nnxtron.infer.paging import Paging
 from nnxtron.serve.app import create_app
 from nnxtron.serve.sequences import ServeState

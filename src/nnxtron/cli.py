@@ -222,7 +222,7 @@ def _sample(model, cfg, max_new_tokens: int, template=None):
     tokenizer's ``decode`` joins prompt and completion."""
     from nnxtron.data.detokenize import TextStream
     from nnxtron.data.sources import tokenizer_for
-    from nnxtron.infer.decode import generate
+    from nnxtron.infer.generate import generate
 
     tokenizer = tokenizer_for(cfg)
     if template is not None:

@@ -15,7 +15,7 @@ import yaml
 from nnxtron.config import load_config
 from nnxtron.convert.hf import to_hf
 from nnxtron.convert.runs import load_model
-from nnxtron.infer.decode import generate
+from nnxtron.infer.generate import generate
 from nnxtron.models.build import build_model
 from nnxtron.serve.server import ServeOptions, load, make_engine
 from tests.integration.conftest import PARAGRAPH, assert_user_error, run_cli, train_overrides

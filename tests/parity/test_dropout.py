@@ -28,7 +28,7 @@ from flax import nnx
 from nnxtron.config import derive, load_config
 from nnxtron.config.stacks import built_stacks
 from nnxtron.errors import ConfigError
-from nnxtron.infer.decode import generate
+from nnxtron.infer.generate import generate
 from nnxtron.layers import dropout
 from nnxtron.models.build import build_model
 from nnxtron.models.mtp import MultiTokenPrediction

@@ -16,8 +16,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from nnxtron.convert.hf import from_hf
-from nnxtron.infer.decode import generate
 from nnxtron.infer.engine import Engine, QueueFull, SamplingParams, TokenEvent
+from nnxtron.infer.generate import generate
 from nnxtron.infer.paging import Paging
 from nnxtron.models.build import build_model
 from tests.conftest import tiny_config

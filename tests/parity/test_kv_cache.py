@@ -17,7 +17,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from nnxtron.convert.hf import from_hf
-from nnxtron.infer.decode import decode, generate, prompt_batch, unrolled, with_caches
+from nnxtron.infer.decode import CachedModel, decode, prompt_batch, sampler, unrolled, with_caches
+from nnxtron.infer.generate import generate
 from nnxtron.infer.sample import generate_tokens
 from nnxtron.models.build import build_model
 from nnxtron.params import flatten
@@ -146,6 +147,52 @@ def test_stop_tokens_end_each_row_separately():
     assert all(s[0] is None for s in steps[first_stop[0] + 1 :])
     if first_stop[1] is None:
         assert [s[1] for s in steps] == list(free[: len(steps), 1])
+
+
+@pytest.mark.parametrize("strategy, per_call", [("greedy", 3), ("nucleus", 3), ("weighted", 1)])
+def test_generate_on_the_device_draws_the_host_loops_tokens(strategy, per_call):
+    """``generate`` samples on the device, ``per_call`` tokens per call: the same tokens, the
+    same stops, as the host loop (``decode`` with the config's ``sampler``), across call
+    boundaries (11 tokens = 3 + 3 + 3 + 2), with a stop token that ends one row early."""
+    cfg = tiny_config("llama3.1-tiny", decode_sampling_strategy=strategy, decode_sampling_temperature=0.7)
+    model = build_model(cfg)
+    prompts = [list(_tokens(cfg, 1, seed=6)[0, :9]), list(_tokens(cfg, 1, seed=7)[0, :4])]
+    free = [tokens for tokens, _ in decode(model, prompts, 11, sampler(cfg))]
+    stop = int(free[4][1])  # row 1's fifth token
+    on_host = [
+        [None if d else int(t) for t, d in zip(tokens, done)]
+        for tokens, done in decode(model, prompts, 11, sampler(cfg), (stop,))
+    ]
+    on_device = list(generate(model, prompts, cfg, 11, (stop,), tokens_per_call=per_call))
+    assert on_device == on_host and on_device[5][1] is None
+
+
+def test_generate_calls_the_device_once_per_chunk(monkeypatch):
+    """One prefill, then one call per ``tokens_per_call`` tokens (10 = 4 + 4 + 2): the
+    per-token step never goes through the host."""
+    import nnxtron.infer.generate as module
+
+    calls = {"step": 0, "chunk": 0}
+    real_step, real_chunk = CachedModel.step, module.jitted_chunk
+
+    def step(self, *args):
+        calls["step"] += 1
+        return real_step(self, *args)
+
+    def chunk(*key):
+        run = real_chunk(*key)
+
+        def counted(*args):
+            calls["chunk"] += 1
+            return run(*args)
+
+        return counted
+
+    monkeypatch.setattr(CachedModel, "step", step)
+    monkeypatch.setattr(module, "jitted_chunk", chunk)
+    cfg = tiny_config("llama3.1-tiny", decode_sampling_strategy="greedy")
+    steps = list(generate(build_model(cfg), [[5, 6, 7]], cfg, 10, tokens_per_call=4))
+    assert len(steps) == 10 and calls == {"step": 1, "chunk": 3}
 
 
 @pytest.mark.parametrize("case", CASES)

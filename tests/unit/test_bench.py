@@ -121,3 +121,4 @@ def test_decode_bench_reports_prefill_and_decode_throughput():
     assert (result["decode_batch"], result["prompt_length"], result["new_tokens"]) == (2, 16, 4)
     assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
     assert result["prefill_seconds"] > 0 and result["decode_compile_seconds"] > 0 and result["params"] > 0
+    assert result["generate_tokens_per_s"] == pytest.approx(2 / result["generate_token_seconds"])  # generate's device loop

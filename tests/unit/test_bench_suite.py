@@ -67,16 +67,16 @@ def test_render_formats_ratios_with_their_names():
 
 
 @pytest.mark.parametrize(
-    "backend, count, batch, remat", [("gpu", 1_235_814_400, 8, "none"), ("tpu", 552_110_080, 4, "minimal_with_context")]
+    "backend, count, batch, remat, scanned", [("gpu", 1_235_814_400, 8, "none", True), ("tpu", 552_110_080, 4, "none", False)]
 )
-def test_accelerator_mfu_models_and_it_refuses_a_cpu(backend, count, batch, remat):
+def test_accelerator_mfu_models_and_it_refuses_a_cpu(backend, count, batch, remat, scanned):
     """Llama 3.2 1B (tied) on a GPU; issue 46's 552M model on a TPU (its count as the chip reported it)."""
     mfu = load_script("benchmarks/accelerator_mfu.py")
     cfg = load_config(None, mfu.overrides(mfu.build_parser().parse_args([]), backend))
     params = jax.eval_shape(lambda: nnx.state(build_model(cfg), nnx.Param))
     assert sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params)) == count
     assert (cfg.dtype, cfg.weight_dtype, cfg.dataset_type) == ("bfloat16", "float32", "synthetic")
-    assert (cfg.per_device_batch_size, cfg.remat_policy) == (batch, remat)
+    assert (cfg.per_device_batch_size, cfg.remat_policy, cfg.scan_layers) == (batch, remat, scanned)
     if jax.default_backend() == "cpu":
         with pytest.raises(SystemExit, match="measures a GPU or a TPU"):
             mfu.main(["--out", "-"])

@@ -1,10 +1,11 @@
-"""KV-cached decoding: jitted prefill and decode steps over split state, batch generation.
+"""KV-cached decoding: jitted prefill and decode steps over split state, the host loop.
 
 ``with_caches`` attaches caches to a copy of the model (``infer.cache.attach_caches``) and
 splits it once into parameters, other state and caches (``CachedModel``); one jitted step
 runs a chunk of tokens — the whole (bucketed) prompt for prefill, one token per row for
-decode — and returns its logits and the new caches (donated). ``decode`` is the loop,
-``generate`` the loop with the config's sampler. Rows may have prompts of different
+decode — and returns its logits and the new caches (donated). ``decode`` is the loop on
+the host with any chooser (one call per token); ``infer.generate`` runs it on the device
+with the config's sampler, several tokens per call. Rows may have prompts of different
 lengths: prompts are right-padded, padding carries segment id 0 (never cached, never
 attended to) and each row decodes from its own position.
 """
@@ -24,7 +25,7 @@ from nnxtron.config.schema import Config
 from nnxtron.config.stacks import layer_counts, unsplit_stacks
 from nnxtron.errors import UserError
 from nnxtron.infer.cache import attach_caches
-from nnxtron.infer.sample import sample_logits
+from nnxtron.infer.sample import sampling as config_sampling
 from nnxtron.layers.kv_cache import CacheEntry
 from nnxtron.models.build import abstract_model
 from nnxtron.params import flatten, flatten_with_treedef, rename_stacks, unstack_layers
@@ -122,13 +123,12 @@ def prompt_batch(prompts: Sequence[Sequence[int]], length: int) -> dict[str, np.
 Chooser = Callable[[np.ndarray], np.ndarray]  # float32 logits [B, V] of each row's last token -> token ids [B]
 
 
-def decode(
-    model: nnx.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser, stop_ids: Sequence[int] = ()
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The decoding loop: prefill the prompts (one bucketed, right-padded call), then per
-    step ``choose`` each row's next token from its last logits and feed it back at the
-    row's own position. Yields ``(tokens [B], done [B])`` per step (``done``: the row had
-    already stopped before this token; a row stops after a token in ``stop_ids``)."""
+def prefill(
+    model: nnx.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> tuple[CachedModel, dict, jax.Array, np.ndarray]:
+    """Caches for ``prompts`` + ``max_new_tokens`` filled with the prompts (one bucketed,
+    right-padded call): ``(cached model, caches, each row's last logits [B, V] on the device,
+    prompt lengths)``."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("every prompt must contain at least one token")
     longest = max(len(p) for p in prompts)
@@ -136,10 +136,22 @@ def decode(
     batch = prompt_batch(prompts, min(bucket(longest), cached.max_length))
     logits, caches = cached.step(cached.caches, *(jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")))
     lengths = np.array([len(p) for p in prompts], np.int32)
-    last = np.asarray(logits)[np.arange(len(prompts)), lengths - 1]
+    return cached, caches, logits[np.arange(len(prompts)), lengths - 1], lengths
+
+
+def decode(
+    model: nnx.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser, stop_ids: Sequence[int] = ()
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The decoding loop on the host, one call per token: prefill the prompts, then per
+    step ``choose`` each row's next token from its last logits and feed it back at the
+    row's own position. Yields ``(tokens [B], done [B])`` per step (``done``: the row had
+    already stopped before this token; a row stops after a token in ``stop_ids``).
+    ``infer.generate`` runs the same loop on the device, several tokens per call."""
+    cached, caches, last, lengths = prefill(model, prompts, max_new_tokens)
+    last = np.asarray(last)
     done = np.zeros(len(prompts), bool)
     for i in range(max_new_tokens):
-        check_logits(last[~done], i, model.config.dtype)
+        check_logits(last, ~done, i, model.config.dtype)
         tokens = np.asarray(choose(last)).astype(np.int32)
         yield tokens, done.copy()
         done |= np.isin(tokens, list(stop_ids))
@@ -155,45 +167,41 @@ class DegenerateLogits(UserError):
     """The model's next-token logits cannot be sampled: not finite, or all equal."""
 
 
-def check_logits(logits: np.ndarray, index: int, dtype: str) -> None:
-    """One line when some row of ``logits [B, V]`` (new token ``index``, 0-based) holds NaN or
-    Inf, or the same value for every token: sampling that row would return token 0 (argmax
-    of NaN, or of a tie) over and over, as from weights so large that the activations
-    overflow (the norms then scale them to 0 or NaN)."""
-    if logits.size == 0:
-        return
+def logit_faults(logits: jax.Array, live: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Of the ``live`` rows of ``logits [B, V]``: (some value is NaN or Inf, some row holds
+    one value for every token, that value in the first such row). Runs on the device too."""
+    nonfinite = jnp.any(~jnp.isfinite(logits) & live[:, None])
+    flat = (logits.max(axis=-1) == logits.min(axis=-1)) & live
+    return nonfinite, flat.any(), logits[jnp.argmax(flat), 0]
+
+
+def raise_degenerate(nonfinite: bool, flat: bool, value: float, vocab: int, index: int, dtype: str) -> None:
+    """One line when ``logit_faults`` found a fault before new token ``index`` (0-based):
+    sampling such a row would return token 0 (argmax of NaN, or of a tie) over and over, as
+    from weights so large that the activations overflow (the norms then scale them to 0 or NaN)."""
     what = f"the model's logits for new token {index + 1}"
     fix = f"its weights or activations overflow {dtype} (a diverged or damaged checkpoint?); a sample would be meaningless"
-    if not np.isfinite(logits).all():
+    if nonfinite:
         raise DegenerateLogits(f"{what} are not finite (NaN or Inf): {fix}")
-    flat = logits.max(axis=-1) == logits.min(axis=-1)
-    if flat.any():
-        value = float(logits[np.argmax(flat), 0])
-        raise DegenerateLogits(f"{what} are all equal ({value:g} for each of the {logits.shape[-1]} tokens): {fix}")
+    if flat:
+        raise DegenerateLogits(f"{what} are all equal ({value:g} for each of the {vocab} tokens): {fix}")
+
+
+def check_logits(logits: np.ndarray, live: np.ndarray, index: int, dtype: str) -> None:
+    """``raise_degenerate`` for the ``live`` rows of ``logits [B, V]`` on the host."""
+    nonfinite, flat, value = logit_faults(jnp.asarray(logits), jnp.asarray(live))
+    raise_degenerate(bool(nonfinite), bool(flat), float(value), logits.shape[-1], index, dtype)
 
 
 def sampler(cfg: Config) -> Chooser:
-    """``cfg.decode_sampling_*`` as a chooser: a fresh key per step from ``decode_sampling_seed``."""
-    key = jax.random.key(cfg.decode_sampling_seed)
-    options = (
-        cfg.decode_sampling_strategy,
-        cfg.decode_sampling_temperature,
-        cfg.decode_sampling_top_k,
-        cfg.decode_sampling_nucleus_p,
-    )
+    """``cfg.decode_sampling_*`` (``infer.sample.sampling``) as a host chooser: a fresh key
+    per step, the sequence ``infer.generate`` draws on the device."""
+    sampling = config_sampling(cfg)
+    key = sampling.first_key()
 
     def choose(logits: np.ndarray) -> np.ndarray:
         nonlocal key
-        key, sub = jax.random.split(key)
-        return np.asarray(sample_logits(jnp.asarray(logits), sub, *options))
+        key, tokens = sampling.draw(key, jnp.asarray(logits))
+        return np.asarray(tokens)
 
     return choose
-
-
-def generate(
-    model: nnx.Module, prompts: Sequence[Sequence[int]], cfg: Config, max_new_tokens: int, stop_ids: Sequence[int] = ()
-) -> Iterator[list[int | None]]:
-    """Yield one list per decoding step: each row's new token, or None once the row has
-    stopped (a stop token, or ``max_new_tokens``). Sampling follows ``cfg.decode_sampling_*``."""
-    for tokens, done in decode(model, prompts, max_new_tokens, sampler(cfg), stop_ids):
-        yield [None if d else int(t) for t, d in zip(tokens, done)]

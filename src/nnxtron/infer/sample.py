@@ -9,6 +9,7 @@ prompt-length bucket): exact but O(n^2), kept as the reference that KV-cached de
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,38 @@ def sample_logits(logits: jax.Array, key: jax.Array, strategy: str, temperature:
     return jax.random.categorical(key, logits, axis=-1)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """A config's ``decode_sampling_*``: each new token is drawn with a fresh key split from
+    ``seed``'s, the same sequence on the host (``infer.decode.sampler``) and on the device
+    (``infer.generate``). Hashable: a jitted decoding loop is compiled per sampling."""
+
+    strategy: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+    def first_key(self) -> jax.Array:
+        return jax.random.key(self.seed)
+
+    def draw(self, key: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(the next key, one token id per row of ``logits [B, V]``)."""
+        key, sub = jax.random.split(key)
+        return key, sample_logits(logits, sub, self.strategy, self.temperature, self.top_k, self.top_p)
+
+
+def sampling(cfg: Config) -> Sampling:
+    """``cfg.decode_sampling_*``: the one place decoding reads them."""
+    return Sampling(
+        cfg.decode_sampling_strategy,
+        cfg.decode_sampling_temperature,
+        cfg.decode_sampling_top_k,
+        cfg.decode_sampling_nucleus_p,
+        cfg.decode_sampling_seed,
+    )
+
+
 def generate_tokens(
     model: nnx.Module, prompt_ids: list[int], cfg: Config, max_new_tokens: int, stop_ids: tuple[int, ...] = ()
 ) -> Iterator[int]:
@@ -48,21 +81,19 @@ def generate_tokens(
     total = len(prompt_ids) + max_new_tokens
     length = 1 << (total - 1).bit_length()  # bucket: a power of two >= total
     graphdef, state = nnx.split(model)
+    draw = sampling(cfg).draw
 
     @jax.jit
     def next_token(state, tokens, position, key):
         logits = nnx.merge(graphdef, state)(tokens).logits  # causal: padding after `position` is ignored
-        return sample_logits(
-            logits[:, position], key, cfg.decode_sampling_strategy, cfg.decode_sampling_temperature,
-            cfg.decode_sampling_top_k, cfg.decode_sampling_nucleus_p,
-        )  # fmt: skip
+        return draw(key, logits[:, position])
 
     tokens = np.zeros((1, length), np.int32)
     tokens[0, : len(prompt_ids)] = prompt_ids
-    key = jax.random.key(cfg.decode_sampling_seed)
+    key = sampling(cfg).first_key()
     for position in range(len(prompt_ids) - 1, total - 1):
-        key, sub = jax.random.split(key)
-        token = int(next_token(state, jnp.asarray(tokens), position, sub)[0])
+        key, chosen = next_token(state, jnp.asarray(tokens), position, key)
+        token = int(chosen[0])
         tokens[0, position + 1] = token
         yield token
         if token in stop_ids:

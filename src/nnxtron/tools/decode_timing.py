@@ -2,7 +2,9 @@
 
 Used by ``nnxtron bench --decode`` and ``benchmarks/decode_vs_hf.py``. Compilation is
 timed separately (the first call of each shape); then ``repeats`` prefills of the whole
-batch and ``new_tokens`` decode steps are timed, each waited for.
+batch and ``new_tokens`` decode steps are timed, each waited for (the host loop,
+``infer.decode.decode``), and, without paging, ``repeats`` runs of ``new_tokens`` tokens
+in one call of the device loop that ``generate`` runs (``infer.generate``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.infer.decode import prompt_batch, with_caches
+from nnxtron.infer.generate import TOKENS_PER_CALL, device_calls
 from nnxtron.infer.paging import PagedLayout, Paging
+from nnxtron.infer.sample import sampling
 
 
 def _timed(fn, *args) -> tuple[Any, float]:
@@ -71,6 +75,7 @@ def time_decoding(
         decode_times.append(seconds)
     decode_compile, steady = decode_times[0], decode_times[1:] or decode_times
     prefill_seconds, decode_seconds = statistics.median(prefill), statistics.median(steady)
+    on_device = {} if paging is not None else _time_device_loop(cached, step, fresh, inputs, sampling(cfg), new_tokens, repeats)
     return {
         "decode_batch": batch,
         "prompt_length": prompt_length,
@@ -81,4 +86,27 @@ def time_decoding(
         "prefill_tokens_per_s": batch * prompt_length / prefill_seconds,
         "decode_step_seconds": decode_seconds,
         "decode_tokens_per_s": batch / decode_seconds,
+        **on_device,
+    }
+
+
+def _time_device_loop(cached, step, fresh, inputs, draw, new_tokens: int, repeats: int) -> dict:
+    """Seconds per token of ``generate``'s device loop (``infer.generate.device_calls``) after a
+    fresh prefill: ``new_tokens`` tokens in calls of ``TOKENS_PER_CALL`` (the first run compiles)."""
+    batch, length = inputs[0].shape
+
+    def run() -> float:
+        logits, caches = jax.block_until_ready(step(fresh(), *inputs))
+        start = time.perf_counter()
+        positions = jnp.full((batch,), length, jnp.int32)
+        calls = device_calls(cached, caches, logits[:, -1], positions, draw, (), new_tokens, TOKENS_PER_CALL)
+        assert sum(ran for _, _, ran, _, _ in calls) == new_tokens, "the device loop stopped early"
+        return time.perf_counter() - start
+
+    compile_seconds = run()
+    seconds = statistics.median([run() for _ in range(repeats)]) / new_tokens
+    return {
+        "generate_compile_seconds": compile_seconds,
+        "generate_token_seconds": seconds,
+        "generate_tokens_per_s": batch / seconds,
     }
