@@ -87,7 +87,6 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/config/pipeline_layout.py", "_prefix_layers", "first_num_hash_layers"): BACKLOG,
     ("src/nnxtron/config/pipeline_layout.py", "_prefix_layers", "num_experts"): BACKLOG,
     ("src/nnxtron/config/pipeline_layout.py", "layout_at_defaults", "num_layers_per_pipeline_stage"): BACKLOG,
-    ("src/nnxtron/config/pipeline_layout.py", "layout_at_defaults", "num_pipeline_repeats"): BACKLOG,
     ("src/nnxtron/config/pipeline_layout.py", "layout_at_defaults", "pipeline_parallel_layers"): BACKLOG,
     ("src/nnxtron/config/pipeline_layout.py", "too_few_cycles", "base_num_decoder_layers"): BACKLOG,
     ("src/nnxtron/config/pipeline_layout.py", "too_few_cycles", "compress_ratios"): BACKLOG,

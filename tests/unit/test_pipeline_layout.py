@@ -109,14 +109,24 @@ def test_fewer_cycles_than_stages_is_one_clear_error(model, values, stages, mess
         ({"num_layers_per_pipeline_stage": 2}, "num_layers_per_pipeline_stage=2 is not a whole number of the 4-layer blocks"),
         ({"pipeline_parallel_layers": 4}, "num_layers_per_pipeline_stage=1 is not a whole number of the 4-layer blocks"),
         ({"num_layers_per_pipeline_stage": 4, "base_num_decoder_layers": 12}, "12 pipelined layers do not divide into 2"),
-        ({"num_pipeline_repeats": 2}, "num_layers_per_pipeline_stage=1 is not a whole number"),
+        ({"num_pipeline_repeats": 2}, r"num_pipeline_repeats=2 but 8 pipelined layers / \(2 stages x 4 layers per stage\) = 1"),
     ],
 )
 def test_explicit_layout_keys_stay_authoritative(values, message):
     """Any layout key set (to a value other than its default) means no automatic choice:
-    today's errors, not a silent fix."""
+    today's errors, not a silent fix. ``num_pipeline_repeats`` is a check of the layout,
+    chosen or not: a wrong value is refused with the layout's own numbers."""
     with pytest.raises(ConfigError, match=message):
         _cfg("llama4-tiny", 2, **values)
+
+
+def test_num_pipeline_repeats_equal_to_the_chosen_repeats_keeps_the_automatic_layout():
+    """Setting ``num_pipeline_repeats`` to the repeats the automatic layout derives (a check)
+    keeps that layout; it used to switch the choice off and refuse the config over
+    ``num_layers_per_pipeline_stage=1``, a key the user never set."""
+    auto = pipeline_spec(_cfg("gemma3-tiny", 2, base_num_decoder_layers=24))
+    spec = pipeline_spec(_cfg("gemma3-tiny", 2, base_num_decoder_layers=24, num_pipeline_repeats=auto.repeats))
+    assert auto.repeats == 2 and (spec.repeats, spec.layers_per_stage, spec.blocks) == (2, auto.layers_per_stage, auto.blocks)
 
 
 def test_explicit_valid_layout_is_used_as_given():

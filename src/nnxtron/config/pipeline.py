@@ -139,7 +139,7 @@ def pipeline_spec(cfg: Config) -> PipelineSpec | None:
     if cfg.num_pipeline_repeats not in (-1, repeats):
         raise ConfigError(
             f"num_pipeline_repeats={cfg.num_pipeline_repeats} but {layers} pipelined layers / ({stages} stages x "
-            f"{cfg.num_layers_per_pipeline_stage} layers per stage) = {repeats}; set it to -1 or change "
+            f"{layers_per_stage} layers per stage) = {repeats}; set it to -1 or change "
             "num_layers_per_pipeline_stage"
         )
     delay = 2 if cfg.pipeline_delay_activation_forwarding else 1

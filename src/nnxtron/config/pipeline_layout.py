@@ -1,7 +1,8 @@
 """How much of the main stack a pipeline runs, and in what steps: as configured, or chosen.
 
-The layout keys are ``num_layers_per_pipeline_stage``, ``pipeline_parallel_layers`` and
-``num_pipeline_repeats``. Set explicitly, they are the layout (``config/pipeline.py``
+The layout keys are ``num_layers_per_pipeline_stage`` and ``pipeline_parallel_layers``
+(``num_pipeline_repeats`` is a check of the layout, not a choice: any layout's repeats must
+equal it unless it is -1). Set explicitly, they are the layout (``config/pipeline.py``
 checks them and says what is wrong). Left at their base.yml defaults (``PIPELINE_OPTIONS_OFF``)
 for a main stack of cycle blocks (Gemma 3, Llama 4, DeepSeek-V4: a block is one cycle
 of several layers, ``config/layout.py``), the defaults would name an impossible layout
@@ -32,7 +33,7 @@ from nnxtron.errors import ConfigError
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
 
-LAYOUT_KEYS = ("num_layers_per_pipeline_stage", "pipeline_parallel_layers", "num_pipeline_repeats")
+LAYOUT_KEYS = ("num_layers_per_pipeline_stage", "pipeline_parallel_layers")
 
 
 @dataclass(frozen=True)
