@@ -163,12 +163,14 @@ def _train_command(ns: argparse.Namespace) -> int:
                 f"max_position_embeddings={cfg.max_position_embeddings}; sample fewer tokens"
             )
         try:
-            tokenizer_for(cfg)
+            prompt = _prompt_ids(cfg, tokenizer_for(cfg))
             if cfg.init_from and is_hf_directory(cfg.init_from):  # synthetic data: checked here only, for the sample
                 check_tokenizer(cfg.init_from, given)
         except (ConfigError, CheckpointError) as err:  # the model's ids are not this tokenizer's: training on ids still works
             notes = [*notes, f"no sample after training: {err} (sample_after_training=0 drops this note)"]
             sample = 0
+        else:
+            _check_room(prompt, sample, cfg, "sample_after_training")
     interrupt.stop_if_interrupted()  # a Ctrl-C during the imports above (``handle`` raises it once they are done)
     loader = init_params(cfg)
     joined = initialize(ns.coordinator_address, ns.num_processes, ns.process_id, ns.distributed, ns.peer_timeout, ns.init_timeout)
@@ -225,22 +227,32 @@ def _sample(model, cfg, max_new_tokens: int, template=None):
     from nnxtron.infer.generate import generate
 
     tokenizer = tokenizer_for(cfg)
+    prompt = _prompt_ids(cfg, tokenizer, template)
+    _check_room(prompt, max_new_tokens, cfg, "max_new_tokens")  # decode checks too, but only once the stream has begun printing
+    stop = (tokenizer.eos_id,) if tokenizer.eos_id >= 0 else ()
+    rows = generate(model, [prompt], cfg, max_new_tokens, stop)
+    return TextStream(tokenizer, prompt), (step[0] for step in rows if step[0] is not None)
+
+
+def _prompt_ids(cfg, tokenizer, template=None) -> list[int]:
+    """``cfg.prompt`` as token ids: BOS (if the tokenizer has one) + prompt, or with a chat
+    ``template`` the prompt as one user message rendered with the generation prompt."""
     if template is not None:
         prompt = tokenizer.encode(template.render([{"role": "user", "content": cfg.prompt}])).tolist()
     else:
         prompt = [tokenizer.bos_id] * (tokenizer.bos_id >= 0) + tokenizer.encode(cfg.prompt).tolist()
     if not prompt:
         raise UserError("the prompt is empty and the tokenizer has no BOS token; pass --prompt TEXT")
-    if (
-        len(prompt) + max_new_tokens > cfg.max_position_embeddings
-    ):  # decode checks too, but only once the stream has begun printing
+    return prompt
+
+
+def _check_room(prompt: list[int], new_tokens: int, cfg, key: str) -> None:
+    """One line when ``prompt`` + ``new_tokens`` (the value of ``key``) exceed ``max_position_embeddings``."""
+    if len(prompt) + new_tokens > cfg.max_position_embeddings:
         raise UserError(
-            f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed max_position_embeddings="
-            f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens"
+            f"prompt ({len(prompt)} tokens) + {key} ({new_tokens}) exceed max_position_embeddings="
+            f"{cfg.max_position_embeddings}; shorten the prompt or lower {key}"
         )
-    stop = (tokenizer.eos_id,) if tokenizer.eos_id >= 0 else ()
-    rows = generate(model, [prompt], cfg, max_new_tokens, stop)
-    return TextStream(tokenizer, prompt), (step[0] for step in rows if step[0] is not None)
 
 
 def _print_sample_from_state(cfg, result, max_new_tokens: int) -> None:

@@ -394,6 +394,21 @@ def sample(values: Overrides) -> tuple:
         return ("refused", type(err).__name__)
 
 
+def score(values: Overrides) -> tuple:
+    """What ``nnxtron eval`` scores of the config's corpus with a freshly initialised model,
+    holding out what a run trained with the config held out (``infer.score``): documents,
+    bad records, tokens, total NLL and bytes — or the UserError that refuses it."""
+    from nnxtron.infer.score import held_out_by_training, score_corpus
+    from nnxtron.models.build import build_model
+
+    cfg = _config(values)
+    try:
+        totals = score_corpus(build_model(cfg), cfg, 4, held_out_by_training(cfg))
+    except UserError as err:
+        return ("refused", type(err).__name__)
+    return totals.documents, totals.bad_records, totals.tokens, round(totals.nll, 3), totals.bytes
+
+
 def sampler(values: Overrides) -> tuple:
     """The token ids the configured sampler (``infer.decode.sampler``) picks from fixed logits
     (64 rows over 256 ids, three steps: each step draws a fresh key)."""
@@ -417,5 +432,6 @@ OBSERVERS: dict[str, Callable[..., Any]] = {
     "run": run,
     "generate": generate,
     "sampler": sampler,
+    "score": score,
     "sample": sample,
 }

@@ -51,6 +51,17 @@ def sites_by_key() -> dict[str, dict[str, dict[int, set[str]]]]:
     return table
 
 
+def clear_package_caches() -> None:
+    """Empty the package's ``functools`` caches (``pipeline_spec``, ``built_stacks``, the
+    optimizer's masks ...): a config another case already loaded would otherwise skip the
+    cached functions' reads, and what a case records would depend on the order of the tests."""
+    for name, module in list(sys.modules.items()):
+        if name == "nnxtron" or name.startswith("nnxtron."):
+            for value in list(vars(module).values()):
+                if callable(getattr(value, "cache_clear", None)) and getattr(value, "__module__", None) == name:
+                    value.cache_clear()
+
+
 class Recorder:
     """``with Recorder(key):`` records the ids of ``key``'s read sites whose line runs inside
     the block (``hit``); nothing is recorded where another tracer (a debugger, coverage.py) is

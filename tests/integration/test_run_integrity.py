@@ -87,6 +87,15 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, fragment):
     assert_user_error(code, err, fragment)
 
 
+def test_a_sample_with_no_room_for_its_prompt_is_refused_before_training(tmp_path, capsys):
+    """prompt + sample_after_training beyond max_position_embeddings: one line before any
+    step (it used to train, write the run, and fail only when sampling)."""
+    args = ["max_target_length=16", "max_position_embeddings=16", "sample_after_training=14", "steps=2"]
+    code, _, err = run_cli(capsys, "train", f"base_output_directory={tmp_path}", "run_name=r", *args)
+    assert_user_error(code, err, "+ sample_after_training (14) exceed max_position_embeddings=16")
+    assert not (tmp_path / "r").exists()
+
+
 def test_hf_index_may_not_name_files_outside_the_model(tmp_path, capsys):
     model = tmp_path / "hf"
     shutil.copytree(GOLDEN / "llama2", model)

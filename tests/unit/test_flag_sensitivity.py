@@ -349,6 +349,112 @@ MORE: dict[str, dict[str, Flag]] = {
     },
 }
 
+WSD = {"lr_schedule_type": "wsd"}
+MTP = {"mtp_num_layers": 1}
+MIXTURE = {**DATA, "dataset_path": (C["text_a"], C["text_b"]), "dataset_weights": (0.5, 0.5)}
+SYNTHETIC = {**DATA, "dataset_type": "synthetic", "dataset_path": ()}
+PARTIAL = {"base_num_decoder_layers": 4, "per_device_batch_size": 2, "scan_layers": False}  # + pipeline_parallel_layers=2
+MAXTEXT_BALANCE = {"load_balance_convention": "maxtext", "load_balance_loss_weight": 0.01}
+# Contexts that run a key's further read sites (issue 54's backlog, tests/flags/read_coverage.py):
+# each runs the named reader and changes its observation with the key.
+READ_SITE_CASES: dict[str, dict[str, Flag]] = {
+    # train/loop.py (the Trainer, the recorder), train/step.py, train/state.py, train/optimizer.py, train/schedules.py
+    "per_device_batch_size": {"run": F(2, R, D, RUN)},
+    "steps": {"run": F(3, R, D, {**RUN, "log_period": 2}), "wsd": F(100, base=WSD)},
+    "use_dpo": {"run": F(True, R, D, {**RUN, **DPO_DATA}), "train_step": F(True, "train_step", D, DPO_DATA)},
+    "lora_rank": {"run": F(4, R, D, RUN)},
+    "init_weights_seed": {"run": F(3, R, D, RUN), "dropout": F(3, base={"dropout_rate": 0.1})},
+    "logical_axis_rules": {"eval": F("activation_batch without fsdp", "eval_step")},
+    "opt_type": {"muon": F("muon")},
+    "learning_rate": {"wsd": F(1e-3, base=WSD)},
+    "learning_rate_final_fraction": {"wsd": F(0.3, base=WSD)},
+    "lr_schedule_type": {"maxtext": F("wsd", base={"lr_schedule_convention": "maxtext"})},
+    "learning_rate_schedule_steps": {"wsd": F(200, base=WSD)},
+    "warmup_steps_fraction": {"wsd": F(0.2, base=WSD)},
+    # pipelines: host offload, partial pipelines with unscanned layers, cycle blocks
+    "parameter_memory_host_offload": {"pipeline": F(True, base=PIPE)},
+    "pipeline_fsdp_ag_once": {
+        "gpipe_host_offload": F(True, base={**GPIPE, "parameter_memory_host_offload": True}),
+        "host_offload": F(True, base={**PIPE, "parameter_memory_host_offload": True}),
+    },
+    "num_layers_per_pipeline_stage": {
+        "cycle_blocks": F(12, family="gemma3-tiny", base={"ici_pipeline_parallelism": 2, "base_num_decoder_layers": 24})
+    },
+    "ici_pipeline_parallelism": {
+        "partial": F(2, base=PARTIAL, also={"pipeline_parallel_layers": 2}),
+        "partial_unscanned_dropout": F(
+            2, base={"scan_layers": False, "base_num_decoder_layers": 3, "dropout_rate": 0.1}, also={"pipeline_parallel_layers": 2}
+        ),
+    },
+    "dcn_pipeline_parallelism": {
+        "partial": F(2, base=PARTIAL, also={"pipeline_parallel_layers": 2}),
+        "partial_unscanned_dropout": F(
+            2, base={"scan_layers": False, "base_num_decoder_layers": 3, "dropout_rate": 0.1}, also={"pipeline_parallel_layers": 2}
+        ),
+    },
+    "scan_layers": {"pipeline": F(False, base=PIPE)},
+    # data: mixtures, synthetic batches, jsonl, tokenizers in runs and SFT
+    "data_prefetch_batches": {"mixture": F(0, "data", D, MIXTURE)},
+    "data_shuffle_seed": {"synthetic": F(7, "data", D, SYNTHETIC), "mixture": F(7, "data", D, MIXTURE)},
+    "dataset_type": {
+        "jsonl": F("jsonl", "data", D, {**DATA, "dataset_path": (C["jsonl"],)}),
+        "score": F("jsonl", "score", D, {**DATA, "dataset_path": (C["jsonl"],), "eval_interval": 0}),
+    },
+    "max_target_length": {"data": F(32, "data", D, DATA), "quant": F(32, base=QUANT)},
+    "vocab_size": {"synthetic": F(512, "data", D, SYNTHETIC)},
+    "tokenizer_path": {
+        "run": F(T["bpe_b"], R, D, {**RUN, "tokenizer_type": "hf", "tokenizer_path": T["bpe_a"]}),
+        "sft": F(
+            T["bpe_b"], "data", D,
+            {**SFT_DATA, "use_sft": True, "chat_template_path": C["template"], "tokenizer_type": "hf", "tokenizer_path": T["bpe_a"]},
+        ),
+    },
+    "tokenizer_type": {"run": F("hf", R, D, RUN, also={"tokenizer_path": T["bpe_a"]})},
+    # what `nnxtron eval` scores (infer/score.py), held out as the run was
+    "eval_interval": {"score": F(0, "score", D, DATA)},
+    "eval_split_fraction": {"score": F(0.5, "score", D, DATA)},
+    "dataset_text_field": {"score": F("body", "score", D, {**DATA, "dataset_type": "jsonl", "dataset_path": (C["jsonl"],)})},
+    "use_sft": {"score": F(True, "score", D, SFT_DATA, also={"chat_template_path": C["template"]})},
+    # attention, RoPE (YaRN), MoE routing and balance
+    "base_num_query_heads": {
+        "mla": F(8, family="deepseek3-test", also={"base_num_kv_heads": 8}),
+        "yarn": F(8, base={"rope_type": "yarn", "head_dim": -1}),
+        "gpt3": F(4, family="gpt3-52k", also={"base_num_kv_heads": 4}),
+    },
+    "mlp_activations": {"moe": F(("gelu", "linear"), family="mixtral-tiny"), "gemma3": F(("silu", "linear"), family="gemma3-tiny")},
+    "use_qwix_quantization": {"moe": F(True, family="mixtral-tiny", also={"quantization": "int8"})},
+    "head_dim": {
+        "yarn": F(8, base={"rope_type": "yarn"}),
+        "deepseek4": F(8, family="deepseek4-test"),
+        "gpt3": F(4, family="gpt3-52k"),
+    },
+    "rope_scaling_factor": {
+        "yarn": F(4.0, family="deepseek3-test"),
+        "yarn_no_mscale_all_dim": F(4.0, family="deepseek3-test", base={"mscale_all_dim": 0.0}),
+    },
+    "rope_type": {"mla": F("default", family="deepseek3-test")},
+    "compressed_rope_max_timescale": {"yarn": F(80000.0, family="deepseek4-test", base={"rope_type": "yarn"})},
+    "rope_max_timescale": {"yarn": F(20000.0, family="deepseek3-test"), "deepseek4": F(20000.0, family="deepseek4-test")},
+    "rope_original_max_position_embeddings": {"yarn": F(32, family="deepseek3-test")},
+    "mtp_num_layers": {"maxtext_balance": F(1, family="deepseek3-test", base=MAXTEXT_BALANCE)},
+    "load_balance_convention": {"scales_input": F("maxtext", family="llama4-tiny", base={"load_balance_loss_weight": 0.01})},
+    "routed_score_func": {"maxtext_balance": F("sigmoid", family="mixtral-tiny", base=MAXTEXT_BALANCE)},
+    # families: DeepSeek-V4's blocks and compressed attention, GPT-3, MTP layers, dense layers of a MoE model
+    "base_num_decoder_layers": {"dense_layers": F(3, family="mixtral-tiny", base={"dense_layers": (1,)})},
+    "base_emb_dim": {"deepseek4": F(64, family="deepseek4-test"), "mtp": F(32, family="deepseek3-test", base=MTP)},
+    "q_lora_rank": {"deepseek4": F(8, family="deepseek4-test")},
+    "sliding_window_size": {"deepseek4": F(4, family="deepseek4-test")},
+    "qk_rope_head_dim": {"deepseek4": F(4, family="deepseek4-test")},
+    "base_mlp_dim": {"gpt3": F(32, family="gpt3-52k")},
+    "dtype": {"mtp": F("bfloat16", family="deepseek3-test", base=MTP)},
+    "weight_dtype": {"mtp": F("bfloat16", family="deepseek3-test", base=MTP)},
+    "normalization_layer_epsilon": {"mtp": F(1e-3, family="deepseek3-test", base=MTP)},
+    "dropout_rate": {"mtp": F(0.1, family="deepseek3-test", base=MTP)},
+}  # fmt: skip
+for _key, _cases in READ_SITE_CASES.items():
+    assert not set(_cases) & set(MORE.get(_key, {})), f"{_key}: a label of READ_SITE_CASES is already in MORE"
+    MORE.setdefault(_key, {}).update(_cases)
+
 
 def _rules_without_fsdp_batch() -> tuple:
     rules = load_config().logical_axis_rules
@@ -442,6 +548,7 @@ def test_flag_changes_its_observation(key, flag, request):
     """The observation changes; the read sites of the key that ran meanwhile are recorded
     (tests/flags/read_coverage.py judges them when the whole matrix has run)."""
     recorder = read_coverage.Recorder(key)
+    read_coverage.clear_package_caches()
     try:
         _assert_observation_changes(key, flag, recorder)
     finally:
@@ -460,6 +567,7 @@ def _assert_observation_changes(key: str, flag: Flag, recorder: read_coverage.Re
             with recorder:
                 var_cfg = load_config(values=variant)
         except ConfigError:
+            recorder.hit.clear()  # refused, not ignored: but no observation proves the sites that ran
             return
     else:
         with recorder:  # the config's own derivations (cached per config, so not run again when observed)
@@ -476,6 +584,7 @@ def _assert_observation_changes(key: str, flag: Flag, recorder: read_coverage.Re
             observed = observe(obs.frozen(variant))
     except ConfigError:
         if further:  # refused when the model is built (e.g. a family without MoE layers): not ignored
+            recorder.hit.clear()
             return
         raise
     assert observed != _baseline(flag.observer, obs.frozen(reference)), (

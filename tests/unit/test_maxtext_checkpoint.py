@@ -15,6 +15,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from nnxtron.cli import main
 from nnxtron.config.loader import load_config
@@ -30,6 +31,7 @@ from nnxtron.convert.maxtext import (
 )
 from nnxtron.convert.runs import load_model
 from nnxtron.errors import CheckpointError, ConfigError
+from nnxtron.models.build import build_model
 from nnxtron.params import flatten, unstack_layers
 
 ASSETS = Path(__file__).parents[1] / "assets" / "maxtext" / "checkpoints"
@@ -216,6 +218,20 @@ def test_deepseek_router_bias_is_model_state_and_mtp_is_converted():
     params, state = from_maxtext(read_maxtext_checkpoint(ASSETS / name), config(name))
     assert set(flatten(state)) == {"moe_layers/layers/mlp/router_bias", "mtp/depths/0/block/mlp/router_bias"}
     assert any(k.startswith("mtp/depths/0/") for k in flatten(params))
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 32])
+def test_mla_with_and_without_a_query_lora_round_trips(q_lora_rank):
+    """MaxText names MLA's query without a LoRA (DeepSeek-V2-Lite) `self_attention/query`,
+    nnxtron `attention/wq`: the map used to name a variable nnxtron does not have."""
+    cfg = load_config(values={"model_name": "deepseek3-test", "q_lora_rank": q_lora_rank})
+    model = build_model(cfg)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    flat = to_maxtext(nnx.to_pure_dict(params), cfg, scanned=True, state=nnx.to_pure_dict(rest))
+    back, _ = from_maxtext(flat, cfg)
+    assert ("decoder/dense_layers/self_attention/query/kernel" in flat) == (q_lora_rank == 0)
+    before, after = flatten(nnx.to_pure_dict(params)), flatten(back)
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
 
 
 def reference_config(family: str):

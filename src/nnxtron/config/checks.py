@@ -42,6 +42,11 @@ def check_combinations(cfg: Config) -> None:
             f"mlp_activations {list(cfg.mlp_activations)} is not supported by decoder_block "
             f"{cfg.decoder_block}; use one of {[list(a) for a in options.SUPPORTED_MLP_ACTIVATIONS]}"
         )
+    if len(cfg.mlp_activations) == 1 and cfg.decoder_block != "gpt3":  # gpt3's own check refuses the gated ones
+        raise ConfigError(
+            f"mlp_activations={list(cfg.mlp_activations)} names a plain (ungated) MLP, but decoder_block "
+            f"{cfg.decoder_block} has a gated one (wi_0, wi_1, wo); use [{cfg.mlp_activations[0]}, linear]"
+        )
     check_moe(cfg)
     check_mla_and_mtp(cfg)
     check_attention(cfg)

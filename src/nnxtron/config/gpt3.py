@@ -1,5 +1,6 @@
 """GPT-3's config rules (``models/gpt3.py`` holds its block and HF map): one ungated MLP
-activation, and one remat choice for its fused query/key/value projection."""
+activation, as many key/value heads as query heads (its fused projection has no grouped
+form), and one remat choice for that fused query/key/value projection."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ def check(cfg: Config) -> None:
         raise ConfigError(
             f"decoder_block gpt3 has a plain (ungated) MLP, so mlp_activations={list(cfg.mlp_activations)} cannot apply; "
             "use one activation, e.g. mlp_activations=[gelu]"
+        )
+    if cfg.base_num_kv_heads != cfg.base_num_query_heads:
+        raise ConfigError(
+            f"decoder_block gpt3 computes query, key and value in one fused projection with as many key/value heads as "
+            f"query heads, so base_num_kv_heads={cfg.base_num_kv_heads} cannot apply; set it to base_num_query_heads "
+            f"({cfg.base_num_query_heads})"
         )
     check_fused_qkv_remat(cfg)
 

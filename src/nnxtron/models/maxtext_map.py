@@ -70,8 +70,12 @@ def attention_rules(cfg: Config) -> tuple[Rule, ...]:
     families ``config/families.py`` marks ``maxtext_query_folded``."""
     if cfg.attention_type == "mla":
         names = ["wkv_a/kernel", "wkv_b/kernel", "kv_norm/scale", "out/kernel"]
-        names += ["wq_a/kernel", "wq_b/kernel", "q_norm/scale"] if cfg.q_lora_rank else ["query/kernel"]
-        return tuple(Rule(f"self_attention/{n}", f"attention/{n}") for n in names)
+        if cfg.q_lora_rank:
+            names += ["wq_a/kernel", "wq_b/kernel", "q_norm/scale"]
+        rules = [Rule(f"self_attention/{n}", f"attention/{n}") for n in names]
+        if not cfg.q_lora_rank:  # the query without a LoRA: MaxText's `query`, nnxtron's (and HF's) `wq`
+            rules.append(Rule("self_attention/query/kernel", "attention/wq/kernel"))
+        return tuple(rules)
     query = QUERY if rules_for(cfg.decoder_block).maxtext_query_folded else NONE
     rules = [Rule("self_attention/query/kernel", "attention/query/kernel", query)]
     rules += [Rule(f"self_attention/{n}/kernel", f"attention/{n}/kernel") for n in ("key", "value", "out")]
