@@ -361,6 +361,15 @@ def run(values: Overrides) -> tuple:
     return files, tuple(checkpoints), tuple(records), tuple(printed), sample
 
 
+def run_outcome(values: Overrides) -> tuple:
+    """``run``'s observation, or ``("failed",)`` where ``nnxtron train`` exits non-zero (a run
+    stopped by a non-finite loss)."""
+    try:
+        return ("ran", *run(values))
+    except AssertionError:
+        return ("failed",)
+
+
 def baseline_run(values: Overrides) -> str:
     """The run directory of ``nnxtron train`` with ``values`` (cached: a checkpoint to load from)."""
     return str(_train(values)[0])
@@ -392,6 +401,40 @@ def sample(values: Overrides) -> tuple:
         return tuple(stream), text.text()
     except UserError as err:
         return ("refused", type(err).__name__)
+
+
+def lm_eval(values: Overrides) -> tuple:
+    """The log-likelihoods (and greedy flags) the lm-eval adapter (``infer.harness.NnxtronLM``,
+    ``nnxtron eval --tasks``) gives two requests on a freshly initialised model of the config."""
+    from nnxtron.infer.harness import NnxtronLM
+    from nnxtron.models.build import build_model
+
+    adapter = NnxtronLM(build_model(_config(values)), batch_size=2)
+    requests = [
+        types.SimpleNamespace(args=(PARAGRAPH[:60], PARAGRAPH[60:70])),
+        types.SimpleNamespace(args=("A stitch", " in time")),
+    ]
+    return tuple((round(logprob, 5), greedy) for logprob, greedy in adapter.loglikelihood(requests))
+
+
+def sample_chat(values: Overrides) -> tuple:
+    """``sample``'s observation with the corpus's chat template (``nnxtron generate --chat``:
+    the prompt as one user message rendered with the generation prompt)."""
+    from nnxtron.cli import _sample
+    from nnxtron.data.chat_template import ChatTemplate
+    from nnxtron.models.build import build_model
+
+    cfg = _config(values)
+    text, stream = _sample(build_model(cfg), cfg, 6, ChatTemplate(Path(corpus()["template"]).read_text()))
+    return tuple(stream), text.text()
+
+
+def serve_engine(values: Overrides) -> tuple:
+    """The context length of the engine ``nnxtron serve`` builds for the config (its default options)."""
+    from nnxtron.models.build import build_model
+    from nnxtron.serve.server import ServeOptions, make_engine
+
+    return (make_engine(build_model(_config(values)), ServeOptions(max_sequences=2)).max_length,)
 
 
 def score(values: Overrides) -> tuple:
@@ -433,5 +476,9 @@ OBSERVERS: dict[str, Callable[..., Any]] = {
     "generate": generate,
     "sampler": sampler,
     "score": score,
+    "sample_chat": sample_chat,
+    "lm_eval": lm_eval,
+    "serve_engine": serve_engine,
+    "run_outcome": run_outcome,
     "sample": sample,
 }

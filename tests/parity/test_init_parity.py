@@ -108,6 +108,9 @@ MAXTEXT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
         *_LLAMA_NORMS,
     ),
 }
+# MaxText's GPT-3 builds its fused attention with as many key/value heads as query heads whatever
+# base_num_kv_heads says (its reference was made with 2 of 4); nnxtron refuses the mismatch
+IGNORED_BY_MAXTEXT = {"gpt3": {"base_num_kv_heads=2": "base_num_kv_heads=4"}}
 NORM_OFFSET_BLOCKS = ("gpt3",)  # MaxText's GPT-3 LayerNorm multiplies by 1 + scale (scale 0), nnxtron's by scale (1)
 
 
@@ -128,7 +131,8 @@ def _renamed(name: str, rules: tuple[tuple[str, str], ...]) -> str:
 def nnxtron_statistics(family: str) -> tuple[Config, dict[str, Stats]]:
     """nnxtron's initial parameters of ``family``'s MaxText config, under MaxText's names and values."""
     entry = RUNS.get(family) or INIT[family]
-    cfg = checkpoint_config(str(BASE_YML), entry["overrides"])
+    ignored = IGNORED_BY_MAXTEXT.get(family, {})
+    cfg = checkpoint_config(str(BASE_YML), [ignored.get(o, o) for o in entry["overrides"]])
     _, params, _, rest = nnx.split(build_model(cfg), nnx.Param, ExpertLoad, ...)
     if cfg.decoder_block in maxtext_tree.SUPPORTED:
         ours = to_maxtext(nnx.to_pure_dict(params), cfg, scanned=True, state=nnx.to_pure_dict(rest))

@@ -400,7 +400,7 @@ READ_SITE_CASES: dict[str, dict[str, Flag]] = {
         "jsonl": F("jsonl", "data", D, {**DATA, "dataset_path": (C["jsonl"],)}),
         "score": F("jsonl", "score", D, {**DATA, "dataset_path": (C["jsonl"],), "eval_interval": 0}),
     },
-    "max_target_length": {"data": F(32, "data", D, DATA), "quant": F(32, base=QUANT)},
+    "max_target_length": {"data": F(32, "data", D, DATA), "quant": F(32, base=QUANT), "lm_eval": F(16, "lm_eval", D)},
     "vocab_size": {"synthetic": F(512, "data", D, SYNTHETIC)},
     "tokenizer_path": {
         "run": F(T["bpe_b"], R, D, {**RUN, "tokenizer_type": "hf", "tokenizer_path": T["bpe_a"]}),
@@ -409,7 +409,14 @@ READ_SITE_CASES: dict[str, dict[str, Flag]] = {
             {**SFT_DATA, "use_sft": True, "chat_template_path": C["template"], "tokenizer_type": "hf", "tokenizer_path": T["bpe_a"]},
         ),
     },
-    "tokenizer_type": {"run": F("hf", R, D, RUN, also={"tokenizer_path": T["bpe_a"]})},
+    # (steps=3: its variant must not be another case's reference, whose run the observer has cached)
+    "tokenizer_type": {"run": F("hf", R, D, {**RUN, "steps": 3}, also={"tokenizer_path": T["bpe_a"]})},
+    # the chat prompt of `generate --chat`, the serving engine's context, a run stopped by a non-finite loss
+    "prompt": {"chat": F("class ", "sample_chat", D, {"base_num_decoder_layers": 1})},
+    "max_position_embeddings": {"serve": F(64, "serve_engine", D, {"base_num_decoder_layers": 1})},
+    "non_finite_policy": {"run": F("skip", "run_outcome", D, {**RUN, "learning_rate": 1e30})},
+    # the lm-eval adapter (infer/harness.py: nnxtron eval --tasks)
+    "add_bos": {"lm_eval": F(False, "lm_eval", D)},
     # what `nnxtron eval` scores (infer/score.py), held out as the run was
     "eval_interval": {"score": F(0, "score", D, DATA)},
     "eval_split_fraction": {"score": F(0.5, "score", D, DATA)},

@@ -139,7 +139,7 @@ def test_base_yml_holds_the_optimization_defaults():
         ("gpt3-52k", dict(mlp_activations=["gelu", "linear"]), "decoder_block gpt3 has a plain (ungated) MLP"),
         ("gpt3-52k", dict(base_num_kv_heads=1), "so base_num_kv_heads=1 cannot apply; set it to base_num_query_heads (2)"),
         *(  # one activation names a plain MLP: the gated families built a gated one from its first entry
-            (model, dict(mlp_activations=["gelu"]), "names a plain (ungated) MLP, but decoder_block")
+            (model, dict(mlp_activations=["gelu"]), "mlp_activations=['gelu'] is taken by decoder_block=gpt3 only")
             for model in ("llama3.1-tiny", "gemma3-tiny", "mixtral-tiny", "deepseek3-test")
         ),
         ("llama4-tiny", dict(sliding_window_size=8), "sliding_window_size=8 is not read when chunk_attn_window_size"),

@@ -42,11 +42,6 @@ def check_combinations(cfg: Config) -> None:
             f"mlp_activations {list(cfg.mlp_activations)} is not supported by decoder_block "
             f"{cfg.decoder_block}; use one of {[list(a) for a in options.SUPPORTED_MLP_ACTIVATIONS]}"
         )
-    if len(cfg.mlp_activations) == 1 and cfg.decoder_block != "gpt3":  # gpt3's own check refuses the gated ones
-        raise ConfigError(
-            f"mlp_activations={list(cfg.mlp_activations)} names a plain (ungated) MLP, but decoder_block "
-            f"{cfg.decoder_block} has a gated one (wi_0, wi_1, wo); use [{cfg.mlp_activations[0]}, linear]"
-        )
     check_moe(cfg)
     check_mla_and_mtp(cfg)
     check_attention(cfg)
@@ -75,7 +70,11 @@ def check_family(cfg: Config) -> None:
             continue
         for key, value in rules.own_values.items():
             if getattr(cfg, key) == value:
-                raise ConfigError(f"decoder_block={name} and {key}={value} go together; set both or neither")
+                shown = list(value) if isinstance(value, tuple) else value
+                raise ConfigError(
+                    f"{key}={shown} is taken by decoder_block={name} only (this config's is {cfg.decoder_block}); "
+                    "set both or neither"
+                )
         for key, off in rules.own_keys.items():
             if getattr(cfg, key) != off:
                 hint = "leave it empty" if off == () else f"leave it at {off} for {cfg.decoder_block}"

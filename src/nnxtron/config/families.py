@@ -48,7 +48,7 @@ RULES: dict[str, FamilyRules] = {
     "deepseek": FamilyRules(maxtext_topk_renorm="score_func"),
     "gemma3": FamilyRules(legacy_normalize_embedding_logits=True),
     "llama4": FamilyRules(maxtext_topk_renorm="flag"),
-    "gpt3": FamilyRules(check=gpt3.check),
+    "gpt3": FamilyRules(check=gpt3.check, own_values={"mlp_activations": ("gelu",)}),  # one activation: a plain MLP
     "deepseek4": FamilyRules(
         check=deepseek4.check,
         own_keys=deepseek4.OPTIONS_OFF,
