@@ -220,7 +220,6 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/train/loop.py", "Trainer._run", "per_device_batch_size"): MESSAGE,
     ("src/nnxtron/train/loop.py", "Trainer._run", "sharding_tolerance"): MESSAGE,
     ("src/nnxtron/train/loop.py", "Trainer._run", "use_qwix_quantization"): MESSAGE,
-    ("src/nnxtron/train/loop.py", "Trainer.starting_state", "lora_rank"): BACKLOG,
     ("src/nnxtron/train/loop.py", "_Recorder.__init__", "max_target_length"): REPORT,
     ("src/nnxtron/train/loop.py", "_Recorder.__init__", "per_device_batch_size"): REPORT,
     ("src/nnxtron/train/loop.py", "_cache_line", "*"): MESSAGE,
@@ -231,5 +230,4 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/train/schedules.py", "learning_rate_schedule", "lr_schedule_type"): UNREACHABLE,
     ("src/nnxtron/train/schedules.py", "schedule_change_note", "*"): MESSAGE,
     ("src/nnxtron/train/schedules.py", "schedule_change_note.shape", "*"): MESSAGE,
-    ("src/nnxtron/train/state.py", "frozen_shardings", "logical_axis_rules"): BACKLOG,
 }

@@ -65,6 +65,7 @@ MAXTEXT_LR = {"lr_schedule_convention": "maxtext", "lr_schedule_type": "cosine"}
 MAXTEXT_SCHEDULE_KEYS = ("learning_rate", "warmup_steps_fraction", "learning_rate_schedule_steps",
                          "cosine_learning_rate_final_fraction", "steps")  # fmt: skip
 CUSTOM = {"remat_policy": "custom"}
+BASELINE_RUN = "<baseline run>"  # a value: the run directory of the reference config, trained (tests/flags/observers.py)
 
 
 @dataclass(frozen=True)
@@ -299,8 +300,8 @@ VALUES: dict[str, Flag] = {
     "enable_checkpointing": F(False, R, D, RUN),
     "checkpoint_period": F(1, R, D, RUN),
     "max_num_checkpoints_to_keep": F(1, R, D, RUN),
-    "load_parameters_path": F("<baseline run>", R, D, RUN),
-    "init_from": F("<baseline run>", R, D, RUN),
+    "load_parameters_path": F(BASELINE_RUN, R, D, RUN),
+    "init_from": F(BASELINE_RUN, R, D, RUN),
     "log_period": F(2, R, D, RUN),
     "enable_tensorboard": F(False, "metrics_writer", D),
     "enable_wandb": F(True, "metrics_writer", D, also={"wandb_mode": "offline"}),
@@ -362,9 +363,12 @@ READ_SITE_CASES: dict[str, dict[str, Flag]] = {
     "per_device_batch_size": {"run": F(2, R, D, RUN)},
     "steps": {"run": F(3, R, D, {**RUN, "log_period": 2}), "wsd": F(100, base=WSD)},
     "use_dpo": {"run": F(True, R, D, {**RUN, **DPO_DATA}), "train_step": F(True, "train_step", D, DPO_DATA)},
-    "lora_rank": {"run": F(4, R, D, RUN)},
+    "lora_rank": {"run": F(4, R, D, RUN), "init_from": F(4, R, D, {**RUN, "init_from": BASELINE_RUN})},
     "init_weights_seed": {"run": F(3, R, D, RUN), "dropout": F(3, base={"dropout_rate": 0.1})},
-    "logical_axis_rules": {"eval": F("activation_batch without fsdp", "eval_step")},
+    "logical_axis_rules": {
+        "eval": F("activation_batch without fsdp", "eval_step"),
+        "lora_frozen": F("embed without fsdp", "train_step", D, {**LORA, "sharding_tolerance": 1.0}),
+    },
     "opt_type": {"muon": F("muon")},
     "learning_rate": {"wsd": F(1e-3, base=WSD)},
     "learning_rate_final_fraction": {"wsd": F(0.3, base=WSD)},
@@ -463,23 +467,29 @@ for _key, _cases in READ_SITE_CASES.items():
     MORE.setdefault(_key, {}).update(_cases)
 
 
-def _rules_without_fsdp_batch() -> tuple:
+def _rules_without_fsdp(logical: str) -> tuple:
+    """base.yml's logical_axis_rules with ``fsdp`` taken off the ``logical`` axis."""
     rules = load_config().logical_axis_rules
-    return tuple((name, tuple(a for a in axes if a != "fsdp") if name == "activation_batch" else axes) for name, axes in rules)
+    return tuple((name, tuple(a for a in axes if a != "fsdp") if name == logical else axes) for name, axes in rules)
 
 
 def _value(key: str, flag: Flag) -> Any:
     """The variant value (a few depend on this process: rules, a baseline run to load)."""
-    if key == "logical_axis_rules":
-        return _rules_without_fsdp_batch()
-    if flag.value == "<baseline run>":
+    if key == "logical_axis_rules":  # "<axis> without fsdp"
+        return _rules_without_fsdp(flag.value.split()[0])
+    if flag.value == BASELINE_RUN:
         return obs.baseline_run(obs.frozen(_reference(flag)))
     return flag.value
 
 
 def _reference(flag: Flag) -> dict[str, Any]:
+    """The reference config; a ``BASELINE_RUN`` in ``base`` is the run directory of the same
+    config trained without it (to start from)."""
     traced = flag.observer in ("train_step", "eval_step", "setup")
-    return {"model_name": flag.family, **(TRACE if traced else {}), **FAMILIES[flag.family], **flag.base}
+    values = {"model_name": flag.family, **(TRACE if traced else {}), **FAMILIES[flag.family], **flag.base}
+    for key in [k for k, v in values.items() if v == BASELINE_RUN]:
+        values[key] = obs.baseline_run(obs.frozen({k: v for k, v in values.items() if k != key}))
+    return values
 
 
 # A model key is read by each family's own module: a reader that one family drops or reads
