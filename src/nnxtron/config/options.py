@@ -30,11 +30,8 @@ MOE_COMPUTES = ("grouped", "dense")  # routed experts: a grouped matmul on the r
 # moe_compute=grouped (parallel/grouped_matmul.py): auto = ragged_dot on TPU or quantized, blocked elsewhere
 GROUPED_MATMULS = ("auto", "ragged_dot", "blocked")
 MATMUL_PRECISIONS = ("default", "high", "highest")  # jax.lax.Precision of the model's matmuls (MaxText's names)
-SUPPORTED_MLP_ACTIVATIONS = (
-    ("silu", "linear"),
-    ("gelu", "linear"),
-    ("gelu",),
-)  # two = gated (GLU), one = plain MLP (gpt3 only: config/families.py)
+# two = gated (GLU), one = plain MLP (gpt3 only: config/families.py)
+SUPPORTED_MLP_ACTIVATIONS = (("silu", "linear"), ("gelu", "linear"), ("gelu",))
 
 # remat (parallel/remat.py gives each policy its jax.checkpoint policy)
 REMAT_POLICIES = (

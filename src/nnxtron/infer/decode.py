@@ -167,12 +167,13 @@ class DegenerateLogits(UserError):
     """The model's next-token logits cannot be sampled: not finite, or all equal."""
 
 
-def logit_faults(logits: jax.Array, live: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def logit_faults(logits: jax.Array, live: jax.Array, xp=jnp) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Of the ``live`` rows of ``logits [B, V]``: (some value is NaN or Inf, some row holds
-    one value for every token, that value in the first such row). Runs on the device too."""
-    nonfinite = jnp.any(~jnp.isfinite(logits) & live[:, None])
+    one value for every token, that value in the first such row). ``xp``: ``jnp`` inside the
+    device loop, ``np`` for logits already on the host (no round trip to the device)."""
+    nonfinite = xp.any(~xp.isfinite(logits) & live[:, None])
     flat = (logits.max(axis=-1) == logits.min(axis=-1)) & live
-    return nonfinite, flat.any(), logits[jnp.argmax(flat), 0]
+    return nonfinite, flat.any(), logits[xp.argmax(flat), 0]
 
 
 def raise_degenerate(nonfinite: bool, flat: bool, value: float, vocab: int, index: int, dtype: str) -> None:
@@ -189,7 +190,7 @@ def raise_degenerate(nonfinite: bool, flat: bool, value: float, vocab: int, inde
 
 def check_logits(logits: np.ndarray, live: np.ndarray, index: int, dtype: str) -> None:
     """``raise_degenerate`` for the ``live`` rows of ``logits [B, V]`` on the host."""
-    nonfinite, flat, value = logit_faults(jnp.asarray(logits), jnp.asarray(live))
+    nonfinite, flat, value = logit_faults(logits, live, np)
     raise_degenerate(bool(nonfinite), bool(flat), float(value), logits.shape[-1], index, dtype)
 
 

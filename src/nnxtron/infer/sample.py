@@ -81,7 +81,8 @@ def generate_tokens(
     total = len(prompt_ids) + max_new_tokens
     length = 1 << (total - 1).bit_length()  # bucket: a power of two >= total
     graphdef, state = nnx.split(model)
-    draw = sampling(cfg).draw
+    config_sampling = sampling(cfg)
+    draw = config_sampling.draw
 
     @jax.jit
     def next_token(state, tokens, position, key):
@@ -90,7 +91,7 @@ def generate_tokens(
 
     tokens = np.zeros((1, length), np.int32)
     tokens[0, : len(prompt_ids)] = prompt_ids
-    key = sampling(cfg).first_key()
+    key = config_sampling.first_key()
     for position in range(len(prompt_ids) - 1, total - 1):
         key, chosen = next_token(state, jnp.asarray(tokens), position, key)
         token = int(chosen[0])

@@ -4,7 +4,7 @@ Used by ``nnxtron bench --decode`` and ``benchmarks/decode_vs_hf.py``. Compilati
 timed separately (the first call of each shape); then ``repeats`` prefills of the whole
 batch and ``new_tokens`` decode steps are timed, each waited for (the host loop,
 ``infer.decode.decode``), and, without paging, ``repeats`` runs of ``new_tokens`` tokens
-in one call of the device loop that ``generate`` runs (``infer.generate``).
+through the device loop that ``generate`` runs (``infer.generate``, ``TOKENS_PER_CALL`` a call).
 """
 
 from __future__ import annotations
