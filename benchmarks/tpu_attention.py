@@ -85,7 +85,8 @@ def _fwd_bwd(implementation: str, shape, block: int | None = None, fused_backwar
     return jax.jit(run)
 
 
-def _time(fn, args, repeats: int) -> float:
+def median_seconds(fn, args, repeats: int) -> float:
+    """The median wall time of ``fn(*args)`` over ``repeats`` calls, after one warm-up call."""
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -124,7 +125,7 @@ def measure_shape(name: str, shape, repeats: int) -> dict[str, Any]:
     implementations = ["xla", "splash"] + (["dot_product"] if dk == dv else [])
     for impl in implementations:
         fn = _fwd_bwd(impl, shape)
-        row[f"{impl}_seconds"] = _time(fn, bf16, repeats)
+        row[f"{impl}_seconds"] = median_seconds(fn, bf16, repeats)
         row[f"{impl}_err"] = _error(fn(*bf16), reference)
     row["splash_speedup_vs_xla"] = row["xla_seconds"] / row["splash_seconds"]
     row["ok"] = row["splash_err"] <= 2 * row["xla_err"]
@@ -144,7 +145,7 @@ def block_sweep(repeats: int) -> list[dict[str, Any]]:
     for block in BLOCKS:
         for fused in (False, True):
             fn = _fwd_bwd("splash", shape, block=block, fused_backward=fused)
-            rows.append({"block": block, "fused_backward": fused, "splash_seconds": _time(fn, args, repeats),
+            rows.append({"block": block, "fused_backward": fused, "splash_seconds": median_seconds(fn, args, repeats),
                          "splash_err": _error(fn(*args), reference)})  # fmt: skip
     return rows
 

@@ -125,6 +125,23 @@ def test_permute_rows_gradient_is_the_gather_gradient(method):
         assert not np.asarray(out)[~valid].any()
 
 
+@pytest.mark.parametrize("method", gm.METHODS)
+def test_gather_slots_is_the_gather_of_the_slot_major_repeat(method):
+    """``gather_slots(x, rows, restore, k)`` equals ``take_rows`` of ``x`` repeated slot-major
+    (row ``j * T + t`` is ``x[t]``), value and gradient (its own: gather each slot back, sum)."""
+    tokens, k = 4, 3
+    keys = jnp.asarray([2, 0, 3, 2, 1, 3, 0, 2, 3, 3, 2, 0], jnp.int32)  # [k * T], slot-major; 3: in no group
+    grouped = gm.group_rows(keys, 3, method)
+    x = jax.random.normal(jax.random.key(0), (tokens, 5))
+    cot = jax.random.normal(jax.random.key(1), (grouped.rows.shape[0], 5))
+    repeated = lambda a: gm.take_rows(jnp.tile(a, (k, 1)), grouped.rows)  # noqa: E731
+    got = gm.gather_slots(x, grouped.rows, grouped.restore, k)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(repeated(x)))
+    grad = jax.grad(lambda a: jnp.sum(gm.gather_slots(a, grouped.rows, grouped.restore, k) * cot))(x)
+    ref = jax.grad(lambda a: jnp.sum(repeated(a) * cot))(x)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
 # --- selection: grouped_matmul=auto | ragged_dot | blocked -------------------------------------------
 @pytest.mark.parametrize(
     ("value", "backend", "quantized", "method"),

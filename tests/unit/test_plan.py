@@ -102,6 +102,24 @@ def test_per_device_bytes_from_shardings(plan):
     assert 2 * state["params_bytes"] <= state["optimizer_state_bytes"] <= 2 * state["params_bytes"] + 64
 
 
+def test_the_peak_is_xla_tpu_s_own_on_a_tpu_and_the_buffer_sum_elsewhere(monkeypatch):
+    """XLA:CPU's ``peak_memory_in_bytes`` counts the arguments only; XLA:TPU's is the step's peak."""
+    from types import SimpleNamespace
+
+    from nnxtron.tools.plan import PEAK_SOURCES, memory_stats
+
+    stats = SimpleNamespace(
+        argument_size_in_bytes=6, output_size_in_bytes=6, alias_size_in_bytes=6, temp_size_in_bytes=11,
+        generated_code_size_in_bytes=0, peak_memory_in_bytes=14,
+    )  # fmt: skip
+    compiled = SimpleNamespace(memory_analysis=lambda: stats)
+    cpu = memory_stats(compiled)
+    assert (cpu["resident_bytes"], cpu["peak_bytes"], cpu["peak_source"]) == (6, 17, "buffers")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    tpu = memory_stats(compiled)
+    assert (tpu["peak_bytes"], tpu["peak_source"]) == (14, "xla:tpu") and tpu["peak_source"] in PEAK_SOURCES
+
+
 def test_memory_analysis_and_flops(cfg, plan):
     mem = plan["memory"]
     for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes"):

@@ -3,7 +3,7 @@
 ``expert_ffn`` runs on one device's tokens for the experts it holds: it groups the (token,
 slot) assignments by expert (``parallel/grouped_matmul.group_rows``), gathers their tokens
 into that layout, runs the three expert matmuls as grouped matmuls and gathers the outputs
-back (both gathers have gather gradients: ``permute_rows``). ``method`` (``grouped_matmul``,
+back (both gathers have gather gradients: ``gather_slots``, ``permute_rows``). ``method`` (``grouped_matmul``,
 resolved by ``resolve_grouped_matmul``) picks the grouped matmul: ``ragged_dot``
 (``jax.lax.ragged_dot``; XLA's grouped kernel on TPU, a dense product over every expert on
 CPU and GPU) or ``blocked`` (each expert's rows padded to whole blocks, one expert per block:
@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxtron.config.options import MOE_COMPUTES
 from nnxtron.errors import ConfigError
-from nnxtron.parallel.grouped_matmul import group_rows, permute_rows
+from nnxtron.parallel.grouped_matmul import gather_slots, group_rows, permute_rows
 from nnxtron.parallel.sharding import active_mesh, logical_to_spec, spec_axes
 
 TOKEN_NAMES = ("activation_batch", "activation_length")
@@ -103,18 +103,20 @@ def expert_ffn(
     local_experts = wi_0.shape[0]
     local = indices - expert_offset
     valid = keep & (local >= 0) & (local < local_experts)
-    key = jnp.where(valid, local, local_experts).reshape(-1)  # invalid -> in no group (zero output)
+    # assignments slot-major (j * T + t): the outputs come back as [k, T, D] by a reshape of whole
+    # rows, where [T, k, D] would re-tile k as a second-minor dimension (a copy on a TPU)
+    key = jnp.where(valid, local, local_experts).T.reshape(-1)  # invalid -> in no group (zero output)
     grouped = group_rows(key, local_experts, method)
-    xs = permute_rows(jnp.repeat(x, k, axis=0), grouped.rows, grouped.restore)  # padding rows are zero rows
+    xs = gather_slots(x, grouped.rows, grouped.restore, k)  # padding rows are zero rows
     if in_scale is not None:
-        xs = xs * permute_rows(in_scale.reshape(-1), grouped.rows, grouped.restore)[:, None].astype(xs.dtype)
+        xs = xs * permute_rows(in_scale.T.reshape(-1), grouped.rows, grouped.restore)[:, None].astype(xs.dtype)
     dtype = x.dtype
     gate = checkpoint_name(grouped.matmul(xs, wi_0.astype(dtype)), "mlpwi_0")
     up = checkpoint_name(grouped.matmul(xs, wi_1.astype(dtype)), "mlpwi_1")
     out = checkpoint_name(grouped.matmul(glu(gate, up), wo.astype(dtype)), "mlpwo")
-    out = permute_rows(out, grouped.restore, grouped.rows).reshape(tokens, k, -1).astype(jnp.float32)
+    out = permute_rows(out, grouped.restore, grouped.rows).reshape(k, tokens, -1).astype(jnp.float32)
     weights = jnp.where(valid, combine.astype(jnp.float32), 0.0)
-    return jnp.einsum("tkd,tk->td", out, weights)
+    return jnp.einsum("ktd,tk->td", out, weights)
 
 
 def dense_ffn(

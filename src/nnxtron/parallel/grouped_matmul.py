@@ -127,6 +127,32 @@ def _permute_bwd(res, ct):
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_slots(x: jax.Array, index: jax.Array, inverse: jax.Array, slots: int) -> jax.Array:
+    """The rows of ``x [T, D]`` taken once per slot: ``permute_rows`` of ``x`` repeated slot-major
+    (row ``j * T + t`` is ``x[t]``) without building the ``[slots * T, D]`` repeat. ``index`` takes
+    rows of that repeat (out of range: a zero row); its gradient gathers each slot's rows back
+    (``inverse``) and sums the slots."""
+    return _gather_slots(x, index, slots)
+
+
+def _gather_slots(x: jax.Array, index: jax.Array, slots: int) -> jax.Array:
+    tokens = x.shape[0]
+    return take_rows(x, jnp.where(index < slots * tokens, index % tokens, tokens))
+
+
+def _gather_slots_fwd(x, index, inverse, slots):
+    return _gather_slots(x, index, slots), (inverse, x.shape[0])
+
+
+def _gather_slots_bwd(slots, res, ct):
+    inverse, tokens = res
+    return take_rows(ct, inverse).reshape(slots, tokens, -1).sum(axis=0), None, None
+
+
+gather_slots.defvjp(_gather_slots_fwd, _gather_slots_bwd)
+
+
 def blocked_matmul(lhs: jax.Array, rhs: jax.Array, block_group: jax.Array) -> jax.Array:
     """``lhs [nb * b, K]`` (padded layout) -> ``[nb * b, N]``: block ``i`` times ``rhs[block_group[i]]``."""
     blocks = block_group.shape[0]

@@ -207,7 +207,10 @@ def prepare_train_step(cfg: Config) -> tuple[Any, Mesh, Any, Any, Any]:
     return derived, mesh, tx, schedule, setup(cfg, mesh, tx)
 
 
-def memory_stats(compiled: Any) -> dict[str, int] | None:
+PEAK_SOURCES = {"buffers": "arguments + outputs - aliased + temporaries + code", "xla:tpu": "XLA:TPU's peak of the step"}
+
+
+def memory_stats(compiled: Any) -> dict[str, Any] | None:
     stats = compiled.memory_analysis()
     if stats is None:
         return None
@@ -216,9 +219,12 @@ def memory_stats(compiled: Any) -> dict[str, int] | None:
     for f in fields:  # host (pinned) memory, used by parameter/optimizer host offload
         out[f"host_{f}_bytes"] = int(getattr(stats, f"host_{f}_size_in_bytes", 0) or 0)
     # donated inputs alias outputs: their buffers are counted once
-    out["peak_bytes"] = (
-        out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"] + out["generated_code_bytes"]
-    )
+    out["resident_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["generated_code_bytes"]
+    out["peak_bytes"] = out["resident_bytes"] + out["temp_bytes"]
+    xla_peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    out["peak_source"] = "buffers"
+    if jax.default_backend() == "tpu" and xla_peak:  # XLA:TPU's own peak (XLA:CPU's counts the arguments only)
+        out["peak_bytes"], out["peak_source"] = xla_peak, "xla:tpu"
     return out
 
 
@@ -469,7 +475,7 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"  aliased (donated)  {_bytes(m['alias_bytes']):>12}   (outputs written into donated arguments)",
             f"  temporaries        {_bytes(m['temp_bytes']):>12}   (gradients, activations, optimizer intermediates)",
             f"  generated code     {_bytes(m['generated_code_bytes']):>12}",
-            f"  peak estimate      {_bytes(m['peak_bytes']):>12}   (arguments + outputs - aliased + temporaries + code)",
+            f"  peak estimate      {_bytes(m['peak_bytes']):>12}   ({PEAK_SOURCES[m['peak_source']]})",
             f"  fits: {fits}",
         ]
         host = {k[5:-6]: v for k, v in m.items() if k.startswith("host_") and k.endswith("_bytes") and v}

@@ -54,6 +54,7 @@ from nnxtron.tools.search.space import (
     OFFLOAD_KEYS,
     OFFLOADS,
     REMAT_POLICIES,
+    UNROLL_MAX_LAYERS,
     Candidate,
     axis_problem,
     candidate,
@@ -270,14 +271,22 @@ class Search:
 
     def _expand(self, cand: Candidate, cfg: Config, fits: bool, collectives: list[Collective]) -> None:
         """Queue what a compiled candidate suggests: the next lighter remat policy if it fits;
-        else the memory knobs (once), else the next accumulation count that divides the batch,
-        else the next offload step."""
+        else the layers unrolled (a scanned stack of at most ``UNROLL_MAX_LAYERS``), else the
+        memory knobs (once), else the next accumulation count that divides the batch, else the
+        next offload step."""
         v = cand.values
         options: list[dict[str, Any]] = []
         if fits and "remat_policy" not in self.pinned:
             options = [{"remat_policy": p} for p in REMAT_POLICIES[REMAT_POLICIES.index(v["remat_policy"]) + 1 :][:1]]
+        if (
+            not fits
+            and v["scan_layers"]
+            and "scan_layers" not in self.pinned
+            and cfg.base_num_decoder_layers <= UNROLL_MAX_LAYERS
+        ):
+            options = [{"scan_layers": False}]
         if not fits:
-            options = self._memory_step(cand, cfg)
+            options += self._memory_step(cand, cfg)
         if not fits and "gradient_accumulation_steps" not in self.pinned:
             options += [{"gradient_accumulation_steps": a} for a in ACCUMULATION_STEPS if a > v["gradient_accumulation_steps"]]
         if not fits and all(k not in self.pinned for k in OFFLOAD_KEYS):
@@ -364,7 +373,8 @@ class Search:
         stats["compiled"] += 1
         collectives = [Collective(**{**c, "axes": tuple(c["axes"])}) for c in result["collectives"]]
         cost = self._cost(item.cfg, cand, collectives, result)
-        peak = result["peak_bytes"]
+        resident, temp = result["resident_bytes"], result["temp_bytes"]
+        peak = None if resident is None or temp is None else self.req.device.required_bytes(resident, temp)
         fits = peak is not None and peak <= self.memory
         self.results.append(
             {

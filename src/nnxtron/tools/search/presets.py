@@ -62,6 +62,20 @@ class DevicePreset:
         """The JAX backend this device is, as ``layers.attention.resolve_attention`` names it."""
         return "tpu" if self.name.startswith("tpu") else "cpu" if self.name == "cpu" else "gpu"
 
+    def required_bytes(self, resident_bytes: float, temp_bytes: float) -> float:
+        """The device memory a compiled step needs, from XLA's memory analysis: its resident
+        buffers (arguments + outputs - donated, code) and its temporaries.
+
+        On a TPU the test is XLA:TPU's own: the temporaries alone within the memory
+        ("the total memory required for HLO temporaries exceeds available HBM"), and the
+        resident state within it. The sum is not a limit there: on a v5e chip (15.75 GiB)
+        the 552M model ran with resident + temporaries of 15.8-17.6 GiB, and the chip's own
+        peak (``peak_memory_in_bytes``) was 13.0-14.7 GiB (benchmarks/results/plan_search_tpu.json).
+        Elsewhere both are held at once: their sum."""
+        if self.backend == "tpu":
+            return max(resident_bytes, temp_bytes)
+        return resident_bytes + temp_bytes
+
 
 PRESETS: dict[str, DevicePreset] = {
     p.name: p

@@ -38,7 +38,7 @@ def compile_candidate(cfg: Any, devices_per_node: int) -> dict[str, Any]:
     hlo = compiled.as_text()
     state, shardings = model_setup.abstract_state, model_setup.state_shardings
     result = {
-        "peak_bytes": memory.get("peak_bytes"),
+        "resident_bytes": memory.get("resident_bytes"),
         "temp_bytes": memory.get("temp_bytes"),
         "host_bytes": memory.get("host_argument_bytes", 0) + memory.get("host_temp_bytes", 0),
         "state_bytes": sum(tree_shard_bytes(state[k], shardings[k]) for k in state),
