@@ -122,14 +122,32 @@ NNX decode one. MaxText 0.2.5 (NNX) writes the tree of its former Linen decoders
 `nn.scan(variable_axes={"params": param_scan_axis})` and `layers_{i}` gave the same names), so one
 reader covers both. Scanned layers are stacked on axis 1 (`param_scan_axis`) — DeepSeek's router
 bias (collection `MoEBiasVar`) on axis 0 —, unscanned ones are `layers_{i}`; Gemma 3 scans blocks
-of six layers. Kernels already have nnxtron's layout; the value conventions are converted:
+of six layers, Llama 4 blocks of its layer cycle (`Llama4ScannableBlock`, named `layers_{j}` even for
+a cycle of one; a layer count that is not a multiple of the cycle is refused scanned, as MaxText
+would drop the leftover layers), DeepSeek-V4 its (HCA, CSA) layer pairs after the hash-routed
+layers (`scanned_blocks`; other compress ratios, or an odd count of them, are refused scanned).
+Kernels already have nnxtron's layout; the value conventions are converted:
 Llama 2 / Mistral / Mixtral keep MaxText's query kernels (with `1/sqrt(head_dim)` folded in;
 `from-maxtext` then defaults to `query_pre_attn_scalar=1`; `query_pre_attn_scalar=0` rescales them
 to HF meaning, needed for `convert to-hf`), Gemma's norm scales are MaxText's minus 1 and its table
-MaxText's / `sqrt(emb_dim)` (a tied head defaults to `tied_head_bf16=true`, MaxText's head).
-Covered: Llama 2, Mistral, Mixtral, DeepSeek-V3 with MTP and Gemma 3, scanned and unscanned
-(`tests/assets/maxtext/checkpoints/`, written by MaxText 0.2.5); MaxText -> nnxtron -> MaxText is
-byte-exact, and nnxtron's logits from each checkpoint equal MaxText's (float32, <= 6e-6).
+MaxText's / `sqrt(emb_dim)` (a tied head defaults to `tied_head_bf16=true`, MaxText's head, and to
+`normalize_embedding_logits=true`, base.yml's, unless MaxText's own model config sets it: GPT-3 and
+Qwen3 0.6B/8B, false), GPT-3's LayerNorm scales are MaxText's + 1 (MaxText multiplies by `1 + s`),
+and a llama3 RoPE (MaxText's `llama3.1`) defaults to MaxText's fixed scaling, factor 8, low 1,
+high 4 over 8192 positions — for Llama 4 too, whose HF config says 16 / 1 / 1 (`nnxtron train` with
+a MaxText config resolves it the same way). Qwen3 (query/key norms), Qwen3-MoE and Llama 4 (routed
+and shared experts, NoPE and chunked layers) are plain renames. DeepSeek-V4's hyper-connections are
+regrouped (MaxText's `pre`/`post`/`res` alphas, betas and scales are nnxtron's — HF's — `fn`,
+`base`, `scale`, with MaxText's `mhc_norm` scale folded into `fn` and written back as ones), its
+output LoRA's kernel has the last two axes swapped, its hash table is model state (int32; MaxText
+stores float32).
+Covered: Llama 2, Mistral, Mixtral, DeepSeek-V3 with MTP, Gemma 3, Qwen3, Qwen3-MoE, GPT-3, Llama 4
+and DeepSeek-V4, scanned and unscanned (`tests/assets/maxtext/checkpoints/`, written by MaxText
+0.2.5); MaxText -> nnxtron -> MaxText is byte-exact, and nnxtron's logits from each checkpoint equal
+MaxText's (float32, <= 6e-6) — except two parametrisations nnxtron (like HF) does not keep: GPT-3's
+LayerNorm scale, held as the float32 `1 + s` (`s` comes back within 2e-8, the multiplier `1 + s`
+bit-exact), and DeepSeek-V4's `mhc_norm` scale, folded into `fn` (the same function; the asset's
+scales are MaxText's initial ones, so its round trip is byte-exact).
 Weights and model state are converted, not the optimizer state. Every MaxText array must be used and
 every nnxtron parameter filled with the config's shape; a checkpoint of another model, a damaged
 one, a directory that is no checkpoint or an nnxtron checkpoint is one `error:` line (exit 2).

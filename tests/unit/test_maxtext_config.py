@@ -84,6 +84,18 @@ def test_scan_layers_per_stage_follows_maxtexts_default_in_a_pipeline():
     assert load_config(values={"ici_pipeline_parallelism": 2, "base_num_decoder_layers": 4}).scan_layers_per_stage is True
 
 
+@pytest.mark.parametrize("model", ["llama4-17b-16e", "llama3.1-8b"])
+def test_maxtexts_llama31_rope_keeps_its_fixed_scaling_under_a_maxtext_config(model):
+    """MaxText's rope_type llama3.1 scales by 8 / 1 / 4 over 8192 positions whatever the model
+    (LLaMARotaryEmbedding._apply_scaling_factor): Llama 4's preset (HF: 16 / 1 / 1) gives way to it."""
+    cfg = load_config(str(BASE), [f"model_name={model}"])
+    got = (cfg.rope_type, cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor)
+    assert got == ("llama3", 8.0, 1.0, 4.0) and cfg.rope_original_max_position_embeddings == 8192
+    yml = load_config(str(BASE), ["rope_type=llama3.1"])  # a MaxText config's own key
+    assert (yml.rope_type, yml.rope_scaling_factor, yml.rope_high_freq_factor) == ("llama3", 8.0, 4.0)
+    assert load_config(None, ["model_name=llama4-17b-16e"]).rope_scaling_factor == 16.0  # nnxtron's preset: HF's
+
+
 def test_reference_command_resolves():
     cfg, report = load_config_report(BASE, [*RUN, *REFERENCE])
     assert (cfg.decoder_block, cfg.attention_type, cfg.base_emb_dim, cfg.num_experts) == ("deepseek", "mla", 64, 16)

@@ -30,7 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nnxtron.config.maxtext_keys import IGNORED, KEYS, MAXTEXT_VERSION, NOT_IN_BASE, REFUSED, accepted, refusal, same
+from nnxtron.config.maxtext_keys import (
+    IGNORED,
+    KEYS,
+    MAXTEXT_LLAMA31_SCALING,
+    MAXTEXT_VERSION,
+    NOT_IN_BASE,
+    REFUSED,
+    accepted,
+    refusal,
+    same,
+)
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
 
@@ -50,12 +60,16 @@ MODEL_CONFIGS_SETTING: dict[str, frozenset[str]] = {
 
 def preset_under_maxtext(model_name: str, preset: dict[str, Any]) -> dict[str, Any]:
     """The preset's values a MaxText config takes: without the keys MaxText's model config of
-    ``model_name`` leaves to base.yml and the config file."""
-    return {
+    ``model_name`` leaves to base.yml and the config file; a llama3 RoPE (MaxText's ``llama3.1``)
+    with MaxText's fixed scaling (Llama 4's preset holds HF's 16 / 1 / 1, MaxText computes 8 / 1 / 4)."""
+    kept = {
         k: v
         for k, v in preset.items()
         if k not in PRESET_KEYS_KEPT_FROM_FILE or model_name in MODEL_CONFIGS_SETTING.get(k, frozenset())
     }
+    if kept.get("rope_type") == "llama3":
+        kept.update(MAXTEXT_LLAMA31_SCALING)
+    return kept
 
 
 DEFAULTS = {key: rule.default for key, rule in KEYS.items() if rule.default is not NOT_IN_BASE}

@@ -799,9 +799,16 @@ _translated("learning_rate_final_fraction", 0.1, "cosine_learning_rate_final_fra
 _translated("muon_consistent_rms", "None", "muon_consistent_rms; None is 0",
             lambda v, c: {"muon_consistent_rms": 0.0 if is_none(v) else v})  # fmt: skip
 _translated("trainable_position_size", -1, "trainable_position_size; -1 (off) is 0", _positive_or_zero("trainable_position_size"))
+# MaxText's llama3.1 RoPE scales the frequencies with constants of its own (layers/embeddings.py
+# LLaMARotaryEmbedding._apply_scaling_factor), whatever the model: Llama 4 too, whose HF config says 16 / 1 / 1
+MAXTEXT_LLAMA31_SCALING = {
+    "rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+    "rope_original_max_position_embeddings": 8192,
+}  # fmt: skip
 _translated(
-    "rope_type", "default", "rope_type; llama3.1 is llama3", lambda v, c: {"rope_type": "llama3" if v == "llama3.1" else v}
-)
+    "rope_type", "default", "rope_type; llama3.1 is llama3 with MaxText's fixed scaling (factor 8, low 1, high 4, 8192 positions)",
+    lambda v, c: {"rope_type": "llama3", **MAXTEXT_LLAMA31_SCALING} if v == "llama3.1" else {"rope_type": v},
+)  # fmt: skip
 _translated(
     "local_rope_max_timescale", -1, "local_rope_max_timescale; -1 (off) is 0", _positive_or_zero("local_rope_max_timescale")
 )

@@ -26,6 +26,8 @@ from flax import nnx
 
 from nnxtron.config.families import rules_for
 from nnxtron.config.loader import load_config
+from nnxtron.config.maxtext import MODEL_CONFIGS_SETTING
+from nnxtron.config.maxtext_keys import MAXTEXT_LLAMA31_SCALING
 from nnxtron.config.schema import Config
 from nnxtron.convert import maxtext_tree as tree
 from nnxtron.errors import CheckpointError, reason
@@ -195,13 +197,20 @@ def checkpoint_config(file: str | None, overrides: list[str]) -> Config:
     that matches MaxText's (Adam sees the same parametrisation); ``query_pre_attn_scalar=0``
     gives HF-meaning kernels (rescaled; needed for `convert to-hf`). A tied head defaults to
     MaxText's bfloat16 table (``tied_head_bf16=true``) and MaxText's base.yml
-    ``normalize_embedding_logits=true`` (logits / sqrt(emb_dim); Gemma 3: HF's head), so the converted
-    model computes MaxText's logits; ``tied_head_bf16=false`` rounds no table."""
+    ``normalize_embedding_logits=true`` (logits / sqrt(emb_dim); Gemma 3: HF's head) unless MaxText's
+    model config sets it (GPT-3, Qwen3: the preset's false), so the converted model computes
+    MaxText's logits; ``tied_head_bf16=false`` rounds no table. A llama3 RoPE defaults to MaxText's
+    fixed scaling (``llama3.1``: factor 8, low 1, high 4, 8192 positions; Llama 4's HF config says
+    16 / 1 / 1)."""
     cfg = load_config(file, overrides)
-    tied = {"tied_head_bf16": True, "normalize_embedding_logits": True}
+    tied: dict[str, Any] = {"tied_head_bf16": True}
+    if cfg.model_name not in MODEL_CONFIGS_SETTING["normalize_embedding_logits"]:
+        tied["normalize_embedding_logits"] = True
     defaults: dict[str, Any] = dict(tied) if cfg.logits_via_embedding else {}
     if rules_for(cfg.decoder_block).maxtext_query_folded:
         defaults["query_pre_attn_scalar"] = 1.0
+    if cfg.rope_type == "llama3":  # MaxText's llama3.1 RoPE, with its fixed scaling (Llama 4: not HF's)
+        defaults.update(MAXTEXT_LLAMA31_SCALING)
     # defaults: under the file and the command line
     return load_config(file, overrides, defaults=defaults) if defaults else cfg
 
@@ -241,6 +250,8 @@ def from_maxtext(flat: dict[str, np.ndarray], cfg: Config) -> tuple[dict, dict]:
     one ``CheckpointError`` naming the path."""
     tree.check_supported(cfg)
     unscanned = tree.unscan(flat, cfg) if tree.is_scanned(flat) else dict(flat)
+    if (rewrite := tree.maxtext_map(cfg).from_tree) is not None:
+        unscanned = rewrite(unscanned, cfg)
     params, state = _abstract(cfg)
     weight_dtype = np.dtype(cfg.weight_dtype)
     filled: dict[str, Any] = {}
@@ -305,6 +316,8 @@ def to_maxtext(params: dict, cfg: Config, *, scanned: bool, state: dict | None =
     left = sorted(k for k in set(flat) - used if not k.endswith("expert_load"))
     if left:
         raise CheckpointError(f"nnxtron parameters hold '{left[0]}' that model {_model(cfg)} has no MaxText name for")
+    if (rewrite := tree.maxtext_map(cfg).to_tree) is not None:
+        out = rewrite(out, cfg)
     return tree.scan(out, cfg) if scanned else out
 
 

@@ -17,6 +17,8 @@ gave the same names. Below the params root a tree is:
   parameter (a norm scale [D] becomes [D, L], an expert kernel [E, D, F] becomes [E, L, D, F]);
   Gemma 3 scans blocks of six layers: ``decoder/layers/layers_{j}/...`` (layer ``6 b + j`` at
   index ``b``) and ``decoder/layers_remainder/layers_{j}/...`` (the last ``L % 6`` layers).
+  Llama 4 scans blocks of ``inhomogeneous_layer_cycle_interval`` layers the same way (even a
+  block of one: ``layers/layers_0``), with no remainder.
 
 The names per family are the family's ``MaxTextMap`` (``Family.maxtext``, ``models/maxtext_map.py``:
 layer rules, top-level rules, layer prefixes, the scanned block length); this module applies them.
@@ -30,6 +32,11 @@ value conventions where MaxText's parametrisation differs from nnxtron's (HF's):
   ``query_pre_attn_scalar=1``);
 * ``NORM_OFFSET``: Gemma's RMSNorm multiplies by ``scale`` in MaxText, by ``1 + scale`` in
   nnxtron (``nnxtron = maxtext - 1``);
+* ``SCALE_PLUS_ONE``: GPT-3's LayerNorm multiplies by ``1 + scale`` in MaxText (Paxml's
+  zero-centred scale), by ``scale`` in nnxtron (HF's) (``nnxtron = maxtext + 1``). Lossy one
+  way: MaxText -> nnxtron -> MaxText gives ``fl(1 + s) - 1`` for ``s`` (half an ulp of ``1 + s``
+  at most: 2^-24 for ``|s| < 1``), whose ``1 + scale`` MaxText computes bit-identically (float32);
+  nnxtron -> MaxText -> nnxtron is exact;
 * ``EMBED_SCALE``: Gemma's ``sqrt(emb_dim)`` input scale is folded into MaxText's table (its
   tied logits divide by it again, ``normalize_embedding_logits``); nnxtron applies it at run
   time (``nnxtron = maxtext / sqrt(emb_dim)``). MaxText's tied head also rounds that table to
@@ -49,7 +56,7 @@ from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.config.stacks import layer_stacks
 from nnxtron.errors import CheckpointError
-from nnxtron.models.maxtext_map import BIAS_COLLECTION, EMBED_SCALE, NONE, NORM_OFFSET, QUERY, MaxTextMap, Rule
+from nnxtron.models.maxtext_map import BIAS_COLLECTION, EMBED_SCALE, NONE, NORM_OFFSET, QUERY, SCALE_PLUS_ONE, MaxTextMap, Rule
 from nnxtron.models.registry import FAMILIES, family_for
 
 PARAM_SCAN_AXIS = 1
@@ -159,6 +166,8 @@ def _apply(value: np.ndarray, convention: str, cfg: Config, forward: bool) -> np
         out = x * np.float32(factor) if forward else x / np.float32(factor)
     elif convention == NORM_OFFSET:
         out = x - np.float32(1.0) if forward else x + np.float32(1.0)
+    elif convention == SCALE_PLUS_ONE:
+        out = x + np.float32(1.0) if forward else x - np.float32(1.0)
     elif convention == EMBED_SCALE:
         scale = np.float32(math.sqrt(cfg.base_emb_dim))
         out = x / scale if forward else x * scale
@@ -168,7 +177,7 @@ def _apply(value: np.ndarray, convention: str, cfg: Config, forward: bool) -> np
 
 
 _STATE = f"(?:{BIAS_COLLECTION}/)?"
-_SCANNED = re.compile(rf"^({_STATE})decoder/(layers|dense_layers|moe_layers)/(.*)$")
+_SCANNED = re.compile(rf"^({_STATE})decoder/(layers|dense_layers|moe_layers|scanned_blocks)/(.*)$")
 _REMAINDER = re.compile(rf"^({_STATE})decoder/layers_remainder/layers_(\d+)/(.*)$")
 _UNSCANNED = re.compile(rf"^({_STATE})decoder/(layers|dense_layers|moe_layers)_(\d+)/(.*)$")
 
@@ -177,19 +186,34 @@ def _axis(collection: str) -> int:
     return STATE_SCAN_AXIS if collection else PARAM_SCAN_AXIS
 
 
+def _cycle(cfg: Config) -> tuple[int, bool]:
+    """Layers per scanned block, and whether MaxText names the blocks' layers (``layers/layers_{j}``)."""
+    mapping = maxtext_map(cfg)
+    cycle = mapping.cycle(cfg)
+    return cycle, cycle > 1 or mapping.scan_blocks
+
+
+def _prefix(cfg: Config) -> tuple[int, str]:
+    """The leading layers MaxText keeps unscanned in a scanned tree (``decoder/layers_{i}``) and the
+    name of the scanned blocks' group (DeepSeek-V4: its hash-routed prefix, ``scanned_blocks``)."""
+    mapping = maxtext_map(cfg)
+    return mapping.scan_prefix(cfg) if mapping.scan_prefix else 0, mapping.scan_group
+
+
 def is_scanned(flat: dict[str, np.ndarray]) -> bool:
     return any(_SCANNED.match(k) or _REMAINDER.match(k) for k in flat)
 
 
 def unscan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
     """A scanned MaxText tree under its unscanned names (one array per layer)."""
-    cycle = maxtext_map(cfg).scan_cycle
-    blocks = cfg.base_num_decoder_layers // cycle
+    cycle, blocked = _cycle(cfg)
+    prefix, _ = _prefix(cfg)
+    blocks = (cfg.base_num_decoder_layers - prefix) // cycle
     out: dict[str, np.ndarray] = {}
     for key, value in flat.items():
         rem, scanned = _REMAINDER.match(key), _SCANNED.match(key)
         if rem:
-            out[f"{rem[1]}decoder/layers_{blocks * cycle + int(rem[2])}/{rem[3]}"] = value
+            out[f"{rem[1]}decoder/layers_{prefix + blocks * cycle + int(rem[2])}/{rem[3]}"] = value
             continue
         if not scanned:
             out[key] = value
@@ -202,23 +226,24 @@ def unscan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
                 f"axis {axis}; the checkpoint does not match the config"
             )
         position = 0
-        if cycle > 1:
+        if blocked:
             inner = re.match(r"^layers_(\d+)/(.*)$", rest)
             if not inner:
                 raise CheckpointError(
                     f"MaxText array '{key}' is not in a {cfg.decoder_block} scanned block of {cycle} layers (layers/layers_j/...)"
                 )
-            position, rest = int(inner[1]), inner[2]
+            position, rest, group = int(inner[1]), inner[2], "layers"
         for index in range(value.shape[axis]):
-            layer = index * cycle + position
+            layer = prefix + index * cycle + position
             out[f"{collection}decoder/{group}_{layer}/{rest}"] = np.take(value, index, axis=axis)
     return out
 
 
 def scan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
     """The inverse of ``unscan``: layers stacked on ``PARAM_SCAN_AXIS``."""
-    cycle = maxtext_map(cfg).scan_cycle
-    blocks = cfg.base_num_decoder_layers // cycle
+    cycle, blocked = _cycle(cfg)
+    prefix, scan_group = _prefix(cfg)
+    blocks = (cfg.base_num_decoder_layers - prefix) // cycle
     groups: dict[str, dict[int, np.ndarray]] = {}
     out: dict[str, np.ndarray] = {}
     for key, value in flat.items():
@@ -227,12 +252,15 @@ def scan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
             out[key] = value
             continue
         collection, group, layer, rest = m[1], m[2], int(m[3]), m[4]
-        if cycle > 1:
-            block, position = divmod(layer, cycle)
+        if layer < prefix:
+            out[key] = value
+            continue
+        if blocked:
+            block, position = divmod(layer - prefix, cycle)
             if block >= blocks:
                 out[f"{collection}decoder/layers_remainder/layers_{position}/{rest}"] = value
                 continue
-            groups.setdefault(f"{collection}decoder/layers/layers_{position}/{rest}", {})[block] = value
+            groups.setdefault(f"{collection}decoder/{scan_group}/layers_{position}/{rest}", {})[block] = value
         else:
             groups.setdefault(f"{collection}decoder/{group}/{rest}", {})[layer] = value
     for key, parts in groups.items():

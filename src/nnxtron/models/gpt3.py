@@ -35,6 +35,8 @@ from nnxtron.layers.mlp import MLP
 from nnxtron.layers.norms import LayerNorm
 from nnxtron.models.family import Family, Golden, StrategyRow, WeightMap
 from nnxtron.models.hf_common import hf_ties_head, optional_size
+from nnxtron.models.maxtext_map import SCALE_PLUS_ONE, MaxTextMap, Rule
+from nnxtron.models.maxtext_map import top_rules as maxtext_top_rules
 from nnxtron.parallel.ring_attention import ContextParallel
 from nnxtron.parallel.sharding import RESIDUAL, constrain
 
@@ -138,6 +140,32 @@ def top_weights(cfg: Config) -> tuple[WeightMap, ...]:
     return maps if cfg.logits_via_embedding else (*maps, WeightMap("logits/kernel", "lm_head.weight", 1))
 
 
+def _maxtext_norm(maxtext: str, nnxtron: str) -> tuple[Rule, Rule]:
+    """MaxText's ``Gpt3LayerNorm``: ``scale`` multiplies as ``1 + scale`` (``SCALE_PLUS_ONE``), the bias as is."""
+    return Rule(f"{maxtext}/scale", f"{nnxtron}/scale", SCALE_PLUS_ONE), Rule(f"{maxtext}/bias", f"{nnxtron}/bias")
+
+
+def maxtext_layer_rules(cfg: Config, kind: LayerKind) -> tuple[Rule, ...]:
+    """MaxText's ``Gpt3DecoderLayer`` (``fused_qkv=true``, as every MaxText GPT-3 config): the MLP's
+    own pre-norm (``mlp/mlp_layer_norm``), one activation (``wi``); the query's ``1/sqrt(head_dim)``
+    is applied at run time in both, so no kernel is rescaled."""
+    rules = [*_maxtext_norm("pre_self_attention_norm", "pre_attention_norm")]
+    rules += [Rule(f"self_attention/qkv_proj/{n}", f"attention/qkv/{n}") for n in ("kernel", "bias")]
+    rules += [Rule(f"self_attention/out/{n}", f"attention/out/{n}") for n in ("kernel", "bias")]
+    rules += _maxtext_norm("mlp/mlp_layer_norm", "pre_mlp_norm")
+    rules += [Rule(f"mlp/{w}/{n}", f"mlp/{w}/{n}") for w in ("wi", "wo") for n in ("kernel", "bias")]
+    return tuple(rules)
+
+
+def maxtext_top_level(cfg: Config) -> tuple[Rule, ...]:
+    """The token and learned position tables, the final LayerNorm (with its bias), the head if untied."""
+    return (
+        *maxtext_top_rules(cfg, norm=SCALE_PLUS_ONE),
+        Rule("decoder/decoder_norm/bias", "final_norm/bias"),
+        Rule("decoder/position_embedder/embedding", "position_embed/embedding"),
+    )
+
+
 UNSUPPORTED_GPT2 = {
     "scale_attn_by_inverse_layer_idx": False,
     "reorder_and_upcast_attn": False,
@@ -214,6 +242,7 @@ FAMILIES = (
         make_final_norm=layer_norm,
         hf_layer_prefix="transformer.h.{i}.",
         goldens=(Golden("gpt2", "gpt2"),),  # HF GPT-2 through the adaptor
+        maxtext=MaxTextMap(maxtext_layer_rules, maxtext_top_level),
         strategy_rows=(StrategyRow("gpt3-52k", True, "minimal", "fsdp2_context4", 2, (("base_num_decoder_layers", 3),)),),
     ),
 )

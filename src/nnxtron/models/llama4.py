@@ -14,17 +14,25 @@ HF ``Llama4ForCausalLM`` (``model_type: llama4_text``). The pre-norm block (``mo
 Scanned as cycle blocks of ``inhomogeneous_layer_cycle_interval`` layers. HF keeps the
 experts fused and input-major: ``experts.gate_up_proj [E, D, 2F]`` (gate = first F
 columns) and ``experts.down_proj [E, F, D]`` — exactly nnxtron's ``wi_0|wi_1`` and ``wo``.
+
+MaxText (``decoder_block=llama4``) names a MoE layer's router and experts
+``Llama4MoEBlock_0/MoeBlock_0/{gate/kernel,wi_0,wi_1,wo}`` and its shared expert
+``Llama4MoEBlock_0/shared_experts/...``; it scales the queries at run time (no folded query
+kernel) and its L2 qk norm has no weights, so the values are nnxtron's. Scanned, it always
+scans ``Llama4ScannableBlock``s of ``inhomogeneous_layer_cycle_interval`` layers
+(``decoder/layers/layers_{j}/...``, even a block of one) and has no remainder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flax import nnx
 
-from nnxtron.config.layout import PLAIN, LayerKind
+from nnxtron.config.layout import PLAIN, LayerKind, cycle_length
 from nnxtron.config.schema import Config
-from nnxtron.errors import ConfigError
+from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.models.family import Golden, StrategyRow, WeightMap
 from nnxtron.models.hf_common import (
     GQA_WEIGHTS,
@@ -33,6 +41,7 @@ from nnxtron.models.hf_common import (
     gated_mlp_weights,
     optional_size,
 )
+from nnxtron.models.maxtext_map import Rule, expert_rules, mlp_rules, pre_norm_map
 from nnxtron.models.prenorm import PreNormBlock, pre_norm_family
 
 NORM_WEIGHTS = (
@@ -151,6 +160,26 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
+def maxtext_moe_rules(cfg: Config) -> tuple[Rule, ...]:
+    """MaxText's Llama 4 MoE layer: the router and routed experts, then the shared expert."""
+    moe = "Llama4MoEBlock_0/"
+    return (*expert_rules(f"{moe}MoeBlock_0/"), *mlp_rules(f"{moe}shared_experts/", "mlp/shared/"))
+
+
+def maxtext_scan_cycle(cfg: Config) -> int:
+    """MaxText's scanned block: ``inhomogeneous_layer_cycle_interval`` layers (nnxtron's cycle: the
+    interval, or the pattern's period where MaxText's interval 1 would not build this model)."""
+    cycle = cycle_length(cfg)
+    if cfg.base_num_decoder_layers % cycle:
+        raise CheckpointError(
+            f"MaxText scans Llama 4 in whole blocks of {cycle} layers (no remainder); "
+            f"base_num_decoder_layers={cfg.base_num_decoder_layers} is not a multiple"
+        )
+    return cycle
+
+
+MAXTEXT = dataclasses.replace(pre_norm_map(maxtext_moe_rules), scan_cycle=maxtext_scan_cycle, scan_blocks=True)
+
 FAMILIES = (
     pre_norm_family(
         "llama4",
@@ -160,6 +189,7 @@ FAMILIES = (
         config_from_hf,
         config_to_hf,
         make_block,
+        maxtext=MAXTEXT,
         hf_multimodal_type="llama4",
         hf_vision_prefixes=("vision_model.", "multi_modal_projector."),
         goldens=(Golden("llama4", "llama4"),),

@@ -19,6 +19,7 @@ from nnxtron.errors import CheckpointError
 
 # value conventions between MaxText's parametrisation and nnxtron's (``convert/maxtext_tree.py``)
 NONE, QUERY, NORM_OFFSET, EMBED_SCALE = "", "query", "norm_offset", "embed_scale"
+SCALE_PLUS_ONE = "scale_plus_one"  # MaxText multiplies by 1 + scale, nnxtron by scale (GPT-3's LayerNorm)
 BIAS_COLLECTION = "MoEBiasVar"  # MaxText's nnx.Variable type of the router bias: its collection name
 
 
@@ -56,13 +57,27 @@ def layer_prefix(cfg: Config, layer: int) -> str:
 @dataclass(frozen=True)
 class MaxTextMap:
     """A family's MaxText names: ``layer_rules(cfg, kind)`` for one layer, ``top_rules(cfg)``,
-    ``layer_prefix(cfg, i)`` for layer ``i``; ``scan_cycle`` > 1: MaxText scans blocks of that many
-    layers (``decoder/layers/layers_{j}/...``) and the last ``L % scan_cycle`` in ``layers_remainder``."""
+    ``layer_prefix(cfg, i)`` for layer ``i``; ``scan_cycle`` (a number, or one per config) > 1 or
+    ``scan_blocks``: MaxText scans blocks of that many layers (``decoder/layers/layers_{j}/...``,
+    also a block of one with ``scan_blocks``) and the last ``L % scan_cycle`` in ``layers_remainder``."""
 
     layer_rules: Callable[[Config, LayerKind], tuple[Rule, ...]]
     top_rules: Callable[[Config], tuple[Rule, ...]] = top_rules
     layer_prefix: Callable[[Config, int], str] = layer_prefix
-    scan_cycle: int = 1
+    scan_cycle: int | Callable[[Config], int] = 1
+    scan_blocks: bool = False
+    # DeepSeek-V4: the first ``scan_prefix(cfg)`` layers stay unscanned (``decoder/layers_{i}``) in a
+    # scanned tree, whose blocks MaxText names ``decoder/{scan_group}/layers_{j}``
+    scan_prefix: Callable[[Config], int] | None = None
+    scan_group: str = "layers"
+    # a family's rewrite of the flat unscanned MaxText tree into the arrays its rules name (MaxText
+    # arrays that nnxtron joins, splits or lays out otherwise), and back; None: the names as stored
+    from_tree: Callable[[dict, Config], dict] | None = None
+    to_tree: Callable[[dict, Config], dict] | None = None
+
+    def cycle(self, cfg: Config) -> int:
+        """The layers of one scanned block of ``cfg``'s model."""
+        return self.scan_cycle(cfg) if callable(self.scan_cycle) else self.scan_cycle
 
 
 def attention_rules(cfg: Config) -> tuple[Rule, ...]:

@@ -8,6 +8,11 @@ HF ``Qwen3ForCausalLM`` (``decoder_block=qwen3``) and ``Qwen3MoeForCausalLM``
 ``dense_layers`` = ``mlp_only_layers``, or ``first_num_dense_layers`` when they are a prefix and
 the step is 1 (a scanned stack of their own). Experts load from the hub layout
 (``mlp.experts.{e}.*_proj``) or the transformers >= 5 fused one; export writes the hub layout.
+
+MaxText (``decoder_block=qwen3`` / ``qwen3_moe``, ``MAXTEXT``) names a layer as Llama's plus
+``self_attention/{query,key}_norm/scale``; its MoE layers hold ``moe_block/{gate/kernel,wi_0,wi_1,wo}``.
+Values are the same: MaxText scales the normed, rotated query by ``head_dim ** -0.5`` at run time
+(``query_pre_attn_scalar``), as nnxtron does, and its RMSNorms multiply by ``scale`` as nnxtron's.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
-from nnxtron.errors import ConfigError
+from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.models.family import Golden, StrategyRow, WeightMap
 from nnxtron.models.hf_common import (
     GQA_WEIGHTS,
@@ -28,6 +33,7 @@ from nnxtron.models.hf_common import (
     routed_expert_weights,
 )
 from nnxtron.models.llama import LAYER_WEIGHTS
+from nnxtron.models.maxtext_map import PRE_NORMS, MaxTextMap, Rule, attention_rules, expert_rules, mlp_rules
 from nnxtron.models.prenorm import pre_norm_family
 
 MOE_WEIGHTS = routed_expert_weights("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj"))
@@ -93,6 +99,25 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return hf
 
 
+MAXTEXT_QK_NORMS = tuple(Rule(f"self_attention/{n}_norm/scale", f"attention/{n}_norm/scale") for n in ("query", "key"))
+
+
+def maxtext_layer_rules(cfg: Config, kind: LayerKind) -> tuple[Rule, ...]:
+    """MaxText's Qwen3 layer (``Qwen3DecoderLayer``) or Qwen3-MoE layer (``Qwen3MoeDecoderLayer``):
+    MaxText's ``qwen3`` has dense layers only, its ``qwen3_moe`` MoE layers only."""
+    moe = cfg.decoder_block == "qwen3_moe"
+    if kind.moe != moe:
+        raise CheckpointError(
+            f"MaxText's decoder_block={cfg.decoder_block} has {'MoE' if moe else 'dense'} layers only, this model has a "
+            f"{'MoE' if kind.moe else 'dense'} layer (num_experts, first_num_dense_layers, dense_layers, "
+            "interleave_moe_layer_step); it has no MaxText checkpoint"
+        )
+    mlp = expert_rules("moe_block/") if kind.moe else mlp_rules("mlp/", "mlp/")
+    return (*attention_rules(cfg), *MAXTEXT_QK_NORMS, *PRE_NORMS, *mlp)
+
+
+MAXTEXT = MaxTextMap(maxtext_layer_rules)
+
 FAMILIES = (
     pre_norm_family(
         "qwen3",
@@ -101,6 +126,7 @@ FAMILIES = (
         layer_weights,
         config_from_hf,
         config_to_hf,
+        maxtext=MAXTEXT,
         goldens=(Golden("qwen3", "mixtral_qwen3"),),
         strategy_rows=(StrategyRow("qwen3-tiny", True, "save_dot_except_mlp", "fsdp2_context4", 2),),  # qk-norm, context parallel
     ),
@@ -111,6 +137,7 @@ FAMILIES = (
         layer_weights,
         config_from_hf,
         config_to_hf,
+        maxtext=MAXTEXT,
         goldens=(
             Golden("qwen3_moe", "mixtral_qwen3", fused_checked=True),
             Golden("qwen3_moe_norenorm", "mixtral_qwen3"),

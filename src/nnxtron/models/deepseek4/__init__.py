@@ -8,6 +8,7 @@ truth). The family, in one place:
   indexer, HCA) and its decoding caches;
 * ``mhc.py``: the manifold-constrained hyper-connections;
 * ``hf.py``: the HF weight names and ``config.json`` mapping;
+* ``maxtext.py``: the MaxText checkpoint names and layouts;
 * ``config/deepseek4.py``: its config checks, its layer kinds (``compress_ratios``, the
   hash-routed prefix) and its matmul count — pure rules the config layer runs; its keys
   are the DeepSeek-V4 section of ``config/schema.py``;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from nnxtron.models.deepseek4.block import DeepSeek4Block, stream_head
 from nnxtron.models.deepseek4.hf import config_from_hf, config_to_hf, layer_weights, top_weights
+from nnxtron.models.deepseek4.maxtext import MAXTEXT
 from nnxtron.models.family import Family, Golden, StrategyRow
 
 FAMILIES = (
@@ -35,6 +37,7 @@ FAMILIES = (
         config_from_hf=config_from_hf,
         config_to_hf=config_to_hf,
         make_stream_head=stream_head,
+        maxtext=MAXTEXT,
         block_takes_tokens=True,
         goldens=(Golden("deepseek4", "deepseek4", fused_checked=True),),
         # hash-routed prefix block + (HCA, CSA) block + HCA remainder, mHC streams, expert loads
