@@ -62,6 +62,8 @@ from typing import Any
 
 import numpy as np
 
+from nnxtron.runtime.fake_devices import fake_device_env
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DRIVER = ROOT / "benchmarks" / "maxtext_sharding_driver.py"
@@ -77,14 +79,8 @@ GIB = 1024**3
 
 
 def child_env(devices: int, cache: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "XDG_CACHE_HOME": cache,
-        "MPLCONFIGDIR": cache,
-    })  # fmt: skip
-    return env
+    """A child's environment on ``devices`` fake CPU devices, its caches in ``cache``."""
+    return {**os.environ, **fake_device_env(devices), "XDG_CACHE_HOME": cache, "MPLCONFIGDIR": cache}
 
 
 def run_timed(

@@ -37,7 +37,8 @@ import numpy as np
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import CheckpointError
-from nnxtron.models.maxtext_map import MaxTextMap, Rule, mlp_rules
+from nnxtron.models.maxtext_map import PRE_NORMS, MaxTextMap, Rule, expert_rules, mlp_rules
+from nnxtron.models.maxtext_map import top_rules as maxtext_top_rules
 
 HC = (("mhc_attention", "attention_hc"), ("mhc_mlp", "mlp_hc"))
 PARTS = ("pre", "post", "res")
@@ -66,12 +67,7 @@ def layer_rules(cfg: Config, kind: LayerKind) -> tuple[Rule, ...]:
             Rule(f"{csa}/indexer/weights_proj/kernel", "attention/indexer/weights_proj/kernel"),
         ]
     rules += [Rule(f"{mt}/{n}", f"{nx}/{n}") for mt, nx in HC for n in ("fn", "base", "scale")]
-    rules += [
-        Rule("pre_self_attention_layer_norm/scale", "pre_attention_norm/scale"),
-        Rule("post_self_attention_layer_norm/scale", "post_attention_norm/scale"),
-        Rule("mlp/MoeBlock_0/gate/kernel", "mlp/router/kernel"),
-        *(Rule(f"mlp/MoeBlock_0/{n}", f"mlp/{n}") for n in ("wi_0", "wi_1", "wo")),
-    ]
+    rules += [*PRE_NORMS, *expert_rules("mlp/MoeBlock_0/")]
     if cfg.shared_experts:
         rules += mlp_rules("mlp/shared_experts/", "mlp/shared/")
     if kind.hash:
@@ -82,12 +78,8 @@ def layer_rules(cfg: Config, kind: LayerKind) -> tuple[Rule, ...]:
 
 
 def top_rules(cfg: Config) -> tuple[Rule, ...]:
-    return (
-        Rule("token_embedder/embedding", "embed/embedding"),
-        Rule("decoder/decoder_norm/scale", "final_norm/scale"),
-        Rule("decoder/logits_dense/kernel", "logits/kernel"),
-        *(Rule(f"decoder/hc_head/{n}", f"hyper_head/{n}") for n in ("fn", "base", "scale")),
-    )
+    """The shared top level and the stream head (``hc_fn`` transposed by the tree rewrites)."""
+    return (*maxtext_top_rules(cfg), *(Rule(f"decoder/hc_head/hc_{n}", f"hyper_head/{n}") for n in ("fn", "base", "scale")))
 
 
 def _hc_prefixes(flat: dict, suffix: str) -> list[str]:
@@ -126,9 +118,7 @@ def from_tree(flat: dict, cfg: Config) -> dict:
         elif key.endswith("/indexer/q_proj/kernel"):
             out[key] = value.reshape(value.shape[0], cfg.indexer_n_heads, -1)
         elif key == "decoder/hc_head/hc_fn":
-            out["decoder/hc_head/fn"] = np.ascontiguousarray(out.pop(key).T)
-        elif key in ("decoder/hc_head/hc_base", "decoder/hc_head/hc_scale"):
-            out[key.replace("hc_head/hc_", "hc_head/")] = out.pop(key)
+            out[key] = np.ascontiguousarray(value.T)
     return out
 
 
@@ -157,10 +147,8 @@ def to_tree(flat: dict, cfg: Config) -> dict:
             out[key] = value.reshape(value.shape[0], -1)
         elif key.endswith("/tid2eid"):
             out[key] = value.astype(np.float32)  # MaxText keeps the table as float32
-        elif key == "decoder/hc_head/fn":
-            out["decoder/hc_head/hc_fn"] = np.ascontiguousarray(out.pop(key).T)
-        elif key in ("decoder/hc_head/base", "decoder/hc_head/scale"):
-            out[key.replace("hc_head/", "hc_head/hc_")] = out.pop(key)
+        elif key == "decoder/hc_head/hc_fn":
+            out[key] = np.ascontiguousarray(value.T)
     return out
 
 
