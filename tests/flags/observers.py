@@ -331,10 +331,33 @@ def _jax_cache_settings():
         _point_jax_at(before[0])
 
 
-@functools.cache
-def _train(values: Overrides) -> tuple[Path, str]:
-    """``nnxtron train`` of the config into a fresh directory: (run directory, its output).
-    The runs share one compilation cache (their steps are mostly the same programs)."""
+_TRAINED: dict[Overrides, tuple[Path, str]] = {}
+_RETRAIN = False  # set by ``retraining``
+
+
+@contextlib.contextmanager
+def retraining():
+    """Inside: ``run`` trains its config again even where this process trained the same config
+    before (another case's variant or reference): the reads a case records must not depend on
+    which case the scheduler gave this worker first (a cached run executes none of them)."""
+    global _RETRAIN
+    _RETRAIN = True
+    try:
+        yield
+    finally:
+        _RETRAIN = False
+
+
+def _train(values: Overrides, again: bool = False) -> tuple[Path, str]:
+    """``nnxtron train`` of the config into a fresh directory: (run directory, its output),
+    cached per config unless ``again``. The runs share one compilation cache (their steps are
+    mostly the same programs)."""
+    if again or values not in _TRAINED:
+        _TRAINED[values] = _train_now(values)
+    return _TRAINED[values]
+
+
+def _train_now(values: Overrides) -> tuple[Path, str]:
     if dict(values).get("init_from"):  # init_from brings the model: model_name is refused with it
         values = tuple((k, v) for k, v in values if k != "model_name")
     base = Path(tempfile.mkdtemp(dir=WORK))
@@ -348,7 +371,7 @@ def _train(values: Overrides) -> tuple[Path, str]:
 def run(values: Overrides) -> tuple:
     """What ``nnxtron train`` leaves and says: the files of the run directory, the metrics
     records (steps, names, losses), the checkpoints kept, the steps it printed and its sample."""
-    directory, out = _train(values)
+    directory, out = _train(values, again=_RETRAIN)
     files = _files(directory)
     checkpoints = sorted(p.name for p in (directory / "checkpoints").iterdir()) if (directory / "checkpoints").is_dir() else []
     records = []

@@ -597,7 +597,7 @@ def _assert_observation_changes(key: str, flag: Flag, recorder: read_coverage.Re
         _assert_inert(key, value, flag, reference, variant)
         return
     try:
-        with recorder:
+        with recorder, obs.retraining():
             observed = observe(obs.frozen(variant))
     except ConfigError:
         if further:  # refused when the model is built (e.g. a family without MoE layers): not ignored
