@@ -131,7 +131,14 @@ def cases(quick: bool) -> dict[str, Case]:
             (*moe, batch4),
             {"maxtext": SPARSE_BOTH},
         ),
-        "deepseek3-tiny-mtp": Case("deepseek3-tiny, mtp_num_layers=1, batch 1 x 128", deepseek, {"maxtext": SPARSE_BOTH}),
+        "deepseek3-tiny-mtp": Case(
+            "deepseek3-tiny, mtp_num_layers=1, batch 1 x 128, sparse_matmul=false (every expert on every token)",
+            (*deepseek, "sparse_matmul=false"),
+        ),
+        "deepseek3-tiny-mtp-sparse": Case(
+            "the same, sparse_matmul=true (MaxText: ragged_dot; nnxtron: grouped matmul of the routed rows)",
+            (*deepseek, "sparse_matmul=true"),
+        ),
         "dense-fsdp4": Case(
             "dense, remat full, 4 fake devices, ici_fsdp_parallelism=4, global batch 4",
             (*dense, "per_device_batch_size=1", "ici_fsdp_parallelism=4"),

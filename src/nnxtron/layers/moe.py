@@ -111,7 +111,8 @@ class MoE(nnx.Module):
         self.capacity_factor, self.capacity_scope = cfg.capacity_factor, cfg.capacity_scope
         self.compute = cfg.moe_compute
         self.token_chunks = cfg.moe_token_chunks
-        self.grouped_matmul = resolve_grouped_matmul(cfg.grouped_matmul, jax.default_backend(), cfg.use_qwix_quantization)
+        self.quantized = cfg.use_qwix_quantization  # qwix needs each expert weight as its own einsum operand
+        self.grouped_matmul = resolve_grouped_matmul(cfg.grouped_matmul, jax.default_backend(), self.quantized)
         self.lb_weight = load_balance_weight(cfg, hash_routed)  # / the MoE layers under load_balance_convention=maxtext
         self.router = Linear([dim], [experts], ("embed", None), dtype=jnp.float32, weight_dtype=weight_dtype, rngs=rngs)
         if hash_routed:  # the table replaces the selection; no correction bias (as HF)
@@ -171,7 +172,7 @@ class MoE(nnx.Module):
         routed = dispatch(
             x, indices, combine, keep, in_scale, self.wi_0[...], self.wi_1[...], self.wo[...],
             glu=glu(self.activation, self.limit), compute=self.compute, method=self.grouped_matmul,
-            token_chunks=self.token_chunks,
+            token_chunks=self.token_chunks, quantized=self.quantized,
         )  # fmt: skip
         y = constrain(routed.astype(self.dtype), TOKENS)
         if hasattr(self, "shared"):

@@ -10,9 +10,9 @@ CPU and GPU) or ``blocked`` (each expert's rows padded to whole blocks, one expe
 the routed FLOPs + at most 25 % padding, on every backend). ``dispatch`` is the
 entry point used by ``MoE``. With ``compute="dense"`` (``moe_compute=dense``, MaxText's
 ``sparse_matmul=false``) it calls ``dense_ffn`` instead: every expert on every token with
-three einsums, combined with the routing weights scattered to ``[B, S, E]`` (zero for
-unselected or dropped assignments) — the same function, ``E / k`` times the FLOPs, in
-plain batched matmuls. The dense path never enters
+two einsums (the gate and up projections in one) and the routing weights scattered to
+``[B, S, E]`` (zero for unselected or dropped assignments) — the same function, ``E / k``
+times the FLOPs, in plain matmuls. The dense path never enters
 ``shard_map``: under a mesh XLA partitions its einsums (expert weights sharded on
 ``exp``) like any other matmul. Otherwise, without an active mesh ``dispatch`` calls
 ``expert_ffn`` directly; with one it runs ``expert_ffn`` under ``jax.shard_map`` (manual
@@ -130,10 +130,21 @@ def dense_ffn(
     wo: jax.Array,
     *,
     glu: Callable[[jax.Array, jax.Array], jax.Array],
+    quantized: bool = False,
 ) -> jax.Array:
     """``expert_ffn``'s function on ``x [B, S, D]`` and routing ``[B, S, k]`` -> ``[B, S, D]``
     float32, computing every expert ``[E, ...]`` on every token. ``in_scale`` (Llama 4) needs
-    ``k == 1``: the token's one scale multiplies its input to every expert."""
+    ``k == 1``: the token's one scale multiplies its input to every expert.
+
+    Unquantized, two matmuls a layer: the gate and up projections are one einsum over the
+    weights stacked on a new axis (``[E, D, 2, H]``; stacking keeps each weight's sharding),
+    and the routing weight multiplies each expert's activation before ``wo``, so the output
+    projection contracts experts and hidden units at once (``[T, E H] x [E H, D]``). On
+    XLA:CPU that takes ~40 % less time than MaxText's form (``[B, S, E, D]`` expert outputs,
+    then their weighted sum), which transposes ``[T, E, H]`` to ``[E, T, H]`` around a batched
+    matmul per projection. ``quantized`` (qwix) keeps MaxText's form: qwix finds a weight by
+    identity (a stacked weight would go unquantized) and scales ``wo`` per expert only where
+    the expert axis is a batch axis, not a contracted one."""
     experts, dtype = wi_0.shape[0], x.dtype
     if in_scale is not None:
         if in_scale.shape[-1] != 1:
@@ -147,11 +158,18 @@ def dense_ffn(
     # by shape, cannot tell wi_0 from wi_1 (nor from wo when the widths are equal) — a cast weight
     # would stay unquantized or fail under the gradient trace
     xw = x.astype(wi_0.dtype)
-    gate = checkpoint_name(jnp.einsum("bsd,edh->bseh", xw, wi_0).astype(dtype), "mlpwi_0")
-    up = checkpoint_name(jnp.einsum("bsd,edh->bseh", xw, wi_1).astype(dtype), "mlpwi_1")
-    hidden = glu(gate, up).astype(wo.dtype)
-    out = checkpoint_name(jnp.einsum("bseh,ehd->bsed", hidden, wo).astype(dtype), "mlpwo")
-    return jnp.einsum("bsed,bse->bsd", out.astype(jnp.float32), weights)
+    if quantized:  # MaxText's form: per-expert outputs [B, S, E, D], then the weighted sum
+        gate = checkpoint_name(jnp.einsum("bsd,edh->bseh", xw, wi_0).astype(dtype), "mlpwi_0")
+        up = checkpoint_name(jnp.einsum("bsd,edh->bseh", xw, wi_1).astype(dtype), "mlpwi_1")
+        hidden = glu(gate, up).astype(wo.dtype)
+        out = checkpoint_name(jnp.einsum("bseh,ehd->bsed", hidden, wo).astype(dtype), "mlpwo")
+        return jnp.einsum("bsed,bse->bsd", out.astype(jnp.float32), weights)
+    both = jnp.einsum("bsd,edgh->bsegh", xw, jnp.stack([wi_0, wi_1], axis=-2))
+    gate = checkpoint_name(both[..., 0, :].astype(dtype), "mlpwi_0")
+    up = checkpoint_name(both[..., 1, :].astype(dtype), "mlpwi_1")
+    weighted = glu(gate, up).astype(jnp.float32) * weights[..., None]  # [B, S, E, H]; unselected experts: 0
+    out = jnp.einsum("bseh,ehd->bsd", weighted.astype(jnp.promote_types(wo.dtype, jnp.float32)), wo)
+    return checkpoint_name(out.astype(jnp.float32), "mlpwo")
 
 
 def dispatch(
@@ -168,15 +186,16 @@ def dispatch(
     compute: str,
     method: str,
     token_chunks: int = 1,
+    quantized: bool = False,
 ) -> jax.Array:
     """Routed output ``[B, S, D]`` float32 for ``x [B, S, D]`` and routing ``[B, S, k]``;
     ``glu(gate, up)`` is the gated activation (``nnxtron.layers.mlp.glu``); ``compute`` is
     ``moe_compute`` (``grouped``: ``expert_ffn``, sharded by hand; ``dense``: ``dense_ffn``);
     ``method`` the grouped matmul of ``expert_ffn`` (``ragged_dot`` or ``blocked``);
     ``token_chunks`` runs it over that many pieces of each device's tokens
-    (``expert_ffn``'s ``chunks``)."""
+    (``expert_ffn``'s ``chunks``); ``quantized`` is ``dense_ffn``'s."""
     if compute == "dense":
-        return dense_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, glu=glu)
+        return dense_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, glu=glu, quantized=quantized)
     if compute != "grouped":
         raise ValueError(f"moe_compute={compute!r}; choose one of {MOE_COMPUTES}")
     kw = dict(glu=glu, method=method)
