@@ -49,6 +49,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # suite: the machine description
 import maxtext_reference  # noqa: E402
 from suite import machine  # noqa: E402
 
+from nnxtron.tools.step_profile import PROFILE_STEPS, read_profile, summarize  # noqa: E402
+
 WARMUP_STEPS = 2  # skipped in both systems (nnxtron bench's own warm-up count)
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+), TFLOP/s/device: [0-9.]+, Tokens/s/device: ([0-9.]+)")
 SYSTEMS = ("nnxtron", "maxtext")
@@ -160,16 +162,17 @@ def child_env(devices: int) -> dict[str, str]:
     return env
 
 
-def run_nnxtron(base_yml: Path, keys: list[str], steps: int, devices: int) -> dict[str, Any]:
-    """``nnxtron bench`` in a fresh process: its JSON line."""
+def run_nnxtron(base_yml: Path, keys: list[str], steps: int, devices: int, profile: Path | None = None) -> dict[str, Any]:
+    """``nnxtron bench`` in a fresh process: its JSON line (``profile``: with ``--profile``, its breakdown)."""
     cmd = [sys.executable, "-m", "nnxtron", "bench", str(base_yml), *keys, "--steps", str(steps)]
+    cmd += ["--profile", str(profile)] if profile else []
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=child_env(devices))
     if done.returncode != 0:
         raise RuntimeError(f"nnxtron bench failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return {"step_seconds": result["step_seconds"], "step_seconds_min": result["step_seconds_min"],
             "tokens_per_step": result["tokens_per_step"], "loss": result["loss"], "params": result["params"],
-            "mesh_shape": result["mesh_shape"], "bench": result}  # fmt: skip
+            "mesh_shape": result["mesh_shape"], "bench": result, "breakdown": result.get("profile_breakdown")}  # fmt: skip
 
 
 def parse_maxtext_log(log: str, devices: int) -> dict[str, Any]:
@@ -188,36 +191,53 @@ def parse_maxtext_log(log: str, devices: int) -> dict[str, Any]:
     }
 
 
-def run_maxtext(interpreter: Path, base_yml: Path, keys: list[str], steps: int, devices: int, cache: str) -> dict[str, Any]:
-    """MaxText's train command in a fresh process: its per-step times."""
+def run_maxtext(
+    interpreter: Path, base_yml: Path, keys: list[str], steps: int, devices: int, cache: str, vocab: int | None = None
+) -> dict[str, Any]:
+    """MaxText's train command in a fresh process: its per-step times. ``vocab`` (the model's):
+    also trace ``PROFILE_STEPS`` steps after the warm-up with MaxText's own profiler
+    (``profiler=xplane``), dump the compiled step's HLO (``--xla_dump_to``) and add their
+    ``step_profile`` breakdown."""
     run_keys = [f"run_name=vs_maxtext_{os.getpid()}_{time.time_ns()}", f"base_output_directory={cache}/out",
-                "enable_checkpointing=false", f"steps={WARMUP_STEPS + steps}"]  # fmt: skip
-    cmd = [str(interpreter), "-m", "maxtext.trainers.pre_train.train", str(base_yml), *run_keys, *keys]
+                "enable_checkpointing=false", f"steps={WARMUP_STEPS + max(steps, PROFILE_STEPS if vocab else 1)}"]  # fmt: skip
     env = {**child_env(devices), "DECOUPLE_GCLOUD": "TRUE", "XDG_CACHE_HOME": cache, "MPLCONFIGDIR": cache}
+    if vocab:
+        run_keys += ["profiler=xplane", f"skip_first_n_steps_for_profiler={WARMUP_STEPS}", f"profiler_steps={PROFILE_STEPS}"]
+        dump = f"--xla_dump_to={cache}/hlo --xla_dump_hlo_module_re=jit_train_step"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {dump}".strip()
+    cmd = [str(interpreter), "-m", "maxtext.trainers.pre_train.train", str(base_yml), *run_keys, *keys]
     env.pop("PYTHONPATH", None)  # MaxText's interpreter must not see nnxtron's PYTHONPATH
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=cache, env=env)
     log = done.stdout + done.stderr
     if done.returncode != 0:
         raise RuntimeError(f"MaxText failed (exit {done.returncode}):\n{log[-3000:]}")
-    return parse_maxtext_log(log, devices)
+    result = parse_maxtext_log(log, devices)
+    if vocab:
+        hlo = max(Path(cache, "hlo").glob("*jit_train_step*after_optimizations.txt"), key=lambda f: f.stat().st_size)
+        result["breakdown"] = read_profile(Path(cache, "out"), vocab, hlo, steps=PROFILE_STEPS)
+    return result
 
 
-def one_run(system: str, case: Case, label: str, extra: tuple[str, ...], ctx: dict[str, Any], steps: int) -> dict[str, Any]:
-    """One timed run (never raises: a failure is recorded with its message)."""
+def one_run(
+    system: str, case: Case, label: str, extra: tuple[str, ...], ctx: dict[str, Any], steps: int, profile: int | None = None
+) -> dict[str, Any]:
+    """One timed run (never raises: a failure is recorded with its message). ``profile``: profiled
+    too (the model's vocabulary size; MaxText's breakdown needs it, nnxtron's bench knows it)."""
     keys = [*case.shared, *extra]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vs_maxtext_") as cache:
         try:
             if system == "nnxtron":
-                result = run_nnxtron(ctx["nnxtron_base_yml"], keys, steps, case.devices)
+                trace = Path(cache, "profile") if profile else None
+                result = run_nnxtron(ctx["nnxtron_base_yml"], keys, steps, case.devices, trace)
             else:
-                result = run_maxtext(ctx["interpreter"], ctx["maxtext_base_yml"], keys, steps, case.devices, cache)
+                result = run_maxtext(ctx["interpreter"], ctx["maxtext_base_yml"], keys, steps, case.devices, cache, profile)
         except (RuntimeError, ValueError, KeyError) as error:
             result = {"error": str(error)}
     return {"system": system, "variant": label, "keys": keys, "wall_seconds": time.perf_counter() - start, **result}
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per system: the best variant's median and best step times, tokens/s; the ratios nnxtron / MaxText.
 
     Tokens per step are nnxtron's exact count (both systems run the same batch); MaxText's own
@@ -302,6 +322,46 @@ def render(results: dict[str, Any], about: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_both(name: str, case: Case, ctx: dict[str, Any], steps: int) -> dict[str, Any]:
+    """One profiled run of each system's first variant (``step_profile``'s breakdown per step)."""
+    found: dict[str, Any] = {}
+    vocab = -1  # nnxtron's run first: its bench line says the model's vocabulary
+    for system in SYSTEMS:
+        label, extra = next(iter(case.runs(system).items()))
+        run = one_run(system, case, label, extra, ctx, steps, profile=vocab)
+        if system == "nnxtron" and "error" not in run:
+            vocab = run["bench"]["vocab_size"]
+        found[system] = {"variant": label, **({"error": run["error"]} if "error" in run else {"breakdown": run["breakdown"]})}
+        print(f"{name} profiled {system} {label}: {'FAILED' if 'error' in run else 'done'}", file=sys.stderr)
+    return found
+
+
+GROUPINGS = (("where / pass", (0, 1)), ("kind of op", (2,)))
+
+
+def render_breakdown(name: str, found: dict[str, Any]) -> str:
+    """Two tables: op milliseconds and executed ops per step by place and pass, then by kind."""
+    if any("error" in found[s] for s in SYSTEMS):
+        return f"\nBreakdown of {name}: a profiled run failed ({', '.join(s for s in SYSTEMS if 'error' in found[s])}).\n"
+    lines = [f"\n### Where the step goes: {name}\n",
+             "Op time per step (ms, summed over the ops the XLA:CPU runtime executed, whichever thread ran them) and "
+             "executed ops per step, from one profiled run of each system (`nnxtron bench --profile`; MaxText's "
+             "`profiler=xplane` with its step's HLO dump), grouped by `nnxtron.tools.step_profile`.\n"]  # fmt: skip
+    for title, levels in GROUPINGS:
+        rows = {s: summarize(found[s]["breakdown"]["groups"], levels) for s in SYSTEMS}
+        keys = sorted(set(rows["nnxtron"]) | set(rows["maxtext"]), key=lambda k: -rows["maxtext"].get(k, {"ms": 0})["ms"])
+        lines += [f"| {title} | nnxtron ms | MaxText ms | nnxtron ops | MaxText ops |", "|---|---|---|---|---|"]
+        for key in keys:
+            a, b = (rows[s].get(key, {"ms": 0.0, "ops": 0.0}) for s in SYSTEMS)
+            lines.append(f"| {key} | {a['ms']:.1f} | {b['ms']:.1f} | {a['ops']:,.0f} | {b['ops']:,.0f} |")
+        total = [found[s]["breakdown"] for s in SYSTEMS]
+        lines += [
+            f"| total | {total[0]['ms']:.1f} | {total[1]['ms']:.1f} | {total[0]['ops']:,.0f} | {total[1]['ops']:,.0f} |",
+            "",
+        ]
+    return "\n".join(lines)
+
+
 def nnxtron_identity() -> dict[str, str]:
     """Where the nnxtron that the runs use comes from (as this interpreter and environment import it)."""
     code = "import nnxtron, flax, jax; print(nnxtron.__file__, jax.__version__, flax.__version__)"
@@ -325,6 +385,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--python", default="python3.12", help="a Python >= 3.12 to make the MaxText environment with")
     parser.add_argument("--env", type=Path, default=maxtext_reference.DEFAULT_ENV, help="the MaxText environment")
     parser.add_argument("--out", type=Path, default=None, help="the Markdown file (default benchmarks/results/...)")
+    parser.add_argument(
+        "--breakdown", nargs="+", choices=list(all_cases), metavar="CONFIG",
+        help="after timing these configs, profile one run of each system and add where its step's time goes",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
@@ -356,9 +420,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     runs.append(run)
                     took = f"{run['step_seconds']:.3f} s/step" if "error" not in run else "FAILED"
                     print(f"{name} round {round_} {system} {label}: {took} ({run['wall_seconds']:.0f} s)", file=sys.stderr)
-        results[name] = {"about": case.about, "devices": case.devices, "runs": runs, "summary": summarize(runs)}
+        results[name] = {"about": case.about, "devices": case.devices, "runs": runs, "summary": summarize_runs(runs)}
+        if name in (args.breakdown or ()):
+            results[name]["breakdown"] = profile_both(name, case, ctx, args.steps)
         about["load_after"] = os.getloadavg()
         table = render(results, about)  # written after each config: a stopped run keeps what it measured
+        table += "".join(render_breakdown(n, r["breakdown"]) for n, r in results.items() if "breakdown" in r)
         out.write_text(table)
         out.with_suffix(".json").write_text(json.dumps({"about": about, "results": results}, indent=1, default=str) + "\n")
     print(table, end="")

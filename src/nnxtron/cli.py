@@ -473,8 +473,11 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
 def _cmd_bench(ns: argparse.Namespace) -> int:
     from nnxtron.tools.bench import run_bench, run_decode_bench
 
-    run = run_decode_bench if ns.decode else run_bench
-    print(json.dumps(run(*_split_file_and_overrides(ns.args), steps=ns.steps)))
+    if ns.decode and ns.profile:
+        raise UserError("--profile traces the train step; it cannot be combined with --decode")
+    args = _split_file_and_overrides(ns.args)
+    result = run_decode_bench(*args, steps=ns.steps) if ns.decode else run_bench(*args, steps=ns.steps, profile=ns.profile)
+    print(json.dumps(result))
     return 0
 
 
@@ -788,6 +791,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--decode", action="store_true",
         help="time KV-cached decoding instead: prefill of the global batch x max_target_length, then max_new_tokens steps",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile", metavar="DIR",
+        help="also trace 3 more steps into DIR (jax.profiler) with the step's HLO, and add where their time goes "
+        "(profile_breakdown: ms and ops per step by place, pass and kind of op)",
     )  # fmt: skip
     p.set_defaults(func=_cmd_bench)
 

@@ -13,7 +13,9 @@ from nnxtron.config import load_config
 from nnxtron.config.flops import training_flops_per_token
 from nnxtron.errors import UserError
 from nnxtron.models.decoder import Decoder
+from nnxtron.cli import main
 from nnxtron.tools.bench import pipeline_fields, run_bench
+from nnxtron.tools.step_profile import HLO_FILE, hlo_ops, summarize
 from tests.scripts import load_script
 
 OVERRIDES = [
@@ -39,8 +41,8 @@ def llama_param_count(cfg) -> int:
 
 
 @pytest.fixture(scope="module")
-def bench() -> dict:
-    return run_bench(None, OVERRIDES, steps=2)
+def bench(tmp_path_factory) -> dict:
+    return run_bench(None, OVERRIDES, steps=2, profile=str(tmp_path_factory.mktemp("profile")))
 
 
 def test_bench_reports_every_field(bench):
@@ -54,6 +56,56 @@ def test_bench_reports_every_field(bench):
     assert bench["global_batch"] == 2 * jax.device_count() and bench["seq_len"] == 32
     assert bench["timed_steps"] == 2
     assert math.isfinite(bench["loss"])
+
+
+def test_bench_profile_breaks_the_step_down(bench):
+    """``--profile``: the trace and the HLO are written, and the step's op time is split by place,
+    pass and kind — the layers' forward, remat recompute (remat_policy=full) and backward matmuls,
+    the output layer (``[.., vocab]`` results) and the optimizer's update all show up."""
+    from pathlib import Path
+
+    directory = Path(bench["profile_dir"])
+    assert (directory / HLO_FILE).is_file() and list(directory.rglob("*.xplane.pb"))
+    found = bench["profile_breakdown"]
+    groups = found["groups"]
+    for group in ("layers / forward / matmul", "layers / recompute / matmul", "layers / backward / matmul",
+                  "logits + loss / forward / matmul", "update / update / other"):  # fmt: skip
+        assert groups[group]["ms"] > 0 and groups[group]["ops"] >= 1, (group, groups)
+    assert found["ms"] == pytest.approx(sum(g["ms"] for g in groups.values()))
+    assert 0 < found["ms"] / 1e3 < 50 * bench["step_seconds"]  # op time per step: within reach of the step's wall time
+    by_pass = summarize(groups, [1])
+    assert set(by_pass) <= {"forward", "recompute", "backward", "update"}, by_pass
+    assert summarize(groups, [])[""]["ops"] == pytest.approx(found["ops"])
+
+
+def test_hlo_ops_names_what_xla_left_unnamed():
+    """An op without ``op_name`` metadata takes its fused computation's, else its operands';
+    a tuple-shaped op (a sort) is read; a fusion around a dot is a matmul."""
+    text = """HloModule jit_train_step
+
+%fused_dot (p0: f32[4,8], p1: f32[8,2]) -> f32[4,2] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8,2]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,2]{1,0} parameter(1)
+  %neg.2 = f32[4,8]{1,0} negate(%a), metadata={op_name="jit(train_step)/transpose(jvp())/while/body/neg"}
+  %sort.3 = (f32[4,8]{1,0}, s32[4,8]{1,0}) sort(%neg.2, %a), dimensions={1}, to_apply=%cmp
+  ROOT %ynn_fusion.4 = f32[4,2]{1,0} fusion(%neg.2, %b), kind=kCustom, calls=%fused_dot
+}
+"""
+    ops = hlo_ops(text)
+    assert ops["ynn_fusion.4"].matmul and ops["ynn_fusion.4"].op_name.endswith("while/body/neg")
+    assert ops["sort.3"].opcode == "sort" and ops["sort.3"].op_name == ops["neg.2"].op_name
+    assert not ops["neg.2"].matmul
+
+
+def test_bench_profile_is_for_the_train_step(capsys):
+    assert main(["bench", "model_name=llama2-tiny", "--decode", "--profile", "/nonexistent"]) == 2
+    assert "--profile traces the train step" in capsys.readouterr().err
 
 
 def test_bench_numbers_are_consistent(bench):

@@ -39,6 +39,7 @@ from nnxtron.parallel.mesh import make_mesh
 from nnxtron.runtime.compile_cache import count_cache_events, enable_compilation_cache
 from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.tools.decode_timing import time_decoding
+from nnxtron.tools.step_profile import read_profile, write_profile
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import init_frozen, init_state, setup
 from nnxtron.train.step import Extras, batch_sharding, device_batch, make_train_step, reference_from
@@ -72,13 +73,15 @@ def pipeline_fields(cfg: Config, step_seconds: float) -> dict[str, Any]:
     }
 
 
-def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> dict[str, Any]:
+def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10, profile: str | None = None) -> dict[str, Any]:
     """Compile and time the train step of the config ``file`` + ``overrides``.
 
     Returns one flat dict (JSON-serialisable): timings in seconds, throughput, model
     TFLOP/s and MFU, the pipeline bubble model (``pipeline_fields``), plus fields that
     identify the model and the machine. ``steps`` is the number of timed steps (the
-    config's ``steps`` is ignored).
+    config's ``steps`` is ignored). ``profile``: a directory for a profiler trace of
+    further steps and the step's HLO (``tools/step_profile.py``); the result then holds
+    their per-step breakdown (``profile_breakdown``).
     """
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
@@ -123,6 +126,17 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
             times.append(elapsed)
         loss = float(metrics["loss"])
 
+    profiled: dict[str, Any] = {}
+    if profile:
+
+        def one_step() -> None:
+            nonlocal state
+            state, metrics = compiled(state, batches[0], *extra)
+            jax.block_until_ready((state, metrics))
+
+        write_profile(profile, compiled, one_step)
+        profiled = {"profile_dir": profile, "profile_breakdown": read_profile(profile, cfg.vocab_size)}
+
     step_seconds = statistics.median(times)
     tokens_per_step = derived.tokens_per_step
     flops_per_token = training_flops_per_token(cfg)
@@ -133,6 +147,7 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
         "params": params,
         "global_batch": derived.global_batch_size,
         "seq_len": cfg.max_target_length,
+        "vocab_size": cfg.vocab_size,
         "tokens_per_step": tokens_per_step,
         "weight_dtype": cfg.weight_dtype,
         "scan_layers": cfg.scan_layers,
@@ -157,6 +172,7 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10) -> di
         **pipeline_fields(cfg, step_seconds),
         **memory_fields(compiled),
         "loss": loss,
+        **profiled,
     }
 
 
