@@ -135,7 +135,7 @@ def test_train_in_an_80_column_terminal(corpus, tmp_path):
     assert "MaxText keys ignored (3;" in text and "3 at MaxText's default values" in text
     named = " ".join(line for line in lines if line not in progress)  # the log without the live line's frames
     assert re.search(r"metrics upload, logging and monitoring services \(1\):\s+gcs_metrics\b", named), named[:3000]
-    assert re.search(r"profilers and compiler dumps nnxtron does not have \(1\):\s+dump_hlo\b", named)
+    assert re.search(r"profilers and compiler dumps nnxtron does not have in training \(1\):\s+dump_hlo\b", named)
     assert re.search(r"data-loader performance and order of MaxText's Grain pipeline \(1\):\s+grain_worker_count\b", named)
 
     peak = re.search(r"peak (\d+\.\d+) TFLOP/s from matmul probe", text)

@@ -28,6 +28,7 @@ from tests.parity.test_hf_golden import CASES, GOLDEN
 FAMILIES = {
     "llama3.1-tiny": {},
     "mistral-tiny": {},  # sliding window
+    "qwen2-tiny": {},  # query/key/value biases
     "qwen3-tiny": {},  # qk-norm
     "gemma3-tiny": {},  # 5 sliding : 1 global, remainder block
     "llama4-tiny": {},  # chunked attention, NoPE layers, MoE

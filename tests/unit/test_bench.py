@@ -9,11 +9,11 @@ import jax
 import pytest
 from flax import nnx
 
+from nnxtron.cli import main
 from nnxtron.config import load_config
 from nnxtron.config.flops import training_flops_per_token
 from nnxtron.errors import UserError
 from nnxtron.models.decoder import Decoder
-from nnxtron.cli import main
 from nnxtron.tools.bench import pipeline_fields, run_bench
 from nnxtron.tools.step_profile import HLO_FILE, hlo_ops, summarize
 from tests.scripts import load_script

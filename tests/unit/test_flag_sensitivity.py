@@ -125,6 +125,7 @@ VALUES: dict[str, Flag] = {
     "attention": F("dot_product"),
     "attention_query_block": F(8),  # TRACE: 16 tokens, two blocks of queries (lax.map) in the train step
     "use_qk_norm": F(True),
+    "attention_bias": F(True),  # q/k/v/out biases: new parameters in the train step
     "q_lora_rank": F(0, family="deepseek3-test"),
     "kv_lora_rank": F(32, family="deepseek3-test"),
     "qk_nope_head_dim": F(8, family="deepseek3-test"),
@@ -505,9 +506,11 @@ FAMILY_MODULES = {
     "models/gemma3.py": "gemma3-tiny",
     "models/llama4.py": "llama4-tiny",
     "models/mixtral.py": "mixtral-tiny",
+    "models/qwen2.py": "qwen2-tiny",
     "models/qwen3.py": "qwen3-tiny",
     "models/qwen3.py ": "qwen3-moe-tiny",  # the same module serves the MoE variant (a trailing space keeps the key unique)
 }
+FAMILIES.setdefault("qwen2-tiny", {})
 FAMILIES.setdefault("qwen3-tiny", {})
 FAMILIES.setdefault("qwen3-moe-tiny", {})
 

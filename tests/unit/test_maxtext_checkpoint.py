@@ -180,9 +180,9 @@ def test_normalize_embedding_logits_is_honoured(model, value):
     assert load_config(MAXTEXT_BASE, [f"model_name={model}", *tied]).normalize_embedding_logits
 
 
-@pytest.mark.parametrize("model", ["gpt3-52k", "gpt3-6b", "qwen3-0.6b"])
+@pytest.mark.parametrize("model", ["gpt3-52k", "gpt3-6b", "qwen3-0.6b", "qwen2.5-1.5b"])
 def test_a_maxtext_model_config_that_sets_normalize_embedding_logits_wins_over_base_yml(model):
-    """MaxText's configs/models/{gpt3-*,qwen3-*}.yml set normalize_embedding_logits: false over
+    """MaxText's configs/models/{gpt3-*,qwen3-*,qwen2.5-*}.yml set normalize_embedding_logits: false over
     base.yml's true: a MaxText config of these tied models computes HF's head x @ E^T, as MaxText
     does; setting the key against the model config is MaxText's conflict (override_model_config)."""
     cfg = load_config(MAXTEXT_BASE, [f"model_name={model}"])

@@ -40,6 +40,7 @@ TINY = {  # the flag matrix's shrinking (tests/unit/test_flag_sensitivity.py): s
     "mistral-tiny": [],
     "mixtral-tiny": [],
     "llama3.1-tiny": [],
+    "qwen2-tiny": [],
     "qwen3-tiny": [],
     "qwen3-moe-tiny": [],
     "gemma3-tiny": [],  # 8 layers: a pattern block of 6 and a remainder
@@ -53,7 +54,7 @@ TINY = {  # the flag matrix's shrinking (tests/unit/test_flag_sensitivity.py): s
     ],  # fmt: skip
     "gpt3-52k": [],
 }
-TIED = ("llama3.1-tiny", "qwen3-tiny", "gemma3-tiny", "gpt3-52k")  # the presets that tie their head
+TIED = ("llama3.1-tiny", "qwen2-tiny", "qwen3-tiny", "gemma3-tiny", "gpt3-52k")  # the presets that tie their head
 
 
 def _config(preset: str, *overrides: str):

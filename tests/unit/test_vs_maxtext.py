@@ -45,7 +45,7 @@ def test_summary_takes_each_systems_best_variant_and_the_ratio_of_tokens_per_sec
         _run("maxtext", "false", 2.6, 2.2, tokens_per_step_estimate=1000),
         {"system": "maxtext", "variant": "true", "error": "failed"},  # left out, not a zero
     ]
-    s = _vs().summarize(runs)
+    s = _vs().summarize_runs(runs)
     assert s["tokens_per_step"] == 1000 and "warning" not in s
     assert s["nnxtron"]["median_s"] == 1.5 and s["nnxtron"]["best_s"] == 0.8
     mt = s["maxtext"]
@@ -57,11 +57,11 @@ def test_summary_takes_each_systems_best_variant_and_the_ratio_of_tokens_per_sec
 
 
 def test_summary_reports_a_tokens_mismatch_and_a_system_that_failed():
-    s = _vs().summarize(
+    s = _vs().summarize_runs(
         [_run("nnxtron", "", 1.0, 1.0, tokens_per_step=1000), _run("maxtext", "", 1.0, 1.0, tokens_per_step_estimate=500)]
     )
     assert "differ" in s["warning"]
-    failed = _vs().summarize(
+    failed = _vs().summarize_runs(
         [_run("nnxtron", "", 1.0, 1.0, tokens_per_step=1000), {"system": "maxtext", "variant": "", "error": "x"}]
     )
     assert failed["maxtext"] is None and "ratio_median" not in failed

@@ -357,6 +357,11 @@ def check_attention(cfg: Config) -> None:
             f"attention={cfg.attention} supports attention_type=global only ({cfg.attention_type} runs its own "
             "einsum attention); use attention=auto or xla"
         )
+    if cfg.attention_bias and cfg.attention_type != "global":
+        raise ConfigError(
+            f"attention_bias=true biases the query/key/value/output projections of attention_type=global; "
+            f"attention_type={cfg.attention_type} has no such projections; set attention_bias=false"
+        )
     if cfg.attention == "splash" and cfg.attention_type == "compressed":
         raise ConfigError(
             "attention=splash supports attention_type=global and mla (DeepSeek-V4's compressed attention runs its own "

@@ -29,7 +29,9 @@ class FamilyRules:
     MaxText's plain attention of this family folds ``1/sqrt(head_dim)`` into the query kernel;
     ``maxtext_topk_renorm``: when MaxText's router renormalises the top-k weights (``always``, by
     ``score_func``, or as the ``flag`` norm_topk_prob says); ``legacy_normalize_embedding_logits``:
-    the tied-head normalisation of runs written before that key existed (``loader.LEGACY_VALUES``)."""
+    the tied-head normalisation of runs written before that key existed (``loader.LEGACY_VALUES``);
+    ``attention_out_bias``: ``attention_bias`` gives the output projection a bias too (MaxText's rule; its
+    and HF's Qwen2 bias the query, key and value projections only)."""
 
     check: Callable[[Config], None] | None = None
     own_keys: Mapping[str, Any] = field(default_factory=dict)
@@ -37,6 +39,7 @@ class FamilyRules:
     maxtext_query_folded: bool = False
     maxtext_topk_renorm: str = "always"
     legacy_normalize_embedding_logits: bool = False
+    attention_out_bias: bool = True
 
 
 PLAIN = FamilyRules()
@@ -45,6 +48,7 @@ RULES: dict[str, FamilyRules] = {
     "llama2": _FOLDED,
     "mistral": _FOLDED,
     "mixtral": _FOLDED,
+    "qwen2": FamilyRules(attention_out_bias=False),
     "deepseek": FamilyRules(maxtext_topk_renorm="score_func"),
     "gemma3": FamilyRules(legacy_normalize_embedding_logits=True),
     "llama4": FamilyRules(maxtext_topk_renorm="flag"),

@@ -1,6 +1,7 @@
 """GPT-3's config rules (``models/gpt3.py`` holds its block and HF map): one ungated MLP
 activation, as many key/value heads as query heads (its fused projection has no grouped
-form), and one remat choice for that fused query/key/value projection."""
+form), attention_bias left false (its projections always have biases), and one remat choice
+for that fused query/key/value projection."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def check(cfg: Config) -> None:
             f"decoder_block gpt3 computes query, key and value in one fused projection with as many key/value heads as "
             f"query heads, so base_num_kv_heads={cfg.base_num_kv_heads} cannot apply; set it to base_num_query_heads "
             f"({cfg.base_num_query_heads})"
+        )
+    if cfg.attention_bias:
+        raise ConfigError(
+            "decoder_block gpt3's fused query/key/value projection and its output projection always have biases "
+            "(attention_bias is not read there); set attention_bias=false"
         )
     check_fused_qkv_remat(cfg)
 

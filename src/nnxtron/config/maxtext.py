@@ -54,7 +54,9 @@ PRESET_KEYS_KEPT_FROM_FILE = (
 # the MaxText 0.2.5 model configs (configs/models/<name>.yml) that set one of those keys themselves:
 # MaxText's model config overrides base.yml there, so the preset's value (the same) is the model's
 MODEL_CONFIGS_SETTING: dict[str, frozenset[str]] = {
-    "normalize_embedding_logits": frozenset({"gpt3-175b", "gpt3-22b", "gpt3-52k", "gpt3-6b", "qwen3-0.6b", "qwen3-8b"}),
+    "normalize_embedding_logits": frozenset(
+        {"gpt3-175b", "gpt3-22b", "gpt3-52k", "gpt3-6b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen3-0.6b", "qwen3-8b"}
+    ),
 }
 
 

@@ -125,7 +125,7 @@ def _translated(key: str, default: Any, note: str, to: Translate) -> None:
 # fmt: off
 CHECKPOINT_IO = "MaxText's checkpoint storage and recovery machinery (Orbax, GCS, multi-tier, emergency); nnxtron writes its own verified checkpoints"
 MONITORING = 'metrics upload, logging and monitoring services (GCS, Vertex, goodput, GCP, MLPerf); nnxtron logs to its run directory, TensorBoard and W&B'
-PROFILING = 'profilers and compiler dumps nnxtron does not have (`nnxtron bench` times a step)'
+PROFILING = 'profilers and compiler dumps nnxtron does not have in training (`nnxtron bench` times a step, `nnxtron bench --profile DIR` traces it beside its HLO)'
 RUNTIME = 'process, compilation and cluster set-up of MaxText (hardware choice, AOT compiles, jax.distributed, Pathways, elastic slices); nnxtron uses the devices JAX finds and its own compilation_cache_dir'
 MESH = "MaxText's mesh axes, logical sharding rules and collective scheduling: where values live, not what is computed; nnxtron lays out its mesh from its own ici_* keys and logical_axis_rules"
 KERNELS = "a kernel, tiling or fusion choice that computes the same function (nnxtron's routed experts are a grouped matmul over the routed tokens with sparse_matmul=true — jax.lax.ragged_dot on TPU, padded row blocks at the routed FLOP count on CPU and GPU (grouped_matmul) — einsums over every expert with sparse_matmul=false (moe_compute), its attention the `attention` key's implementation)"
@@ -164,6 +164,7 @@ _honoured(
     rope_max_timescale=10000, max_position_embeddings=163840, beta_fast=32, beta_slow=1, mscale=1.0,
     decode_sampling_strategy='greedy', decode_sampling_temperature=1.0, eval_interval=-1, enable_tensorboard=True,
     use_qk_norm=False, interleave_moe_layer_step=1, temperature_tuning=False, mhc_expansion_rate=1, sinkhorn_iterations=20,
+    attention_bias=False,
 )
 _ignored(
     CHECKPOINT_IO,
@@ -421,7 +422,7 @@ _refused(
 _refused(
     'an attention variant nnxtron does not implement',
     "leave it at MaxText's default",
-    share_kv_projections=False, attention_bias=False, attention_sink=False, attn_logits_soft_cap=0.0, use_post_attn_norm=False,
+    share_kv_projections=False, attention_sink=False, attn_logits_soft_cap=0.0, use_post_attn_norm=False,
     use_post_ffw_norm=False, v_norm_with_scale=True, qk_norm_with_scale=True, moba=False, use_max_logit_estimate=-1,
     partial_rotary_factor=1.0,
 )

@@ -14,7 +14,19 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16")
 # the decoder families (models/registry.py builds one Family per name and checks it has them all)
-DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "deepseek", "gemma3", "llama4", "gpt3", "deepseek4")
+DECODER_BLOCKS = (
+    "llama2",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek",
+    "gemma3",
+    "llama4",
+    "gpt3",
+    "deepseek4",
+)
 ATTENTION_TYPES = ("global", "mla", "compressed")  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
 ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product", "cudnn", "splash")  # what attention=auto resolves to, per layer
 ATTENTION_CHOICES = ("auto", *ATTENTION_IMPLEMENTATIONS)

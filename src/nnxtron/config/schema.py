@@ -121,6 +121,9 @@ class Config(BaseModel):
     use_qk_norm: Model[
         bool
     ]  # q/k norm over head_dim: RMSNorm before RoPE (Qwen3, Gemma 3 (1+w)); weightless L2 after RoPE (Llama 4)
+    # biases on the query, key and value projections and the output one (decoder_block=qwen2: none on the
+    # output, MaxText's and HF Qwen2's); attention_type=global only
+    attention_bias: Model[bool]
     q_lora_rank: Model[int] = Field(ge=0, le=MAX_SIZE)  # mla: 0 = plain query projection
     kv_lora_rank: Model[int] = Field(gt=0, le=MAX_SIZE)  # mla
     qk_nope_head_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # mla

@@ -1,4 +1,5 @@
 """Grouped-query attention: causal, sliding-window, chunked and packed-segment masks; qk-norms;
+projection biases (``attention_bias``);
 NoPE layers with temperature tuning (Llama 4); the selectable implementation (``attention=``,
 docs/attention.md); context parallelism (``attend_sharded``: ring attention or gathered keys and
 values); ``gqa_attention`` builds the attention of a layer of a given kind from the config."""
@@ -14,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from nnxtron.config.checks import CUDNN_AUTO_MAX_HEAD_DIM, cudnn_unsupported
+from nnxtron.config.families import rules_for
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.options import ATTENTION_IMPLEMENTATIONS
 from nnxtron.errors import ConfigError
@@ -293,6 +295,9 @@ class Attention(nnx.Module):
     * ``"gemma"`` (Gemma 3): the same with zero-centred ``(1 + w)`` weights, before RoPE;
     * ``"l2"`` (Llama 4): weightless, after RoPE, only on RoPE layers.
 
+    ``qkv_bias`` / ``out_bias``: the query, key and value projections / the output projection
+    add a bias (``attention_bias``; HF ``q_proj.bias`` ..., laid out ``[heads, head_dim]``).
+
     ``temperature_tuning=(floor_scale, scale)`` (Llama 4 NoPE layers) multiplies q by
     ``log1p(floor((position + 1) / floor_scale)) * scale + 1`` (computed in float32).
 
@@ -316,6 +321,8 @@ class Attention(nnx.Module):
         norm_eps: float = 1e-6,
         scale: float | None = None,
         temperature_tuning: tuple[float, float] | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
         implementation: str = "xla",
         context: ContextParallel | None = None,
         dtype: jnp.dtype,
@@ -332,10 +339,11 @@ class Attention(nnx.Module):
         # unscaled logits without a qk-norm (MaxText's llama2 / mistral / mixtral, query_pre_attn_scalar=1):
         # the query kernel starts / sqrt(head_dim), MaxText's initialiser (its logits at init: unit scale)
         fold = head_dim**-0.5 if scale == 1.0 and qk_norm == "none" else 1.0
-        self.query = Linear([emb_dim], [num_heads, head_dim], ("embed", "q_heads", "head_dim"), init_scale=fold, **kw)
-        self.key = Linear([emb_dim], [num_kv_heads, head_dim], ("embed", "kv_heads", "head_dim"), **kw)
-        self.value = Linear([emb_dim], [num_kv_heads, head_dim], ("embed", "kv_heads", "head_dim"), **kw)
-        self.out = Linear([num_heads, head_dim], [emb_dim], ("q_heads", "head_dim", "embed"), **kw)
+        q_axes, kv_axes = ("embed", "q_heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        self.query = Linear([emb_dim], [num_heads, head_dim], q_axes, init_scale=fold, use_bias=qkv_bias, **kw)
+        self.key = Linear([emb_dim], [num_kv_heads, head_dim], kv_axes, use_bias=qkv_bias, **kw)
+        self.value = Linear([emb_dim], [num_kv_heads, head_dim], kv_axes, use_bias=qkv_bias, **kw)
+        self.out = Linear([num_heads, head_dim], [emb_dim], ("q_heads", "head_dim", "embed"), use_bias=out_bias, **kw)
         if qk_norm in ("rms", "gemma"):
             norm = dict(eps=norm_eps, dtype=dtype, weight_dtype=weight_dtype, zero_centered=qk_norm == "gemma")
             self.query_norm = RMSNorm(head_dim, **norm)
@@ -386,8 +394,10 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
     ``qk_norm`` is what ``use_qk_norm`` means for the family (``rms``, ``gemma`` or
     ``l2``; ``l2`` applies on RoPE layers only, as in Llama 4). Sliding layers of a
     ``sliding_window_pattern`` use ``local_rope_max_timescale`` (unscaled) when set;
-    NoPE layers take ``temperature_tuning``. ``cfg.attention`` is resolved per layer for
-    this backend (``auto`` is never ``cudnn`` on a chunked layer).
+    NoPE layers take ``temperature_tuning``. ``attention_bias`` biases the query, key and value
+    projections, and the output one where the family's rules say so (``config/families.py``:
+    ``attention_out_bias``). ``cfg.attention`` is resolved per layer for this backend (``auto``
+    is never ``cudnn`` on a chunked layer).
     """
     head_dim = cfg.resolved_head_dim
     rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None
@@ -409,6 +419,8 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
         norm_eps=cfg.normalization_layer_epsilon,
         scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
         temperature_tuning=tuning,
+        qkv_bias=cfg.attention_bias,
+        out_bias=cfg.attention_bias and rules_for(cfg.decoder_block).attention_out_bias,
         implementation=configured_attention(cfg, chunked=kind.attention == "chunked"),
         context=ContextParallel.from_config(cfg),
         dtype=jnp.dtype(cfg.dtype),

@@ -36,7 +36,8 @@ class WeightMap:
 
     Other layouts: ``conv1d`` marks a tensor with the nnxtron element order, only
     reshaped — HF ``Conv1D.weight`` ``[in, out]`` (GPT-2) is ``[prod(in dims), prod(out
-    dims)]`` with ``linear_in_dims`` input dims, a fused bias is flat. ``split_parts`` > 1
+    dims)]`` with ``linear_in_dims`` input dims, a fused bias (or Qwen2's ``q_proj.bias`` of
+    ``[heads, head_dim]``) is flat. ``split_parts`` > 1
     marks an HF tensor that concatenates that many variables along its last axis (Llama 4
     ``experts.gate_up_proj [E, D, 2F]``); this variable is chunk ``split_part``.
     """

@@ -20,6 +20,11 @@ GQA_WEIGHTS = (
     WeightMap("attention/value/kernel", "self_attn.v_proj.weight", 1),
     WeightMap("attention/out/kernel", "self_attn.o_proj.weight", 2),
 )
+# the query/key/value biases (HF Qwen2): flat [heads * head_dim] in HF, [heads, head_dim] in nnxtron (reshaped only)
+GQA_BIAS_WEIGHTS = tuple(
+    WeightMap(f"attention/{name}/bias", f"self_attn.{proj}.bias", conv1d=True)
+    for name, proj in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"))
+)
 QK_NORM_WEIGHTS = (
     WeightMap("attention/query_norm/scale", "self_attn.q_norm.weight"),
     WeightMap("attention/key_norm/scale", "self_attn.k_norm.weight"),
@@ -132,14 +137,18 @@ def rope_to_hf(cfg: Config) -> dict[str, Any]:
     return rope
 
 
-def common_config_from_hf(hf: dict[str, Any], decoder_block: str, head_dim_zero_is_default: bool = False) -> dict[str, Any]:
+def common_config_from_hf(
+    hf: dict[str, Any], decoder_block: str, head_dim_zero_is_default: bool = False, qkv_bias: bool = False
+) -> dict[str, Any]:
     """The config values every pre-norm family reads the same way from an HF ``config.json``.
     ``head_dim_zero_is_default``: the HF class's attention reads ``config.head_dim or hidden_size //
     num_attention_heads`` (transformers 5: Mistral, Mixtral); the others (Llama, Qwen3, Llama 4)
-    build 0-wide projections for head_dim 0, which cannot hold the weights: refused."""
+    build 0-wide projections for head_dim 0, which cannot hold the weights: refused. ``qkv_bias``:
+    the HF class always biases its query, key and value projections (Qwen2, which has no
+    ``attention_bias`` entry): ``attention_bias=true``; elsewhere HF ``attention_bias=true`` is refused."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"HF hidden_act '{hf['hidden_act']}' is not supported; only silu")
-    for flag in ("attention_bias", "mlp_bias"):
+    for flag in ("mlp_bias",) if qkv_bias else ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"HF {flag}=true is not supported by decoder_block {decoder_block}")
     heads, width = int(hf["num_attention_heads"]), int(hf["hidden_size"])
@@ -159,6 +168,8 @@ def common_config_from_hf(hf: dict[str, Any], decoder_block: str, head_dim_zero_
         "rope_interleave": False,
         "mlp_activations": ["silu", "linear"],
     }
+    if qkv_bias:
+        values["attention_bias"] = True
     # the context the model was made for (generate, serve and the export keep it); HF keeps 0 but
     # reads it nowhere for these RoPE types, so 0 is "not given" (nnxtron's default bounds decoding)
     positions = optional_size(hf, "max_position_embeddings", 0, zero_is_default=True)
@@ -166,6 +177,14 @@ def common_config_from_hf(hf: dict[str, Any], decoder_block: str, head_dim_zero_
         values["max_position_embeddings"] = positions
     values.update(rope_from_hf(hf))
     return values
+
+
+def window_off_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Qwen2 / Qwen3: HF uses ``sliding_window`` only with ``use_sliding_window`` (some of its layers
+    sliding), which is refused; without it the window entry is not read: ``sliding_window_size=0``."""
+    if hf.get("use_sliding_window"):
+        raise ConfigError(f"HF use_sliding_window=true ({family} sliding layers) is not supported; use a checkpoint without it")
+    return {"sliding_window_size": 0}
 
 
 def hf_ties_head(cfg: Config, input_scale: bool = False) -> bool:
@@ -176,9 +195,15 @@ def hf_ties_head(cfg: Config, input_scale: bool = False) -> bool:
     return cfg.logits_via_embedding and cfg.normalize_embedding_logits == input_scale
 
 
-def common_config_to_hf(cfg: Config, model_type: str, architecture: str) -> dict[str, Any]:
-    """The HF ``config.json`` entries shared by the pre-norm families."""
-    return {
+def common_config_to_hf(cfg: Config, model_type: str, architecture: str, qkv_bias: bool = False) -> dict[str, Any]:
+    """The HF ``config.json`` entries shared by the pre-norm families; ``qkv_bias``: the HF class always
+    biases its query, key and value projections (and has no ``attention_bias`` entry), the others none."""
+    if cfg.attention_bias != qkv_bias:
+        raise ConfigError(
+            f"HF {architecture} {'always biases' if qkv_bias else 'has no biases on'} its query/key/value projections; "
+            f"export needs attention_bias={str(qkv_bias).lower()}"
+        )
+    hf = {
         "architectures": [architecture],
         "model_type": model_type,
         "hidden_size": cfg.base_emb_dim,
@@ -196,6 +221,9 @@ def common_config_to_hf(cfg: Config, model_type: str, architecture: str) -> dict
         "attention_bias": False,
         "dtype": cfg.weight_dtype,
     }
+    if qkv_bias:
+        del hf["attention_bias"]
+    return hf
 
 
 PATTERN_FIELDS = (

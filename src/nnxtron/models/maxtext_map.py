@@ -81,8 +81,10 @@ class MaxTextMap:
 
 
 def attention_rules(cfg: Config) -> tuple[Rule, ...]:
-    """MLA or query/key/value/out attention; the query kernel folds ``1/sqrt(head_dim)`` in the
-    families ``config/families.py`` marks ``maxtext_query_folded``."""
+    """MLA or query/key/value/out attention; the query kernel (and bias) folds ``1/sqrt(head_dim)`` in
+    the families ``config/families.py`` marks ``maxtext_query_folded``. With ``attention_bias`` MaxText's
+    ``DenseGeneral`` biases (``[heads, head_dim]`` / ``[emb_dim]``, as nnxtron's) sit beside the kernels:
+    query, key and value, and out where the family's ``attention_out_bias`` says so (not Qwen2)."""
     if cfg.attention_type == "mla":
         names = ["wkv_a/kernel", "wkv_b/kernel", "kv_norm/scale", "out/kernel"]
         if cfg.q_lora_rank:
@@ -94,6 +96,10 @@ def attention_rules(cfg: Config) -> tuple[Rule, ...]:
     query = QUERY if rules_for(cfg.decoder_block).maxtext_query_folded else NONE
     rules = [Rule("self_attention/query/kernel", "attention/query/kernel", query)]
     rules += [Rule(f"self_attention/{n}/kernel", f"attention/{n}/kernel") for n in ("key", "value", "out")]
+    if cfg.attention_bias:
+        rules.append(Rule("self_attention/query/bias", "attention/query/bias", query))
+        biased = ("key", "value", "out") if rules_for(cfg.decoder_block).attention_out_bias else ("key", "value")
+        rules += [Rule(f"self_attention/{n}/bias", f"attention/{n}/bias") for n in biased]
     return tuple(rules)
 
 

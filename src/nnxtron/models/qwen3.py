@@ -31,6 +31,7 @@ from nnxtron.models.hf_common import (
     common_config_from_hf,
     common_config_to_hf,
     routed_expert_weights,
+    window_off_from_hf,
 )
 from nnxtron.models.llama import LAYER_WEIGHTS
 from nnxtron.models.maxtext_map import PRE_NORMS, MaxTextMap, Rule, attention_rules, expert_rules, mlp_rules
@@ -45,16 +46,10 @@ def layer_weights(cfg: Config, kind: LayerKind) -> tuple[WeightMap, ...]:
     return LAYER_WEIGHTS + QK_NORM_WEIGHTS
 
 
-def _check_no_window(hf: dict[str, Any]) -> None:
-    if hf.get("use_sliding_window"):
-        raise ConfigError("HF use_sliding_window=true (Qwen3 sliding layers) is not supported; use a checkpoint without it")
-
-
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    _check_no_window(hf)
     moe = hf["model_type"] == "qwen3_moe"
     values = common_config_from_hf(hf, "qwen3_moe" if moe else "qwen3")
-    values.update(use_qk_norm=True, sliding_window_size=0)
+    values.update(window_off_from_hf(hf, "Qwen3"), use_qk_norm=True)
     if moe:
         values.update(_dense_layers_from_hf(hf))
         values.update(

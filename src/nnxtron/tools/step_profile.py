@@ -120,7 +120,9 @@ def classify(op: Op | None, vocab: int) -> tuple[str, str, str]:
     if op.opcode == "fusion" and not op.matmul and re.search(r"(^|/)(copy|transpose)", name.rsplit("/", 1)[-1]):
         kind = "copy"
     backward = "transpose(jvp" in name
-    step_pass = "recompute" if "rematted_computation" in name else "backward" if backward else "forward" if "jvp" in name else "update"
+    step_pass = (
+        "recompute" if "rematted_computation" in name else "backward" if backward else "forward" if "jvp" in name else "update"
+    )
     if step_pass == "update":
         where = "update"
     elif re.search(rf"[\[,]{vocab}[\],]", op.shape):
@@ -171,7 +173,9 @@ def write_profile(directory: str | Path, compiled: Any, run_step: Callable[[], A
     return directory
 
 
-def read_profile(directory: str | Path, vocab: int, hlo_file: str | Path | None = None, steps: int = PROFILE_STEPS) -> dict[str, Any]:
+def read_profile(
+    directory: str | Path, vocab: int, hlo_file: str | Path | None = None, steps: int = PROFILE_STEPS
+) -> dict[str, Any]:
     """``breakdown`` of a profile directory (``write_profile``'s, or a trace with ``hlo_file``)."""
     ops = hlo_ops(Path(hlo_file or Path(directory) / HLO_FILE).read_text())
     return breakdown(op_times(directory, lambda module: "train_step" in module), ops, vocab, steps)
