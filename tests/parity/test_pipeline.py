@@ -103,6 +103,8 @@ CASES = {
         PP2_FSDP2,
         4,
     ),
+    # Qwen2's query/key/value biases in the stages' weights (circular, 2 repeats)
+    "qwen2_biases_in_stages": ("qwen2-tiny", dict(base_num_decoder_layers=4), PP2_FSDP2, 4),
 }
 
 
