@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # suite: the machine description
 import maxtext_reference  # noqa: E402
 from suite import machine  # noqa: E402
 
+from nnxtron.config.loader import load_config  # noqa: E402
 from nnxtron.tools.step_profile import PROFILE_STEPS, read_profile, summarize  # noqa: E402
 
 WARMUP_STEPS = 2  # skipped in both systems (nnxtron bench's own warm-up count)
@@ -219,19 +220,19 @@ def run_maxtext(
 
 
 def one_run(
-    system: str, case: Case, label: str, extra: tuple[str, ...], ctx: dict[str, Any], steps: int, profile: int | None = None
+    system: str, case: Case, label: str, extra: tuple[str, ...], ctx: dict[str, Any], steps: int, vocab: int | None = None
 ) -> dict[str, Any]:
-    """One timed run (never raises: a failure is recorded with its message). ``profile``: profiled
-    too (the model's vocabulary size; MaxText's breakdown needs it, nnxtron's bench knows it)."""
+    """One timed run (never raises: a failure is recorded with its message). ``vocab`` (the model's
+    vocabulary size, which MaxText's breakdown needs): profiled too."""
     keys = [*case.shared, *extra]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vs_maxtext_") as cache:
         try:
             if system == "nnxtron":
-                trace = Path(cache, "profile") if profile else None
+                trace = Path(cache, "profile") if vocab else None
                 result = run_nnxtron(ctx["nnxtron_base_yml"], keys, steps, case.devices, trace)
             else:
-                result = run_maxtext(ctx["interpreter"], ctx["maxtext_base_yml"], keys, steps, case.devices, cache, profile)
+                result = run_maxtext(ctx["interpreter"], ctx["maxtext_base_yml"], keys, steps, case.devices, cache, vocab)
         except (RuntimeError, ValueError, KeyError) as error:
             result = {"error": str(error)}
     return {"system": system, "variant": label, "keys": keys, "wall_seconds": time.perf_counter() - start, **result}
@@ -325,12 +326,10 @@ def render(results: dict[str, Any], about: dict[str, Any]) -> str:
 def profile_both(name: str, case: Case, ctx: dict[str, Any], steps: int) -> dict[str, Any]:
     """One profiled run of each system's first variant (``step_profile``'s breakdown per step)."""
     found: dict[str, Any] = {}
-    vocab = -1  # nnxtron's run first: its bench line says the model's vocabulary
+    vocab = load_config(ctx["nnxtron_base_yml"], list(case.shared)).vocab_size
     for system in SYSTEMS:
         label, extra = next(iter(case.runs(system).items()))
-        run = one_run(system, case, label, extra, ctx, steps, profile=vocab)
-        if system == "nnxtron" and "error" not in run:
-            vocab = run["bench"]["vocab_size"]
+        run = one_run(system, case, label, extra, ctx, steps, vocab=vocab)
         found[system] = {"variant": label, **({"error": run["error"]} if "error" in run else {"breakdown": run["breakdown"]})}
         print(f"{name} profiled {system} {label}: {'FAILED' if 'error' in run else 'done'}", file=sys.stderr)
     return found

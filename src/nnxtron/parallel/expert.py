@@ -168,8 +168,7 @@ def dense_ffn(
     gate = checkpoint_name(both[..., 0, :].astype(dtype), "mlpwi_0")
     up = checkpoint_name(both[..., 1, :].astype(dtype), "mlpwi_1")
     weighted = glu(gate, up).astype(jnp.float32) * weights[..., None]  # [B, S, E, H]; unselected experts: 0
-    out = jnp.einsum("bseh,ehd->bsd", weighted.astype(jnp.promote_types(wo.dtype, jnp.float32)), wo)
-    return checkpoint_name(out.astype(jnp.float32), "mlpwo")
+    return checkpoint_name(jnp.einsum("bseh,ehd->bsd", weighted, wo), "mlpwo")  # float32, as the weighted activations
 
 
 def dispatch(

@@ -147,7 +147,6 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10, profi
         "params": params,
         "global_batch": derived.global_batch_size,
         "seq_len": cfg.max_target_length,
-        "vocab_size": cfg.vocab_size,
         "tokens_per_step": tokens_per_step,
         "weight_dtype": cfg.weight_dtype,
         "scan_layers": cfg.scan_layers,

@@ -109,16 +109,25 @@ def op_times(trace_dir: str | Path, module: Callable[[str], bool]) -> dict[str, 
     return {name: (seconds, int(count)) for name, (seconds, count) in totals.items()}
 
 
+def _kind(op: Op) -> str:
+    """matmul, sort, copy (a copy or transpose, or a fusion named after one) or other."""
+    if op.matmul:
+        return "matmul"
+    if op.opcode == "sort":
+        return "sort"
+    if op.opcode.startswith(("copy", "transpose")) or (
+        op.opcode == "fusion" and re.match(r"(copy|transpose)", op.op_name.rsplit("/", 1)[-1])
+    ):
+        return "copy"
+    return "other"
+
+
 def classify(op: Op | None, vocab: int) -> tuple[str, str, str]:
     """(where, pass, kind) of an op (module docstring); an op the HLO does not name is ``other``."""
     if op is None:
         return "outside layers", "other", "other"
     name = op.op_name
-    kind = "matmul" if op.matmul else "copy" if op.opcode in ("copy", "transpose") or op.opcode.startswith("copy") else "other"
-    if op.opcode == "sort":
-        kind = "sort"
-    if op.opcode == "fusion" and not op.matmul and re.search(r"(^|/)(copy|transpose)", name.rsplit("/", 1)[-1]):
-        kind = "copy"
+    kind = _kind(op)
     backward = "transpose(jvp" in name
     step_pass = (
         "recompute" if "rematted_computation" in name else "backward" if backward else "forward" if "jvp" in name else "update"
