@@ -108,6 +108,16 @@ def test_bench_profile_is_for_the_train_step(capsys):
     assert "--profile traces the train step" in capsys.readouterr().err
 
 
+def test_bench_profile_needs_a_directory(tmp_path, capsys):
+    """A file where the directory should be: one line, exit 2, before any work; the file is kept."""
+    taken = tmp_path / "taken"
+    taken.write_text("kept")
+    assert main(["bench", *OVERRIDES, "--profile", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--profile {taken}: cannot make that directory" in err, err
+    assert taken.read_text() == "kept"
+
+
 def test_bench_numbers_are_consistent(bench):
     cfg = load_config(None, OVERRIDES)
     step = bench["step_seconds"]

@@ -39,7 +39,7 @@ from nnxtron.parallel.mesh import make_mesh
 from nnxtron.runtime.compile_cache import count_cache_events, enable_compilation_cache
 from nnxtron.runtime.peak import peak_flops_total
 from nnxtron.tools.decode_timing import time_decoding
-from nnxtron.tools.step_profile import read_profile, write_profile
+from nnxtron.tools.step_profile import profile_directory, read_profile, write_profile
 from nnxtron.train.optimizer import make_optimizer
 from nnxtron.train.state import init_frozen, init_state, setup
 from nnxtron.train.step import Extras, batch_sharding, device_batch, make_train_step, reference_from
@@ -85,6 +85,8 @@ def run_bench(file: str | None, overrides: Sequence[str], steps: int = 10, profi
     """
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
+    if profile:
+        profile = str(profile_directory(profile))
     cfg = load_config(file, list(overrides))
     cache_dir = enable_compilation_cache(cfg)
     derived = derive(cfg, jax.device_count())

@@ -31,6 +31,8 @@ from typing import Any
 
 import jax
 
+from nnxtron.errors import UserError
+
 PROFILE_STEPS = 3  # steps traced after the timed ones
 HLO_FILE = "train_step.hlo.txt"
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\(")  # tuple shapes hold spaces
@@ -167,11 +169,21 @@ def summarize(groups: dict[str, dict[str, float]], levels: Iterable[int]) -> dic
     return dict(out)
 
 
+def profile_directory(path: str | Path) -> Path:
+    """``path`` as a directory for a profile (made if missing), before any work; one clear error
+    (``UserError``) where it cannot be one."""
+    directory = Path(path).expanduser()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--profile {path}: cannot make that directory ({err.strerror}); give a writable directory") from None
+    return directory
+
+
 def write_profile(directory: str | Path, compiled: Any, run_step: Callable[[], Any]) -> Path:
     """Trace ``PROFILE_STEPS`` calls of ``run_step`` (each blocks until done) into
-    ``directory`` and write the compiled step's HLO text beside the trace."""
+    ``directory`` (``profile_directory``) and write the compiled step's HLO text beside the trace."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     (directory / HLO_FILE).write_text(compiled.as_text())
     jax.profiler.start_trace(str(directory))
     try:
