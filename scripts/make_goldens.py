@@ -28,6 +28,8 @@ Cases:
 * ``mixtral`` -- MixtralForCausalLM, 2 layers, 4 experts top-2, theta 1e6.
 * ``qwen2``   -- Qwen2ForCausalLM: GQA, theta 1e6, untied head, q/k/v projection biases
                  (redrawn non-zero; no o_proj bias).
+* ``gemma``   -- GemmaForCausalLM: multi-query (4q/1kv), (1 + w) norms, GeGLU, sqrt(D) embedding
+                 scale, tied head.
 * ``qwen3``   -- Qwen3ForCausalLM (qk-norm), GQA, theta 1e6, tied embeddings.
 * ``qwen3_moe`` / ``qwen3_moe_norenorm`` -- Qwen3MoeForCausalLM, 8 experts
                  top-2, ``norm_topk_prob`` True / False.
@@ -64,7 +66,7 @@ be bit-identical to the stored ones (for MoE cases also after loading
 
 Code layout: ``scripts/goldens/harness.py`` (shared constants, model building, file writing, common
 checks) and one module per family (``goldens/llama.py``, ``qwen2.py``, ``mixtral_qwen3.py``, ``deepseek3.py``,
-``gemma3.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks.
+``gemma.py``, ``gemma3.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks.
 Which cases exist is the family registry's: each family's record declares its goldens
 (``Golden(name, generator)`` in ``goldens=``, ``nnxtron/models/family.py``) and ``goldens/__init__.py``
 collects them in the registry's order; nothing in this script or the shared modules names a family.

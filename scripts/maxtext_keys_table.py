@@ -91,7 +91,7 @@ MaxText's logits, loss curve (MTP loss included) and final parameters after 20 s
 | learning-rate schedule | warm-up `int(fraction * steps)`; the cosine (and WSD decay) reaches its final value at the schedule's last step; 0 after `learning_rate_schedule_steps` | optax's: the final value one step later, kept after the schedule | `lr_schedule_convention=maxtext` |
 | MTP logits | each depth has its own output norm (`mtp_k_final_norm`, DeepSeek-V3's `shared_head.norm`) before the shared LM head | (HF has no MTP) | the same in nnxtron (`mtp/depths/k/final_norm`) |
 | tied output head (`logits_via_embedding`) | `x @ bf16(E)^T` (`attend_on_embedding` casts the table to bfloat16 whatever `dtype` is), then `/ sqrt(emb_dim)` in `dtype` with `normalize_embedding_logits` (base.yml: `true`); the table starts standard normal | HF: `x @ E^T`; nnxtron: `x @ E^T / sqrt(emb_dim)` with `normalize_embedding_logits=true`, its default `false` (HF's head; the table then starts at std `1 / sqrt(emb_dim)`, docs/init.md) | `tied_head_bf16=true` (the table, times Gemma's `sqrt(emb_dim)`, rounded to bfloat16), `normalize_embedding_logits` as the config says (base.yml's `true`; `false` for `gpt3-*`, `qwen2.5-*` and `qwen3-0.6b` / `qwen3-8b`, whose MaxText model configs set it): MaxText's logits and initialiser (`tests/assets/maxtext/reference/llama2_tied`) |
-| Gemma 3 embedding scale | `sqrt(emb_dim)` is folded into the table (no input scale); the tied logits divide by it (`normalize_embedding_logits=true`) | the input is scaled by `sqrt(emb_dim)`, the head is `x @ E^T` | the checkpoint table is converted (nnxtron's = MaxText's / `sqrt(emb_dim)`); `normalize_embedding_logits=true` (the Gemma 3 presets') is then HF's head, `false` MaxText's logits times `sqrt(emb_dim)` |
+| Gemma / Gemma 3 embedding scale | `sqrt(emb_dim)` is folded into the table (no input scale); the tied logits divide by it (`normalize_embedding_logits=true`) | the input is scaled by `sqrt(emb_dim)`, the head is `x @ E^T` | the checkpoint table is converted (nnxtron's = MaxText's / `sqrt(emb_dim)`); `normalize_embedding_logits=true` (the Gemma and Gemma 3 presets') is then HF's head, `false` MaxText's logits times `sqrt(emb_dim)` |
 | Gemma 3 query scale | derived from the sizes: `head_dim ** -0.5` (gemma3-4b, 12b), `(emb_dim // query heads) ** -0.5` (27b) | `query_pre_attn_scalar` as stated (the presets: 256, 256, 168) | with `override_model_config=true` or an overridden `head_dim` / `base_emb_dim` / `base_num_query_heads`, `query_pre_attn_scalar` is derived so (a stated `query_pre_attn_scalar` wins) |
 | MoE load-balance loss | per sequence (each row's token fractions / k and mean `softmax` of the router output before the bias, every position counted), `E^2 ×` mean over rows and experts, averaged over the MoE layers (decoder and MTP; hash-routed layers have none) | over all tokens of the call, summed over layers (HF pools the counts and probabilities of all layers and tokens, fractions not divided by k) | `load_balance_convention=maxtext` (the Mixtral reference run trains with `load_balance_loss_weight=0.01`) |
 
@@ -127,7 +127,7 @@ a cycle of one; a layer count that is not a multiple of the cycle is refused sca
 would drop the leftover layers), DeepSeek-V4 its (HCA, CSA) layer pairs after the hash-routed
 layers (`scanned_blocks`; other compress ratios, or an odd count of them, are refused scanned).
 Kernels already have nnxtron's layout; the value conventions are converted:
-Llama 2 / Mistral / Mixtral keep MaxText's query kernels (with `1/sqrt(head_dim)` folded in;
+Llama 2 / Mistral / Mixtral / Gemma keep MaxText's query kernels (with `1/sqrt(head_dim)` folded in;
 `from-maxtext` then defaults to `query_pre_attn_scalar=1`; `query_pre_attn_scalar=0` rescales them
 to HF meaning, needed for `convert to-hf`), Gemma's norm scales are MaxText's minus 1 and its table
 MaxText's / `sqrt(emb_dim)` (a tied head defaults to `tied_head_bf16=true`, MaxText's head, and to
@@ -142,7 +142,7 @@ regrouped (MaxText's `pre`/`post`/`res` alphas, betas and scales are nnxtron's �
 `base`, `scale`, with MaxText's `mhc_norm` scale folded into `fn` and written back as ones), its
 output LoRA's kernel has the last two axes swapped, its hash table is model state (int32; MaxText
 stores float32).
-Covered: Llama 2, Mistral, Mixtral, DeepSeek-V3 with MTP, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, GPT-3, Llama 4
+Covered: Llama 2, Mistral, Mixtral, DeepSeek-V3 with MTP, Gemma, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, GPT-3, Llama 4
 and DeepSeek-V4, scanned and unscanned (`tests/assets/maxtext/checkpoints/`, written by MaxText
 0.2.5); MaxText -> nnxtron -> MaxText is byte-exact, and nnxtron's logits from each checkpoint equal
 MaxText's (float32, <= 6e-6) — except two parametrisations nnxtron (like HF) does not keep: GPT-3's

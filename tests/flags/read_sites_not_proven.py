@@ -156,6 +156,7 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/models/deepseek4/maxtext.py", "layer_rules", "*"): CONVERSION,
     ("src/nnxtron/models/deepseek4/maxtext.py", "scan_prefix", "*"): CONVERSION,
     ("src/nnxtron/models/deepseek4/maxtext.py", "to_tree", "*"): CONVERSION,
+    ("src/nnxtron/models/gemma.py", "config_to_hf", "*"): CONVERSION,
     ("src/nnxtron/models/gemma3.py", "config_to_hf", "*"): CONVERSION,
     ("src/nnxtron/models/gpt3.py", "GPT3Block.__init__", "mlp_activations"): VALIDATION,
     ("src/nnxtron/models/gpt3.py", "config_to_hf", "*"): CONVERSION,

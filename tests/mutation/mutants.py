@@ -593,6 +593,11 @@ MUTATIONS = [
     Mutation("mtp-depth-reads-the-first-layer", "convert/hf.py",
              "family.hf_layer_prefix.format(i=cfg.base_num_decoder_layers + d)", "family.hf_layer_prefix.format(i=d)",
              ("tests/parity/test_hf_golden.py::test_deepseek3_mtp_layer_matches_the_reference",)),
+    Mutation("gemma-block-norms-not-zero-centred", "models/gemma.py", 'qk_norm="rms_zero_centered", zero_centered=True)',
+             'qk_norm="rms_zero_centered", zero_centered=False)', ("tests/parity/test_hf_golden.py::test_logits_match_hf[gemma-scan]",)),
+    Mutation("gemma-maxtext-pre-ffw-norm-not-offset", "models/gemma.py",
+             'Rule("pre_ffw_norm/scale", "post_attention_norm/scale", NORM_OFFSET)', 'Rule("pre_ffw_norm/scale", "post_attention_norm/scale")',
+             ("tests/unit/test_maxtext_checkpoint.py::test_logits_equal_maxtexts[gemma_scanned]",)),
     # Adversarial-only: the plain goldens use the default epsilons, so a value that is not read passes them.
     _adversarial_only("mla-latent-norms-take-the-config-eps", "layers/mla.py", "norm = dict(eps=LATENT_NORM_EPS,",
                       "norm = dict(eps=cfg.normalization_layer_epsilon,", "deepseek3"),

@@ -105,6 +105,8 @@ CASES = {
     ),
     # Qwen2's query/key/value biases in the stages' weights (circular, 2 repeats)
     "qwen2_biases_in_stages": ("qwen2-tiny", dict(base_num_decoder_layers=4), PP2_FSDP2, 4),
+    # Gemma's scaled embedding and zero-centred norms around the stages, multi-query heads in them
+    "gemma_scaled_embedding_around_stages": ("gemma-tiny", dict(base_num_decoder_layers=4), PP2_FSDP2, 4),
 }
 
 

@@ -503,6 +503,7 @@ FAMILY_MODULES = {
     "models/deepseek.py": "deepseek3-test",
     "layers/mla.py": "deepseek3-test",
     "models/deepseek4/": "deepseek4-test",
+    "models/gemma.py": "gemma-tiny",
     "models/gemma3.py": "gemma3-tiny",
     "models/llama4.py": "llama4-tiny",
     "models/mixtral.py": "mixtral-tiny",
@@ -511,6 +512,7 @@ FAMILY_MODULES = {
     "models/qwen3.py ": "qwen3-moe-tiny",  # the same module serves the MoE variant (a trailing space keeps the key unique)
 }
 FAMILIES.setdefault("qwen2-tiny", {})
+FAMILIES.setdefault("gemma-tiny", {})
 FAMILIES.setdefault("qwen3-tiny", {})
 FAMILIES.setdefault("qwen3-moe-tiny", {})
 

@@ -1,7 +1,7 @@
 """MaxText checkpoints in and out (``convert/maxtext.py``), on checkpoints MaxText 0.2.5 wrote.
 
 The assets (tests/assets/maxtext/checkpoints/README.md says how each was made) hold tiny
-Llama 2, Mistral, Mixtral, DeepSeek-V3 (with MTP), Gemma 3, Qwen3, Qwen3-MoE, GPT-3 and Llama 4
+Llama 2, Mistral, Mixtral, DeepSeek-V3 (with MTP), Gemma, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, GPT-3 and Llama 4
 models, scanned and unscanned,
 and MaxText's logits on fixed tokens from each (DeepSeek: MaxText's eager forward fails on CPU,
 so its logits are checked on the reference runs' initial checkpoints, tests/assets/maxtext/reference).
@@ -103,7 +103,7 @@ def test_logits_equal_maxtexts(name):
     assert np.abs(got - want).max() <= LOGITS_ATOL
 
 
-@pytest.mark.parametrize("name", ["llama2_scanned", "mixtral_unscanned"])
+@pytest.mark.parametrize("name", ["llama2_scanned", "mixtral_unscanned", "gemma_unscanned"])
 def test_hf_meaning_query_kernels_give_the_same_logits(name):
     """query_pre_attn_scalar=0: kernels rescaled by sqrt(head_dim) (MaxText folds 1/sqrt(head_dim) in)."""
     cfg = config(name, query_pre_attn_scalar="0")

@@ -43,6 +43,7 @@ TINY = {  # the flag matrix's shrinking (tests/unit/test_flag_sensitivity.py): s
     "qwen2-tiny": [],
     "qwen3-tiny": [],
     "qwen3-moe-tiny": [],
+    "gemma-tiny": [],
     "gemma3-tiny": [],  # 8 layers: a pattern block of 6 and a remainder
     "llama4-tiny": ["base_num_decoder_layers=4"],  # one cycle: chunked, NoPE and MoE layers
     "deepseek3-test": ["base_num_decoder_layers=2"],  # one dense, one MoE layer (MLA)
@@ -54,7 +55,11 @@ TINY = {  # the flag matrix's shrinking (tests/unit/test_flag_sensitivity.py): s
     ],  # fmt: skip
     "gpt3-52k": [],
 }
-TIED = ("llama3.1-tiny", "qwen2-tiny", "qwen3-tiny", "gemma3-tiny", "gpt3-52k")  # the presets that tie their head
+TIED = ("llama3.1-tiny", "qwen2-tiny", "qwen3-tiny", "gemma-tiny", "gemma3-tiny", "gpt3-52k")  # the presets that tie their head
+# MaxText's tied recipe (std-1 table as the input, logits / sqrt(D)) without Gemma 3's post-norms to shrink the
+# token's own logit: Gemma v1 starts where MaxText's gemma does, above the band (docs/init.md; measured
+# ln V + 0.88 at D 64, + 3.47 at 256) — HF's head needs normalize_embedding_logits=true there
+MAXTEXT_TIED_START = ("gemma-tiny",)
 
 
 def _config(preset: str, *overrides: str):
@@ -82,7 +87,7 @@ def _sized(preset: str, emb_dim: int) -> list[str]:
     return ["override_model_config=true", f"base_emb_dim={emb_dim}"]
 
 
-@pytest.mark.parametrize("preset", sorted(TINY))
+@pytest.mark.parametrize("preset", sorted(set(TINY) - set(MAXTEXT_TIED_START)))
 def test_step0_loss_is_a_uniform_guess(preset):
     """Both emb_dims in one case: one build of the same family per case keeps it cheap."""
     losses = {}

@@ -48,6 +48,7 @@ RULES: dict[str, FamilyRules] = {
     "llama2": _FOLDED,
     "mistral": _FOLDED,
     "mixtral": _FOLDED,
+    "gemma": _FOLDED,  # MaxText's GemmaDecoderLayer: plain Attention, no query_pre_attn_scalar
     "qwen2": FamilyRules(attention_out_bias=False),
     "deepseek": FamilyRules(maxtext_topk_renorm="score_func"),
     "gemma3": FamilyRules(legacy_normalize_embedding_logits=True),

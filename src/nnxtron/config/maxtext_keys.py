@@ -862,7 +862,7 @@ _translated("norm_topk_prob", False, "true (MaxText's softmax over the top-k log
             "sigmoid / sqrtsoftplus scores; Llama 4: norm_topk_prob", _norm_topk_prob)  # fmt: skip
 _translated("rope_interleave", True, "rope_interleave with rope_type=yarn (where MaxText reads it); else false (MaxText's "
             "default RoPE rotates halves), true for llama3.1 RoPE", _rope_interleave)  # fmt: skip
-_translated("decoder_block", "llama2", "decoder_block; llama2, mistral and mixtral (without qk-norm) also set "
+_translated("decoder_block", "llama2", "decoder_block; llama2, mistral, mixtral and gemma (without qk-norm) also set "
             "query_pre_attn_scalar=1: MaxText folds 1/sqrt(head_dim) into the query kernel", _decoder_block)  # fmt: skip
 _translated("rope_linear_scaling_factor", 1.0, "rope_type=linear with rope_scaling_factor (default RoPE only)", _rope_linear)
 _translated("quantize_mtp", False, "with quantization on: qwix_module_path '.*layers/.*' (false) or '(.*layers|mtp)/.*' (true)",

@@ -22,6 +22,7 @@ DECODER_BLOCKS = (
     "qwen3",
     "qwen3_moe",
     "deepseek",
+    "gemma",
     "gemma3",
     "llama4",
     "gpt3",

@@ -31,7 +31,7 @@ from nnxtron.parallel.sharding import constrain
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
 
-QK_NORMS = ("none", "rms", "gemma", "l2")
+QK_NORMS = ("none", "rms", "rms_zero_centered", "l2")
 QUERY = ("activation_batch", "activation_length", "activation_heads", None)
 KEY_VALUE = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)  # gathered over the context axis
 RING_KEY_VALUE = ("activation_batch", "activation_length", "activation_kv_heads", None)  # sharded like the queries
@@ -292,7 +292,7 @@ class Attention(nnx.Module):
     head over ``head_dim``:
 
     * ``"rms"`` (Qwen3): RMSNorm with one weight per projection (``query_norm``/``key_norm``), before RoPE;
-    * ``"gemma"`` (Gemma 3): the same with zero-centred ``(1 + w)`` weights, before RoPE;
+    * ``"rms_zero_centered"`` (Gemma 3): the same with zero-centred ``(1 + w)`` weights, before RoPE;
     * ``"l2"`` (Llama 4): weightless, after RoPE, only on RoPE layers.
 
     ``qkv_bias`` / ``out_bias``: the query, key and value projections / the output projection
@@ -344,8 +344,8 @@ class Attention(nnx.Module):
         self.key = Linear([emb_dim], [num_kv_heads, head_dim], kv_axes, use_bias=qkv_bias, **kw)
         self.value = Linear([emb_dim], [num_kv_heads, head_dim], kv_axes, use_bias=qkv_bias, **kw)
         self.out = Linear([num_heads, head_dim], [emb_dim], ("q_heads", "head_dim", "embed"), use_bias=out_bias, **kw)
-        if qk_norm in ("rms", "gemma"):
-            norm = dict(eps=norm_eps, dtype=dtype, weight_dtype=weight_dtype, zero_centered=qk_norm == "gemma")
+        if qk_norm in ("rms", "rms_zero_centered"):
+            norm = dict(eps=norm_eps, dtype=dtype, weight_dtype=weight_dtype, zero_centered=qk_norm == "rms_zero_centered")
             self.query_norm = RMSNorm(head_dim, **norm)
             self.key_norm = RMSNorm(head_dim, **norm)
         self.qk_norm = qk_norm
@@ -366,7 +366,7 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         q = checkpoint_name(self.query(x), "query_proj")
         k = checkpoint_name(self.key(x), "key_proj")
-        if self.qk_norm in ("rms", "gemma"):
+        if self.qk_norm in ("rms", "rms_zero_centered"):
             q, k = self.query_norm(q), self.key_norm(k)
         if self.rope is not None:
             q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)

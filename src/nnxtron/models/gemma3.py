@@ -50,7 +50,7 @@ class Gemma3Block(nnx.Module):
         if kind.moe:
             raise ConfigError("decoder_block gemma3 has no MoE layers; set num_experts=1")
         self.pre_attention_norm = gemma_norm(cfg)
-        self.attention = gqa_attention(cfg, rngs, kind, qk_norm="gemma")
+        self.attention = gqa_attention(cfg, rngs, kind, qk_norm="rms_zero_centered")
         self.post_attention_norm = gemma_norm(cfg)
         self.pre_ffw_norm = gemma_norm(cfg)
         self.mlp = GatedMLP(

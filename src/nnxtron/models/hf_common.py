@@ -137,17 +137,29 @@ def rope_to_hf(cfg: Config) -> dict[str, Any]:
     return rope
 
 
+# HF activation names of the tanh-approximated GELU (nnxtron's ``gelu``); Gemma's legacy ``gelu`` is read so by
+# transformers (GemmaConfig turns it into ``gelu_pytorch_tanh``)
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
+
+
 def common_config_from_hf(
-    hf: dict[str, Any], decoder_block: str, head_dim_zero_is_default: bool = False, qkv_bias: bool = False
+    hf: dict[str, Any],
+    decoder_block: str,
+    head_dim_zero_is_default: bool = False,
+    qkv_bias: bool = False,
+    gelu_acts: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The config values every pre-norm family reads the same way from an HF ``config.json``.
     ``head_dim_zero_is_default``: the HF class's attention reads ``config.head_dim or hidden_size //
     num_attention_heads`` (transformers 5: Mistral, Mixtral); the others (Llama, Qwen3, Llama 4)
     build 0-wide projections for head_dim 0, which cannot hold the weights: refused. ``qkv_bias``:
     the HF class always biases its query, key and value projections (Qwen2, which has no
-    ``attention_bias`` entry): ``attention_bias=true``; elsewhere HF ``attention_bias=true`` is refused."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"HF hidden_act '{hf['hidden_act']}' is not supported; only silu")
+    ``attention_bias`` entry): ``attention_bias=true``; elsewhere HF ``attention_bias=true`` is refused.
+    ``gelu_acts``: the family's ``hidden_act`` values that are the tanh GELU (Gemma: its gated GeGLU MLP,
+    ``mlp_activations=[gelu, linear]``); otherwise only silu."""
+    act = hf.get("hidden_act", gelu_acts[0] if gelu_acts else "silu")
+    if act not in (gelu_acts or ("silu",)):
+        raise ConfigError(f"HF hidden_act '{act}' is not supported; only {' / '.join(gelu_acts or ('silu',))}")
     for flag in ("mlp_bias",) if qkv_bias else ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"HF {flag}=true is not supported by decoder_block {decoder_block}")
@@ -166,7 +178,7 @@ def common_config_from_hf(
         "normalize_embedding_logits": False,  # HF's tied head: x @ E^T
         "sliding_window_size": int(hf.get("sliding_window") or 0),
         "rope_interleave": False,
-        "mlp_activations": ["silu", "linear"],
+        "mlp_activations": ["gelu" if gelu_acts else "silu", "linear"],
     }
     if qkv_bias:
         values["attention_bias"] = True

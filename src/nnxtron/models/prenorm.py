@@ -1,4 +1,4 @@
-"""The pre-norm decoder block shared by Llama, Mistral, Mixtral, Qwen3, DeepSeek-V3 and Llama 4.
+"""The pre-norm decoder block shared by Llama, Mistral, Mixtral, Qwen2, Qwen3, DeepSeek-V3, Llama 4 and Gemma.
 
 Block (HF ``LlamaDecoderLayer``)::
 
@@ -39,17 +39,18 @@ from nnxtron.parallel.sharding import RESIDUAL, constrain
 class PreNormBlock(nnx.Module):
     """Pre-norm attention + pre-norm feed-forward; ``kind.moe`` selects the routed MoE feed-forward.
 
-    ``qk_norm``: what ``use_qk_norm`` means for the family (see ``gqa_attention``).
+    ``qk_norm``: what ``use_qk_norm`` means for the family (see ``gqa_attention``); ``zero_centered``:
+    both norms are Gemma's ``x_hat * (1 + w)`` in float32 (Gemma v1).
     """
 
-    def __init__(self, cfg: Config, rngs: nnx.Rngs, kind: LayerKind = PLAIN, qk_norm: str = "rms"):
+    def __init__(self, cfg: Config, rngs: nnx.Rngs, kind: LayerKind = PLAIN, qk_norm: str = "rms", zero_centered: bool = False):
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
-        self.pre_attention_norm = rms_norm(cfg)
+        self.pre_attention_norm = rms_norm(cfg, zero_centered=zero_centered)
         if cfg.attention_type == "mla":
             self.attention = MLA(cfg, rngs)
         else:
             self.attention = gqa_attention(cfg, rngs, kind, qk_norm)
-        self.post_attention_norm = rms_norm(cfg)
+        self.post_attention_norm = rms_norm(cfg, zero_centered=zero_centered)
         if kind.moe:
             self.mlp = MoE(cfg, rngs)
         else:
