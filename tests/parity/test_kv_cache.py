@@ -17,7 +17,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from nnxtron.convert.hf import from_hf
-from nnxtron.infer.decode import CachedModel, decode, prompt_batch, sampler, unrolled, with_caches
+from nnxtron.infer.decode import CachedModel, DegenerateLogits, decode, prompt_batch, sampler, unrolled, with_caches
 from nnxtron.infer.generate import generate
 from nnxtron.infer.sample import generate_tokens
 from nnxtron.models.build import build_model
@@ -29,6 +29,7 @@ FAMILIES = {
     "llama3.1-tiny": {},
     "mistral-tiny": {},  # sliding window
     "qwen2-tiny": {},  # query/key/value biases
+    "gemma-tiny": {},  # multi-query (1 key/value head), scaled embeddings
     "qwen3-tiny": {},  # qk-norm
     "gemma3-tiny": {},  # 5 sliding : 1 global, remainder block
     "llama4-tiny": {},  # chunked attention, NoPE layers, MoE
@@ -150,11 +151,12 @@ def test_stop_tokens_end_each_row_separately():
         assert [s[1] for s in steps] == list(free[: len(steps), 1])
 
 
-@pytest.mark.parametrize("strategy, per_call", [("greedy", 3), ("nucleus", 3), ("weighted", 1)])
-def test_generate_on_the_device_draws_the_host_loops_tokens(strategy, per_call):
-    """``generate`` samples on the device, ``per_call`` tokens per call: the same tokens, the
-    same stops, as the host loop (``decode`` with the config's ``sampler``), across call
-    boundaries (11 tokens = 3 + 3 + 3 + 2), with a stop token that ends one row early."""
+@pytest.mark.parametrize("strategy, per_call, unroll", [("greedy", 3, 2), ("nucleus", 3, 2), ("weighted", 1, 1)])
+def test_generate_on_the_device_draws_the_host_loops_tokens(strategy, per_call, unroll):
+    """``generate`` samples on the device, ``per_call`` tokens per call and ``unroll`` per
+    iteration of its loop: the same tokens, the same stops, as the host loop (``decode``
+    with the config's ``sampler``), across call boundaries (11 tokens = 3 + 3 + 3 + 2: with
+    2 a call, an iteration's second token not wanted), with a stop token that ends one row early."""
     cfg = tiny_config("llama3.1-tiny", decode_sampling_strategy=strategy, decode_sampling_temperature=0.7)
     model = build_model(cfg)
     prompts = [list(_tokens(cfg, 1, seed=6)[0, :9]), list(_tokens(cfg, 1, seed=7)[0, :4])]
@@ -164,8 +166,38 @@ def test_generate_on_the_device_draws_the_host_loops_tokens(strategy, per_call):
         [None if d else int(t) for t, d in zip(tokens, done)]
         for tokens, done in decode(model, prompts, 11, sampler(cfg), (stop,))
     ]
-    on_device = list(generate(model, prompts, cfg, 11, (stop,), tokens_per_call=per_call))
+    on_device = list(generate(model, prompts, cfg, 11, (stop,), tokens_per_call=per_call, tokens_per_iteration=unroll))
     assert on_device == on_host and on_device[5][1] is None
+
+
+@pytest.mark.parametrize("faulty", [1, 2])
+def test_a_fault_stops_an_unrolled_loop_at_its_token(monkeypatch, faulty):
+    """Two tokens per iteration of the device loop: logits that cannot be sampled before new
+    token ``faulty + 1`` (here: the logits whose argmax is the free run's token ``faulty``,
+    flagged by a stand-in check) stop ``generate`` there — the second token of an iteration
+    (1) or the first (2) — after exactly the tokens before it."""
+    import nnxtron.infer.generate as module
+
+    cfg = tiny_config("llama3.1-tiny", decode_sampling_strategy="greedy")
+    model = build_model(cfg)
+    prompt = [list(_tokens(cfg, 1, seed=11)[0, :6])]  # free run: 6 different tokens
+    free = [step[0] for step in generate(model, prompt, cfg, 6, tokens_per_iteration=2)]
+    poison = free[faulty]
+    assert poison not in free[:faulty], "the stand-in fault must first fire at the chosen token"
+    real = module.logit_faults
+
+    def flagged(logits, live):
+        nonfinite, flat, value = real(logits, live)
+        return nonfinite | jnp.any((jnp.argmax(logits, -1) == poison) & live), flat, value
+
+    monkeypatch.setattr(module, "logit_faults", flagged)
+    module.jitted_chunk.cache_clear()
+    got = []
+    with pytest.raises(DegenerateLogits, match=f"new token {faulty + 1} are not finite"):
+        for step in generate(model, prompt, cfg, 6, tokens_per_call=4, tokens_per_iteration=2):
+            got.append(step[0])
+    module.jitted_chunk.cache_clear()
+    assert got == free[:faulty]
 
 
 def test_generate_calls_the_device_once_per_chunk(monkeypatch):

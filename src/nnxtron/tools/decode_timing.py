@@ -96,10 +96,10 @@ def _time_device_loop(cached, step, fresh, inputs, draw, new_tokens: int, repeat
     batch, length = inputs[0].shape
 
     def run() -> float:
-        logits, caches = jax.block_until_ready(step(fresh(), *inputs))
+        logits, caches = step(fresh(), *inputs)
+        last, positions = jax.block_until_ready((logits[:, -1], jnp.full((batch,), length, jnp.int32)))
         start = time.perf_counter()
-        positions = jnp.full((batch,), length, jnp.int32)
-        calls = device_calls(cached, caches, logits[:, -1], positions, draw, (), new_tokens, TOKENS_PER_CALL)
+        calls = device_calls(cached, caches, last, positions, draw, (), new_tokens, TOKENS_PER_CALL)
         assert sum(ran for _, _, ran, _, _ in calls) == new_tokens, "the device loop stopped early"
         return time.perf_counter() - start
 
