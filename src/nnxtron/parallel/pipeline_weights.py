@@ -137,10 +137,12 @@ class WeightFeed(Protocol):
 
     ``per_round``: a tree with a leading ``[R]`` axis the repeat scan slices (None: nothing);
     ``at(r)`` is its slice ``r`` for the unrolled loop; ``round(r, per_round[r])`` the weights
-    of round ``r``; ``drain(last)`` those of the drain; ``checkpointed`` wraps a round."""
+    of round ``r``; ``drain(last)`` those of the drain; ``checkpointed`` wraps a round;
+    ``same_every_round``: every round and the drain read the same weights."""
 
     per_round: Any
     last: Any
+    same_every_round: bool
 
     def at(self, r: int) -> Any: ...
     def round(self, r: jax.Array, sliced: Any) -> RoundWeights: ...
@@ -153,6 +155,7 @@ class DeviceWeights:
 
     per_round = None
     last = None
+    same_every_round = True
 
     def __init__(self, staged: nnx.State):
         self.staged = staged
@@ -173,6 +176,8 @@ class DeviceWeights:
 class HostWeights:
     """Per-stage offload: ``[R, S, lps, ...]`` in host memory; round ``r`` fetches the pair
     (repeat ``r - 1``, repeat ``r``) with ``fetch``, the drain repeat ``R - 1``."""
+
+    same_every_round = False
 
     def __init__(self, staged: nnx.State, fetch: Callable[[nnx.State], nnx.State], repeats: int):
         self.fetch, self.repeats = fetch, repeats
