@@ -37,8 +37,13 @@ Cases:
                  (interleaved, mscale), 1 dense + 2 MoE layers, sigmoid router
                  with random ``e_score_correction_bias``, group-limited top-k
                  (n_group 4, topk_group 2), shared expert, scaling 2.5.
+* ``gemma2``  -- Gemma2ForCausalLM: sliding / global alternating (4 layers), window 8, attention and
+                 final logit soft caps (1.0, 0.5: query/key weights x 8 so the cap bends), query_pre_attn_scalar
+                 24, (1 + w) pre and post norms, sqrt(D) embedding scale, tied head.
 * ``gemma3``  -- Gemma3ForCausalLM: 5 sliding : 1 global (8 layers), window 8, per-layer-type
                  RoPE (1e4 / 1e6 linear x8), (1 + w) norms, sqrt(D) embedding scale, final softcap.
+* ``olmo3``   -- Olmo3ForCausalLM: 3 sliding : 1 global (4 layers), window 8, norms on the sublayer
+                 outputs, whole-projection q/k norms, per-layer-type RoPE (default / YaRN x8), untied.
 * ``llama4``  -- Llama4ForCausalLM: chunked attention (8), NoPE layer 3 with temperature tuning,
                  L2 qk-norm, llama3 RoPE, dense / MoE interleave (top-1 sigmoid + shared expert);
                  experts saved fused ([E, D, 2F]), so no fused.safetensors.
@@ -66,7 +71,7 @@ be bit-identical to the stored ones (for MoE cases also after loading
 
 Code layout: ``scripts/goldens/harness.py`` (shared constants, model building, file writing, common
 checks) and one module per family (``goldens/llama.py``, ``qwen2.py``, ``mixtral_qwen3.py``, ``deepseek3.py``,
-``gemma.py``, ``gemma3.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks.
+``gemma.py``, ``gemma2.py``, ``gemma3.py``, ``olmo3.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks.
 Which cases exist is the family registry's: each family's record declares its goldens
 (``Golden(name, generator)`` in ``goldens=``, ``nnxtron/models/family.py``) and ``goldens/__init__.py``
 collects them in the registry's order; nothing in this script or the shared modules names a family.

@@ -91,8 +91,10 @@ MaxText's logits, loss curve (MTP loss included) and final parameters after 20 s
 | learning-rate schedule | warm-up `int(fraction * steps)`; the cosine (and WSD decay) reaches its final value at the schedule's last step; 0 after `learning_rate_schedule_steps` | optax's: the final value one step later, kept after the schedule | `lr_schedule_convention=maxtext` |
 | MTP logits | each depth has its own output norm (`mtp_k_final_norm`, DeepSeek-V3's `shared_head.norm`) before the shared LM head | (HF has no MTP) | the same in nnxtron (`mtp/depths/k/final_norm`) |
 | tied output head (`logits_via_embedding`) | `x @ bf16(E)^T` (`attend_on_embedding` casts the table to bfloat16 whatever `dtype` is), then `/ sqrt(emb_dim)` in `dtype` with `normalize_embedding_logits` (base.yml: `true`); the table starts standard normal | HF: `x @ E^T`; nnxtron: `x @ E^T / sqrt(emb_dim)` with `normalize_embedding_logits=true`, its default `false` (HF's head; the table then starts at std `1 / sqrt(emb_dim)`, docs/init.md) | `tied_head_bf16=true` (the table, times Gemma's `sqrt(emb_dim)`, rounded to bfloat16), `normalize_embedding_logits` as the config says (base.yml's `true`; `false` for `gpt3-*`, `qwen2.5-*` and `qwen3-0.6b` / `qwen3-8b`, whose MaxText model configs set it): MaxText's logits and initialiser (`tests/assets/maxtext/reference/llama2_tied`) |
-| Gemma / Gemma 3 embedding scale | `sqrt(emb_dim)` is folded into the table (no input scale); the tied logits divide by it (`normalize_embedding_logits=true`) | the input is scaled by `sqrt(emb_dim)`, the head is `x @ E^T` | the checkpoint table is converted (nnxtron's = MaxText's / `sqrt(emb_dim)`); `normalize_embedding_logits=true` (the Gemma and Gemma 3 presets') is then HF's head, `false` MaxText's logits times `sqrt(emb_dim)` |
+| Gemma / Gemma 2 / Gemma 3 embedding scale | `sqrt(emb_dim)` is folded into the table (no input scale); the tied logits divide by it (`normalize_embedding_logits=true`) | the input is scaled by `sqrt(emb_dim)`, the head is `x @ E^T` | the checkpoint table is converted (nnxtron's = MaxText's / `sqrt(emb_dim)`); `normalize_embedding_logits=true` (the Gemma, Gemma 2 and Gemma 3 presets') is then HF's head, `false` MaxText's logits times `sqrt(emb_dim)` |
 | Gemma 3 query scale | derived from the sizes: `head_dim ** -0.5` (gemma3-4b, 12b), `(emb_dim // query heads) ** -0.5` (27b) | `query_pre_attn_scalar` as stated (the presets: 256, 256, 168) | with `override_model_config=true` or an overridden `head_dim` / `base_emb_dim` / `base_num_query_heads`, `query_pre_attn_scalar` is derived so (a stated `query_pre_attn_scalar` wins) |
+| Gemma 2 layers | one MaxText layer is a (sliding, global) pair: `base_num_decoder_layers` counts pairs (gemma2-2b: 13), the checkpoint names `layers_{p}/..._local` / `..._global`; the query kernel folds `head_dim ** -0.5`, also for gemma2-27b | 26 layers, `layer_types` alternating; 27b's `query_pre_attn_scalar` is 144 (`emb_dim / query heads`), not `head_dim` 128 | a MaxText config's `base_num_decoder_layers` is doubled (`decoder_block=gemma2`) and `sliding_window_pattern=2` set; `from-maxtext` runs `query_pre_attn_scalar=1` on the kernels as stored; an nnxtron model with HF's 144 writes MaxText kernels x `144 ** -0.5` (MaxText then computes HF's function) |
+| OLMo 3 RoPE and qk-norm | `rope_type` (YaRN in olmo3-7b / 32b) on every layer, sliding ones too; the whole-projection qk-norm (`GlobalRMSNorm`) only when `model_name` starts with `olmo3`, else per head | YaRN on the global layers only, the sliding ones plain RoPE of the same theta (transformers 5's per-layer-type `rope_parameters`); `q_norm` / `k_norm` over the whole projection | the `olmo3-*` presets are HF's (`local_rope_max_timescale` = the theta: unscaled sliding layers; olmo3-7b-pt's default RoPE is the same in all three); `local_rope_max_timescale=0` is MaxText's RoPE; `decoder_block=olmo3` always normalises the whole projection and needs `sliding_window_pattern=4` (MaxText's fixed 3 sliding : 1 global; refused otherwise) |
 | MoE load-balance loss | per sequence (each row's token fractions / k and mean `softmax` of the router output before the bias, every position counted), `E^2 ×` mean over rows and experts, averaged over the MoE layers (decoder and MTP; hash-routed layers have none) | over all tokens of the call, summed over layers (HF pools the counts and probabilities of all layers and tokens, fractions not divided by k) | `load_balance_convention=maxtext` (the Mixtral reference run trains with `load_balance_loss_weight=0.01`) |
 
 The same in both (the reproduction checks them): loss = token mean over targets with
@@ -127,24 +129,28 @@ a cycle of one; a layer count that is not a multiple of the cycle is refused sca
 would drop the leftover layers), DeepSeek-V4 its (HCA, CSA) layer pairs after the hash-routed
 layers (`scanned_blocks`; other compress ratios, or an odd count of them, are refused scanned).
 Kernels already have nnxtron's layout; the value conventions are converted:
-Llama 2 / Mistral / Mixtral / Gemma keep MaxText's query kernels (with `1/sqrt(head_dim)` folded in;
+Llama 2 / Mistral / Mixtral / Gemma / Gemma 2 keep MaxText's query kernels (with `1/sqrt(head_dim)` folded in;
 `from-maxtext` then defaults to `query_pre_attn_scalar=1`; `query_pre_attn_scalar=0` rescales them
-to HF meaning, needed for `convert to-hf`), Gemma's norm scales are MaxText's minus 1 and its table
+to HF meaning, needed for `convert to-hf`), Gemma 2's layer pairs are split into nnxtron's layers `2p`
+(`..._local`) and `2p + 1` (`..._global`), Gemma's norm scales are MaxText's minus 1 and its table
 MaxText's / `sqrt(emb_dim)` (a tied head defaults to `tied_head_bf16=true`, MaxText's head, and to
 `normalize_embedding_logits=true`, base.yml's, unless MaxText's own model config sets it: GPT-3,
 Qwen2.5 and Qwen3 0.6B/8B, false), GPT-3's LayerNorm scales are MaxText's + 1 (MaxText multiplies by `1 + s`),
 and a llama3 RoPE (MaxText's `llama3.1`) defaults to MaxText's fixed scaling, factor 8, low 1,
 high 4 over 8192 positions — for Llama 4 too, whose HF config says 16 / 1 / 1 (`nnxtron train` with
 a MaxText config resolves it the same way). Qwen2 (`attention_bias`: `self_attention/{query,key,value}/bias`,
-no output bias), Qwen3 (query/key norms), Qwen3-MoE and Llama 4 (routed
+no output bias), Qwen3 (query/key norms), OLMo 3 (`attention/...`, not `self_attention/`; flat `[heads * head_dim]` query/key
+norms; blocks of 4 layers scanned), Qwen3-MoE and Llama 4 (routed
 and shared experts, NoPE and chunked layers) are plain renames. DeepSeek-V4's hyper-connections are
 regrouped (MaxText's `pre`/`post`/`res` alphas, betas and scales are nnxtron's — HF's — `fn`,
 `base`, `scale`, with MaxText's `mhc_norm` scale folded into `fn` and written back as ones), its
 output LoRA's kernel has the last two axes swapped, its hash table is model state (int32; MaxText
 stores float32).
-Covered: Llama 2, Mistral, Mixtral, DeepSeek-V3 with MTP, Gemma, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, GPT-3, Llama 4
-and DeepSeek-V4, scanned and unscanned (`tests/assets/maxtext/checkpoints/`, written by MaxText
-0.2.5); MaxText -> nnxtron -> MaxText is byte-exact, and nnxtron's logits from each checkpoint equal
+Covered: Llama 2, Mistral, Mixtral, DeepSeek-V3 with MTP, Gemma, Gemma 2, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, OLMo 3, GPT-3, Llama 4
+and DeepSeek-V4, and MaxText's toy blocks `simple` / `simple_mlp` (`models/simple.py`: one or two matmuls a
+layer, no HF counterpart; MaxText 0.2.5 runs them unscanned only with its layers' `(y, None)` return fixed,
+`tests/assets/maxtext/checkpoints/maxtext_simple_unscanned.py`), scanned and unscanned
+(`tests/assets/maxtext/checkpoints/`, written by MaxText 0.2.5); MaxText -> nnxtron -> MaxText is byte-exact, and nnxtron's logits from each checkpoint equal
 MaxText's (float32, <= 6e-6) — except two parametrisations nnxtron (like HF) does not keep: GPT-3's
 LayerNorm scale, held as the float32 `1 + s` (`s` comes back within 2e-8, the multiplier `1 + s`
 bit-exact), and DeepSeek-V4's `mhc_norm` scale, folded into `fn` (the same function; the asset's

@@ -343,7 +343,13 @@ def test_every_decoder_block_has_a_golden_and_a_matrix_row():
             in_matrix.add(block)
     assert in_matrix == set(DECODER_BLOCKS), f"no matrix row: {sorted(set(DECODER_BLOCKS) - in_matrix)}"
     with_golden = {family.name for family in FAMILIES.values() if family.goldens}
-    assert with_golden == set(DECODER_BLOCKS), f"no HF golden: {sorted(set(DECODER_BLOCKS) - with_golden)}"
+    # a family without an HF counterpart (empty hf_architecture: MaxText's toy blocks simple / simple_mlp) can have
+    # no HF golden; MaxText's own logits on its checkpoints are its reference (tests/unit/test_maxtext_checkpoint.py)
+    without_hf = {family.name for family in FAMILIES.values() if not family.hf_architecture}
+    assert not with_golden & without_hf and all(FAMILIES[name].maxtext is not None for name in without_hf)
+    assert with_golden | without_hf == set(DECODER_BLOCKS), (
+        f"no HF golden: {sorted(set(DECODER_BLOCKS) - with_golden - without_hf)}"
+    )
 
 
 def test_matrix_covers_every_axis():

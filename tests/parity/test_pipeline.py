@@ -107,6 +107,17 @@ CASES = {
     "qwen2_biases_in_stages": ("qwen2-tiny", dict(base_num_decoder_layers=4), PP2_FSDP2, 4),
     # Gemma's scaled embedding and zero-centred norms around the stages, multi-query heads in them
     "gemma_scaled_embedding_around_stages": ("gemma-tiny", dict(base_num_decoder_layers=4), PP2_FSDP2, 4),
+    # Gemma 2's (sliding, global) pairs as stages, its attention soft cap inside them
+    "gemma2_soft_capped_pairs_in_stages": ("gemma2-tiny", dict(remat_policy="none"), PP2_FSDP2, 4),
+    # MaxText's toy blocks, which MaxText's own pipeline tests run: one matmul a layer, no residual (4 stages, gpipe)
+    "simple_gpipe_4_stages": (
+        "simple-tiny",
+        dict(base_num_decoder_layers=4),
+        dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=1),
+        4,
+    ),
+    # two matmuls a layer, circular (2 repeats), under remat full
+    "simple_mlp_circular_2_repeats": ("simple_mlp-tiny", dict(base_num_decoder_layers=4, remat_policy="full"), PP2_FSDP2, 4),
 }
 
 

@@ -175,6 +175,7 @@ VALUES: dict[str, Flag] = {
     "tied_head_bf16": F(True),
     "normalize_embedding_logits": F(True),  # llama3.1-tiny ties its head: logits / sqrt(emb_dim), std-1 table
     "final_logits_soft_cap": F(30.0),
+    "attn_logits_soft_cap": F(1.0),  # llama3.1-tiny's attention logits (O(1)) capped at 1 in the train step
     "dtype": F("bfloat16"),
     "weight_dtype": F("bfloat16"),
     "matmul_precision": F("highest"),
@@ -507,14 +508,18 @@ FAMILY_MODULES = {
     "models/gemma3.py": "gemma3-tiny",
     "models/llama4.py": "llama4-tiny",
     "models/mixtral.py": "mixtral-tiny",
+    "models/olmo3.py": "olmo3-tiny",
     "models/qwen2.py": "qwen2-tiny",
     "models/qwen3.py": "qwen3-tiny",
     "models/qwen3.py ": "qwen3-moe-tiny",  # the same module serves the MoE variant (a trailing space keeps the key unique)
+    "models/simple.py": "simple_mlp-tiny",  # its one block class reads every key of both toy blocks (simple: mlp=False)
 }
 FAMILIES.setdefault("qwen2-tiny", {})
 FAMILIES.setdefault("gemma-tiny", {})
+FAMILIES.setdefault("olmo3-tiny", {})
 FAMILIES.setdefault("qwen3-tiny", {})
 FAMILIES.setdefault("qwen3-moe-tiny", {})
+FAMILIES.setdefault("simple_mlp-tiny", {})
 
 
 def family_readers() -> dict[str, set[str]]:

@@ -1,9 +1,9 @@
 """MaxText checkpoints in and out (``convert/maxtext.py``), on checkpoints MaxText 0.2.5 wrote.
 
 The assets (tests/assets/maxtext/checkpoints/README.md says how each was made) hold tiny
-Llama 2, Mistral, Mixtral, DeepSeek-V3 (with MTP), Gemma, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, GPT-3 and Llama 4
-models, scanned and unscanned,
-and MaxText's logits on fixed tokens from each (DeepSeek: MaxText's eager forward fails on CPU,
+Llama 2, Mistral, Mixtral, DeepSeek-V3 (with MTP), Gemma, Gemma 2, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, OLMo 3, GPT-3 and Llama 4
+models and MaxText's toy blocks simple / simple_mlp (no HF counterpart: these logits are their reference),
+scanned and unscanned, and MaxText's logits on fixed tokens from each (DeepSeek: MaxText's eager forward fails on CPU,
 so its logits are checked on the reference runs' initial checkpoints, tests/assets/maxtext/reference).
 """
 

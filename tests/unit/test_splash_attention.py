@@ -35,7 +35,9 @@ CASES = {  # name: (query heads, kv heads, sliding_window, chunk_size, key dim, 
     "mqa_sliding": (4, 1, 5, 0, 8, 8),
     "gqa_chunked": (4, 2, 0, 4, 8, 8),
     "mla_dims": (2, 2, 0, 0, 12, 8),  # DeepSeek-V3: key dim (nope + rope) != value dim
+    "gqa_soft_capped": (4, 2, 0, 0, 8, 8),  # "gqa"'s inputs, logits (std ~0.85) capped at 1 (Gemma 2's attn_logits_soft_cap)
 }
+SOFT_CAPS = {"gqa_soft_capped": 1.0}
 BOUND = dict(rtol=0, atol=1e-4)
 MODEL_BOUNDS = dict(loss_rtol=1e-6, rel=1e-5, abs_frac=1e-6, aggregate_rel=5e-6)
 
@@ -56,7 +58,16 @@ def computed():
     def forward_backward(case, implementation, q, k, v, cotangent):
         _, _, window, chunk, *_ = CASES[case]
         f = lambda q, k, v: attend(  # noqa: E731
-            q, k, v, SEGMENTS, scale=0.3, sliding_window=window, chunk_size=chunk, dtype=q.dtype, implementation=implementation
+            q,
+            k,
+            v,
+            SEGMENTS,
+            scale=0.3,
+            sliding_window=window,
+            chunk_size=chunk,
+            dtype=q.dtype,
+            implementation=implementation,
+            soft_cap=SOFT_CAPS.get(case, 0.0),
         )
         out, vjp = jax.vjp(f, q, k, v)
         return out, *vjp(cotangent)
@@ -71,6 +82,13 @@ def test_splash_equals_xla_forward_and_backward(computed, case):
     for name, got, ref in zip(("output", "d/dq", "d/dk", "d/dv"), computed[case, "splash"], computed[case, "xla"]):
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), err_msg=f"{case} {name}", **BOUND)
+
+
+def test_the_soft_cap_bends_the_attention(computed):
+    """The capped case has "gqa"'s inputs: the cap moves xla's output and gradients (so the splash =
+    xla check above covers the kernel's own soft cap, not two uncapped paths)."""
+    for got, ref in zip(computed["gqa_soft_capped", "xla"], computed["gqa", "xla"]):
+        assert np.abs(np.asarray(got) - np.asarray(ref)).max() > 1e-2
 
 
 def test_the_fused_backward_kernel_equals_the_two_kernel_backward():
@@ -166,6 +184,25 @@ def test_splash_on_a_gpu_is_refused(backend):
 def test_config_refuses_splash_where_it_cannot_run(model, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(values={"model_name": model, "attention": "splash", **overrides})
+
+
+@pytest.mark.parametrize(
+    "model, overrides, message",
+    [
+        ("gemma2-tiny", {"attention": "dot_product"}, "attention=dot_product cannot apply attn_logits_soft_cap"),
+        ("gemma2-tiny", {"attention": "cudnn"}, "attention=cudnn cannot apply attn_logits_soft_cap"),
+        ("gemma2-tiny", {"ici_context_parallelism": 2}, r"ring attention .* cannot apply attn_logits_soft_cap"),
+        ("deepseek3-test", {"attn_logits_soft_cap": 50.0}, "attn_logits_soft_cap applies to attention_type=global"),
+        ("gpt3-52k", {"attn_logits_soft_cap": 50.0}, "gpt3's attention has no logit soft cap"),
+    ],
+)
+def test_attention_that_cannot_soft_cap_is_refused(model, overrides, message):
+    """attn_logits_soft_cap runs on xla and splash (and the KV cache's einsum); elsewhere: one error naming it."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(values={"model_name": model, **overrides})
+    assert resolve_attention("auto", "gpu", "bfloat16", 64, soft_capped=True) == "xla"  # never cudnn
+    with pytest.raises(ConfigError, match="attention=dot_product cannot apply attn_logits_soft_cap"):
+        resolve_attention("dot_product", "cpu", "float32", 64, soft_capped=True)
 
 
 def test_the_kernel_is_a_pallas_call():

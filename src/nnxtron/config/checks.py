@@ -362,6 +362,8 @@ def check_attention(cfg: Config) -> None:
             f"attention_bias=true biases the query/key/value/output projections of attention_type=global; "
             f"attention_type={cfg.attention_type} has no such projections; set attention_bias=false"
         )
+    if cfg.attn_logits_soft_cap:
+        check_soft_cap(cfg)
     if cfg.attention == "splash" and cfg.attention_type == "compressed":
         raise ConfigError(
             "attention=splash supports attention_type=global and mla (DeepSeek-V4's compressed attention runs its own "
@@ -387,6 +389,27 @@ def check_attention(cfg: Config) -> None:
         )
         if reason is not None:
             raise ConfigError(f"attention=cudnn {reason}; use attention=auto, dot_product or xla")
+
+
+def check_soft_cap(cfg: Config) -> None:
+    """``attn_logits_soft_cap`` caps the logits of the GQA attention's xla and splash paths (and the KV
+    cache's); the other attentions cannot apply it."""
+    if cfg.attention_type != "global":
+        raise ConfigError(
+            f"attn_logits_soft_cap applies to attention_type=global; attention_type={cfg.attention_type} runs its own "
+            "attention without a soft cap; set attn_logits_soft_cap=0"
+        )
+    if cfg.attention in ("dot_product", "cudnn"):
+        raise ConfigError(
+            f"attention={cfg.attention} cannot apply attn_logits_soft_cap (jax.nn.dot_product_attention has no logit "
+            "soft cap); use attention=auto, xla or splash, or attn_logits_soft_cap=0"
+        )
+    if cfg.ici_context_parallelism != 1 and cfg.context_parallel_strategy == "ring":
+        raise ConfigError(
+            "ring attention (context_parallel_strategy=ring, ici_context_parallelism > 1) cannot apply "
+            "attn_logits_soft_cap (its backward pass is written by hand without the cap); use "
+            "context_parallel_strategy=all_gather or attn_logits_soft_cap=0"
+        )
 
 
 def check_query_block(cfg: Config) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nnxtron.config import deepseek4, gpt3
+from nnxtron.config import deepseek4, gpt3, olmo3, simple
 from nnxtron.config.options import DECODER_BLOCKS
 
 if TYPE_CHECKING:
@@ -31,7 +31,10 @@ class FamilyRules:
     ``score_func``, or as the ``flag`` norm_topk_prob says); ``legacy_normalize_embedding_logits``:
     the tied-head normalisation of runs written before that key existed (``loader.LEGACY_VALUES``);
     ``attention_out_bias``: ``attention_bias`` gives the output projection a bias too (MaxText's rule; its
-    and HF's Qwen2 bias the query, key and value projections only)."""
+    and HF's Qwen2 bias the query, key and value projections only). ``maxtext_layers_per_layer``: one
+    MaxText layer holds this many nnxtron layers, alternating sliding then global (Gemma 2: 2; its
+    ``base_num_decoder_layers`` counts them); ``maxtext_post_norms``: the family's layers have the
+    post-attention / post-MLP norms MaxText's ``use_post_attn_norm`` / ``use_post_ffw_norm`` switch."""
 
     check: Callable[[Config], None] | None = None
     own_keys: Mapping[str, Any] = field(default_factory=dict)
@@ -40,6 +43,8 @@ class FamilyRules:
     maxtext_topk_renorm: str = "always"
     legacy_normalize_embedding_logits: bool = False
     attention_out_bias: bool = True
+    maxtext_layers_per_layer: int = 1
+    maxtext_post_norms: bool = False
 
 
 PLAIN = FamilyRules()
@@ -49,11 +54,17 @@ RULES: dict[str, FamilyRules] = {
     "mistral": _FOLDED,
     "mixtral": _FOLDED,
     "gemma": _FOLDED,  # MaxText's GemmaDecoderLayer: plain Attention, no query_pre_attn_scalar
+    # MaxText's Gemma2DecoderLayer: plain Attention (folded even for gemma2-27b, HF query_pre_attn_scalar 144), a
+    # (local, global) pair of layers per MaxText layer
+    "gemma2": FamilyRules(maxtext_query_folded=True, maxtext_layers_per_layer=2, maxtext_post_norms=True),
     "qwen2": FamilyRules(attention_out_bias=False),
     "deepseek": FamilyRules(maxtext_topk_renorm="score_func"),
-    "gemma3": FamilyRules(legacy_normalize_embedding_logits=True),
+    "gemma3": FamilyRules(legacy_normalize_embedding_logits=True, maxtext_post_norms=True),
     "llama4": FamilyRules(maxtext_topk_renorm="flag"),
+    "olmo3": FamilyRules(check=olmo3.check),  # its 3 sliding : 1 global layers
     "gpt3": FamilyRules(check=gpt3.check, own_values={"mlp_activations": ("gelu",)}),  # one activation: a plain MLP
+    "simple": FamilyRules(check=simple.check),  # MaxText's toy blocks: no experts, no attention
+    "simple_mlp": FamilyRules(check=simple.check),
     "deepseek4": FamilyRules(
         check=deepseek4.check,
         own_keys=deepseek4.OPTIONS_OFF,

@@ -31,6 +31,8 @@ def check(cfg: Config) -> None:
             "decoder_block gpt3's fused query/key/value projection and its output projection always have biases "
             "(attention_bias is not read there); set attention_bias=false"
         )
+    if cfg.attn_logits_soft_cap:
+        raise ConfigError("decoder_block gpt3's attention has no logit soft cap; set attn_logits_soft_cap=0")
     check_fused_qkv_remat(cfg)
 
 

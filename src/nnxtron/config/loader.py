@@ -248,7 +248,7 @@ def load_config_report(
     if is_maxtext:
         preset = maxtext.preset_under_maxtext(model_name, preset)
     if is_maxtext or cli_values.get("override_model_config") is False:
-        maxtext.check_model_overrides(model_name, preset, cli_values, {**file_values, **cli_values})
+        maxtext.check_model_overrides(model_name, preset, cli_values, {**file_values, **cli_values}, is_maxtext)
     if is_maxtext:
         ctx = {**file_values, **preset, **under, **code_values, **cli_values}
         maxtext.check_refused({**file_values, **cli_values}, ctx)

@@ -206,15 +206,26 @@ def _wrapped(first: str, items: list[str], indent: str) -> list[str]:
     ) or [first.rstrip()]
 
 
-def check_model_overrides(model_name: str, preset: Mapping[str, Any], cli: Mapping[str, Any], ctx: Mapping[str, Any]) -> None:
+UNITS_TRANSLATED = ("base_num_decoder_layers",)  # MaxText counts these in units of its own (Gemma 2: layer pairs)
+
+
+def check_model_overrides(
+    model_name: str, preset: Mapping[str, Any], cli: Mapping[str, Any], ctx: Mapping[str, Any], maxtext_meaning: bool = True
+) -> None:
     """MaxText's rule: a command-line key the model config sets to another value needs
-    ``override_model_config=true``."""
+    ``override_model_config=true``. ``maxtext_meaning``: the command line's ``UNITS_TRANSLATED`` values are
+    MaxText's (a MaxText config), compared in nnxtron's units with the preset's."""
     if ctx.get("override_model_config"):
         return
-    for key, value in cli.items():
+    for key, given in cli.items():
+        value = given
+        if maxtext_meaning and key in UNITS_TRANSLATED and KEYS[key].to is not None:
+            value = KEYS[key].to(given, {**ctx, **preset})[key]
+            given = f"{given!r} (MaxText's; {value} nnxtron layers)" if value != given else given
         if key in preset and not same(value, preset[key]):
+            shown = given if isinstance(given, str) and given.endswith("layers)") else repr(given)
             raise ConfigError(
-                f"model_name={model_name} sets {key}={preset[key]!r} and the command line sets {key}={value!r}: MaxText "
+                f"model_name={model_name} sets {key}={preset[key]!r} and the command line sets {key}={shown}: MaxText "
                 "refuses this unless override_model_config=true; add override_model_config=true to override the model"
             )
 

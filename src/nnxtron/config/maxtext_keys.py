@@ -140,7 +140,7 @@ _honoured(
     checkpoint_period=10000, enable_wandb=False, wandb_run_name='', dtype='bfloat16', quantization='',
     use_qwix_quantization=False, weight_quantization_calibration_method='absmax', act_quantization_calibration_method='absmax',
     bwd_quantization_calibration_method='absmax', weight_dtype='float32',
-    base_num_kv_heads=16, base_mlp_dim=7168, base_num_decoder_layers=16,
+    base_num_kv_heads=16, base_mlp_dim=7168,
     mlp_activations=['silu', 'linear'], logits_via_embedding=False, normalize_embedding_logits=True, mtp_num_layers=0, mtp_loss_scaling_factor=0.1,
     mtp_eval_target_module=0, num_experts=1, num_experts_per_tok=1, load_balance_loss_weight=0.0,
     first_num_dense_layers=0, shared_experts=0, routed_scaling_factor=1.0, routed_bias=False, routed_bias_update_rate=0.0,
@@ -151,7 +151,7 @@ _honoured(
     decoder_layer_input='device', context='remat', mlpwi='remat', mlpwi_0='remat', mlpwi_1='remat', mlpwo='remat',
     query_proj='remat', key_proj='remat', value_proj='remat', qkv_proj='remat', out_proj='remat',
     optimizer_memory_host_offload=False, parameter_memory_host_offload=False, scan_layers=True, attention_type='global',
-    sliding_window_size=0, chunk_attn_window_size=0, final_logits_soft_cap=0.0, indexer_head_dim=128, indexer_n_heads=64,
+    sliding_window_size=0, chunk_attn_window_size=0, final_logits_soft_cap=0.0, attn_logits_soft_cap=0.0, indexer_head_dim=128, indexer_n_heads=64,
     indexer_topk=2048, q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
     compress_ratios=[], compressed_rope_max_timescale=160000, sharding_tolerance=0.02,
     dcn_pipeline_parallelism=1, ici_data_parallelism=1, ici_fsdp_parallelism=-1, ici_context_parallelism=1,
@@ -422,8 +422,8 @@ _refused(
 _refused(
     'an attention variant nnxtron does not implement',
     "leave it at MaxText's default",
-    share_kv_projections=False, attention_sink=False, attn_logits_soft_cap=0.0, use_post_attn_norm=False,
-    use_post_ffw_norm=False, v_norm_with_scale=True, qk_norm_with_scale=True, moba=False, use_max_logit_estimate=-1,
+    share_kv_projections=False, attention_sink=False,
+    v_norm_with_scale=True, qk_norm_with_scale=True, moba=False, use_max_logit_estimate=-1,
     partial_rotary_factor=1.0,
 )
 _refused(
@@ -845,7 +845,9 @@ def _decoder_block(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
     block = ctx.get("decoder_block", value)
     folded = rules_for(block).maxtext_query_folded
     unscaled = folded and not ctx.get("use_qk_norm") and ctx.get("attention_type", "global") == "global"
-    return {"decoder_block": value, **({"query_pre_attn_scalar": 1.0} if unscaled else {})}
+    pairs = rules_for(value).maxtext_layers_per_layer
+    paired = {"sliding_window_pattern": pairs} if pairs > 1 else {}  # local, then global
+    return {"decoder_block": value, **({"query_pre_attn_scalar": 1.0} if unscaled else {}), **paired}
 
 
 def _norm_topk_prob(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
@@ -862,8 +864,33 @@ _translated("norm_topk_prob", False, "true (MaxText's softmax over the top-k log
             "sigmoid / sqrtsoftplus scores; Llama 4: norm_topk_prob", _norm_topk_prob)  # fmt: skip
 _translated("rope_interleave", True, "rope_interleave with rope_type=yarn (where MaxText reads it); else false (MaxText's "
             "default RoPE rotates halves), true for llama3.1 RoPE", _rope_interleave)  # fmt: skip
-_translated("decoder_block", "llama2", "decoder_block; llama2, mistral, mixtral and gemma (without qk-norm) also set "
-            "query_pre_attn_scalar=1: MaxText folds 1/sqrt(head_dim) into the query kernel", _decoder_block)  # fmt: skip
+_translated("decoder_block", "llama2", "decoder_block; llama2, mistral, mixtral, gemma and gemma2 (without qk-norm) also set "
+            "query_pre_attn_scalar=1: MaxText folds 1/sqrt(head_dim) into the query kernel; gemma2 also sets "
+            "sliding_window_pattern=2 (MaxText's layer: a sliding, then a global layer)", _decoder_block)  # fmt: skip
+
+
+def _decoder_layers(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
+    """MaxText's gemma2 layer is a (sliding, global) pair (``maxtext_layers_per_layer``): its
+    base_num_decoder_layers counts pairs."""
+    return {"base_num_decoder_layers": int(value) * rules_for(ctx.get("decoder_block", "llama2")).maxtext_layers_per_layer}
+
+
+_translated("base_num_decoder_layers", 16, "base_num_decoder_layers; x2 for decoder_block=gemma2 (MaxText's Gemma 2 layer "
+            "holds a sliding and a global layer)", _decoder_layers)  # fmt: skip
+
+
+def _post_norm(value: Any, ctx: Mapping[str, Any]) -> bool:
+    """nnxtron's gemma2 / gemma3 layers always have the post norms (MaxText's model configs set both true);
+    MaxText's false there is base.yml's default, which a model_name's config overrides; other blocks have none."""
+    if not rules_for(ctx.get("decoder_block", "llama2")).maxtext_post_norms:
+        return value is False
+    return value is True or str(ctx.get("model_name", "default")) != "default"
+
+
+for _key in ("use_post_attn_norm", "use_post_ffw_norm"):
+    _add(_key, Key(REFUSED, False, "nnxtron's gemma2 and gemma3 layers always have their post-attention / post-MLP norms, "
+                   "the other blocks none", f"use {_key}=true with decoder_block gemma2 or gemma3, else false",
+                   check=_post_norm))  # fmt: skip
 _translated("rope_linear_scaling_factor", 1.0, "rope_type=linear with rope_scaling_factor (default RoPE only)", _rope_linear)
 _translated("quantize_mtp", False, "with quantization on: qwix_module_path '.*layers/.*' (false) or '(.*layers|mtp)/.*' (true)",
             lambda v, c: {"qwix_module_path": "(.*layers|mtp)/.*" if v else ".*layers/.*"} if _quantized(c) else {})  # fmt: skip

@@ -23,10 +23,14 @@ DECODER_BLOCKS = (
     "qwen3_moe",
     "deepseek",
     "gemma",
+    "gemma2",
     "gemma3",
     "llama4",
     "gpt3",
     "deepseek4",
+    "olmo3",
+    "simple",  # MaxText's toy blocks (models/simple.py): no HF counterpart
+    "simple_mlp",
 )
 ATTENTION_TYPES = ("global", "mla", "compressed")  # mla: DeepSeek-V3 latent attention; compressed: DeepSeek-V4
 ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product", "cudnn", "splash")  # what attention=auto resolves to, per layer

@@ -101,6 +101,9 @@ class Config(BaseModel):
     # RoPE theta of sliding layers under a pattern (0 = rope_max_timescale, unscaled)
     local_rope_max_timescale: Model[float] = Field(ge=0)
     query_pre_attn_scalar: Model[float] = Field(ge=0)  # attention logits x query_pre_attn_scalar^-0.5 (0 = head_dim)
+    attn_logits_soft_cap: Model[float] = Field(
+        ge=0
+    )  # > 0: attention logits cap * tanh(logits / cap) before the mask (Gemma 2: 50)
     nope_layer_interval: Model[int] = Field(ge=0, le=MAX_COUNT)  # > 0: layer i has no RoPE iff (i+1) % interval == 0 (Llama 4: 4)
     chunk_attn_window_size: Model[int] = Field(
         ge=0, le=MAX_SIZE

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from nnxtron.errors import ConfigError
 from nnxtron.layers.kv_cache import CacheSpec, TokenCache
 from nnxtron.layers.paged_cache import PagedCache
 
@@ -26,7 +27,10 @@ def attach_caches(model: nnx.Module, batch: int, max_length: int, paging=None) -
                 if hasattr(module, "cache_spec"):
                     targets.append((module, lead, lead_axes))
     if not targets:
-        raise ValueError(f"{model.config.decoder_block}: no attention layer supports a decoding cache")
+        raise ConfigError(
+            f"decoder_block={model.config.decoder_block} has no attention layer, so nothing to cache: it cannot decode "
+            "(generate, serve); train and evaluate it, or use a block with attention"
+        )
 
     def make(spec: CacheSpec, lead, lead_axes) -> TokenCache:
         if paging is None:

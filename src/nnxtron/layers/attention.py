@@ -1,5 +1,5 @@
 """Grouped-query attention: causal, sliding-window, chunked and packed-segment masks; qk-norms;
-projection biases (``attention_bias``);
+projection biases (``attention_bias``); the attention logit soft cap (``attn_logits_soft_cap``, Gemma 2);
 NoPE layers with temperature tuning (Llama 4); the selectable implementation (``attention=``,
 docs/attention.md); context parallelism (``attend_sharded``: ring attention or gathered keys and
 values); ``gqa_attention`` builds the attention of a layer of a given kind from the config."""
@@ -31,14 +31,37 @@ from nnxtron.parallel.sharding import constrain
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
 
-QK_NORMS = ("none", "rms", "rms_zero_centered", "l2")
+QK_NORMS = ("none", "rms", "rms_zero_centered", "rms_projection", "l2")
 QUERY = ("activation_batch", "activation_length", "activation_heads", None)
 KEY_VALUE = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)  # gathered over the context axis
 RING_KEY_VALUE = ("activation_batch", "activation_length", "activation_kv_heads", None)  # sharded like the queries
+SOFT_CAP_UNSUPPORTED = ("dot_product", "cudnn")  # jax.nn.dot_product_attention has no logit soft cap
+
+
+def soft_cap_refusal(implementation: str) -> str:
+    return (
+        f"attention={implementation} cannot apply attn_logits_soft_cap (jax.nn.dot_product_attention has no logit "
+        "soft cap); use attention=auto, xla or splash, or attn_logits_soft_cap=0"
+    )
+
+
+def soft_capped(scores: jax.Array, cap: float) -> jax.Array:
+    """``cap * tanh(scores / cap)`` (HF's and MaxText's attention soft cap) in the scores' dtype; 0 = off."""
+    if not cap:
+        return scores
+    cap_ = jnp.asarray(cap, scores.dtype)
+    return jnp.tanh(scores / cap_) * cap_
 
 
 def resolve_attention(
-    value: str, backend: str, dtype: str | jnp.dtype, head_dim: int, *, chunked: bool = False, sequence_sharded: bool = False
+    value: str,
+    backend: str,
+    dtype: str | jnp.dtype,
+    head_dim: int,
+    *,
+    chunked: bool = False,
+    sequence_sharded: bool = False,
+    soft_capped: bool = False,
 ) -> str:
     """The implementation ``attention=value`` runs as: ``xla``, ``dot_product``, ``cudnn`` or ``splash``.
 
@@ -47,7 +70,8 @@ def resolve_attention(
     GPU generation (bfloat16/float16, head_dim <= 128 and a multiple of 8, not chunked,
     sequence not sharded), else ``xla``. An explicit ``cudnn`` or ``splash`` that cannot run
     raises a ConfigError naming the key; ``splash`` off a TPU runs in Pallas interpret mode
-    on a CPU (for tests; slow) and is refused on a GPU.
+    on a CPU (for tests; slow) and is refused on a GPU. ``soft_capped`` (``attn_logits_soft_cap > 0``):
+    ``dot_product`` and ``cudnn`` cannot cap the logits (refused), ``auto`` is never ``cudnn``.
     """
     dtype = jnp.dtype(dtype).name
     if value == "auto":
@@ -56,9 +80,11 @@ def resolve_attention(
         fits = cudnn_unsupported(
             dtype, head_dim, chunked=chunked, sequence_sharded=sequence_sharded, max_head_dim=CUDNN_AUTO_MAX_HEAD_DIM
         )
-        return "cudnn" if backend == "gpu" and fits is None else "xla"
+        return "cudnn" if backend == "gpu" and fits is None and not soft_capped else "xla"
     if value not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(f"attention={value!r} is not one of {['auto', *ATTENTION_IMPLEMENTATIONS]}")
+    if soft_capped and value in SOFT_CAP_UNSUPPORTED:
+        raise ConfigError(soft_cap_refusal(value))
     if value == "cudnn":
         if backend != "gpu":
             raise ConfigError(f"attention=cudnn needs a CUDA GPU; this backend is {backend}; use attention=auto or xla")
@@ -90,6 +116,7 @@ def configured_attention(cfg: Config, *, chunked: bool = False) -> str:
         cfg.resolved_head_dim,
         chunked=chunked,
         sequence_sharded=cfg.ici_context_parallelism != 1,
+        soft_capped=cfg.attn_logits_soft_cap > 0,
     )
 
 
@@ -129,6 +156,7 @@ def attend(
     chunk_size: int = 0,
     implementation: str = "xla",
     query_block: int = 0,
+    soft_cap: float = 0.0,
 ) -> jax.Array:
     """Masked softmax attention; queries share key/value heads in groups.
 
@@ -146,13 +174,17 @@ def attend(
 
     ``query_block > 0`` (``xla`` and ``dot_product``) computes the queries in blocks of
     that many (``query_blocks``): the same values, with one block's scores alive at a time.
+    ``soft_cap > 0``: the scaled logits become ``soft_cap * tanh(logits / soft_cap)`` before the
+    mask (``xla`` and ``splash``; ``dot_product`` and ``cudnn`` cannot: refused).
     """
+    if soft_cap and implementation in SOFT_CAP_UNSUPPORTED:
+        raise ConfigError(soft_cap_refusal(implementation))
     if query_block and implementation in ("cudnn", "splash"):
         raise ConfigError(
             f"attention_query_block applies to attention=xla or dot_product; attention={implementation} is already blockwise"
         )
     if implementation == "xla":
-        rows = lambda q, mask: masked_attention(q, k, v, mask, scale=scale, dtype=dtype)  # noqa: E731
+        rows = lambda q, mask: masked_attention(q, k, v, mask, scale=scale, dtype=dtype, soft_cap=soft_cap)  # noqa: E731
         return query_blocks(rows, q, attention_mask(segment_ids, sliding_window, chunk_size), query_block)
     if implementation == "dot_product":
         mask = attention_mask(segment_ids, sliding_window, chunk_size)  # each block's [B, b, S] -> [B, 1, b, S]
@@ -167,7 +199,9 @@ def attend(
             q, k, v, mask=same_segment, scale=scale, is_causal=True, local_window_size=window, implementation="cudnn"
         )
     if implementation == "splash":
-        return splash_attention(q, k, v, segment_ids, scale=scale, sliding_window=sliding_window, chunk_size=chunk_size)
+        return splash_attention(
+            q, k, v, segment_ids, scale=scale, sliding_window=sliding_window, chunk_size=chunk_size, soft_cap=soft_cap
+        )
     raise ConfigError(f"attention implementation {implementation!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}")
 
 
@@ -206,6 +240,7 @@ def attend_sharded(
     dtype: jnp.dtype,
     chunk_size: int = 0,
     implementation: str = "xla",
+    soft_cap: float = 0.0,
 ) -> jax.Array:
     """``attend`` (training and evaluation) with the activations constrained to the active
     mesh. Queries and the output stay sharded over the sequence (context parallelism). With
@@ -220,6 +255,11 @@ def attend_sharded(
                 f"attention={implementation} cannot run as ring attention (context_parallel_strategy=ring); "
                 "use attention=xla or auto, or context_parallel_strategy=all_gather"
             )
+        if soft_cap:
+            raise ConfigError(
+                "ring attention (context_parallel_strategy=ring) cannot apply attn_logits_soft_cap (its backward pass "
+                "is written by hand without the cap); use context_parallel_strategy=all_gather or attn_logits_soft_cap=0"
+            )
         k, v = constrain(k, RING_KEY_VALUE), constrain(v, RING_KEY_VALUE)
         out = ring_attention(q, k, v, segment_ids, scale=scale, dtype=dtype, load_balance=context.load_balance, **window)
     else:
@@ -233,21 +273,31 @@ def attend_sharded(
             dtype=dtype,
             implementation=implementation,
             query_block=context.query_block,
+            soft_cap=soft_cap,
             **window,
         )
     return constrain(out, QUERY)
 
 
 def masked_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float, dtype: jnp.dtype, head_major: bool = False
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float,
+    dtype: jnp.dtype,
+    head_major: bool = False,
+    soft_cap: float = 0.0,
 ) -> jax.Array:
     """``attend`` with an explicit boolean mask ``[B, S, T]`` (``k``/``v`` hold T tokens,
-    ``[B, T, K, D]``, or ``[B, K, T, D]`` with ``head_major``: a decoding cache's layout)."""
+    ``[B, T, K, D]``, or ``[B, K, T, D]`` with ``head_major``: a decoding cache's layout);
+    ``soft_cap > 0`` caps the scaled logits (``soft_capped``) before the mask, as HF and MaxText."""
     batch, seq, heads, dk = q.shape
     kv_heads = k.shape[1 if head_major else 2]
     keys = "bktd" if head_major else "btkd"
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, dk)
-    scores = matmul.einsum(f"bskgd,{keys}->bkgst", q, k) * jnp.asarray(scale, q.dtype)
+    scores = soft_capped(matmul.einsum(f"bskgd,{keys}->bkgst", q, k) * jnp.asarray(scale, q.dtype), soft_cap)
     scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     return matmul.einsum(f"bkgst,{keys}->bskgd", probs, v).reshape(batch, seq, heads, v.shape[-1])
@@ -265,13 +315,14 @@ def attend_with_cache(
     dtype: jnp.dtype,
     sliding_window: int = 0,
     chunk_size: int = 0,
+    soft_cap: float = 0.0,
 ) -> jax.Array:
     """Decoding: attend over the cached tokens and the new ones (then cache the new ones).
     ``segment_ids`` 0 marks padding (never cached, never attended to)."""
     kv, key_positions = cache.attended({"key": k, "value": v}, positions, segment_ids != 0)
     mask = cache_mask(positions, key_positions, sliding_window, chunk_size)
     head_major = q.shape[1] == 1  # a decode step reads the cache in its (head-major) storage layout
-    return masked_attention(q, kv["key"], kv["value"], mask, scale=scale, dtype=dtype, head_major=head_major)
+    return masked_attention(q, kv["key"], kv["value"], mask, scale=scale, dtype=dtype, head_major=head_major, soft_cap=soft_cap)
 
 
 def key_value_cache(
@@ -293,10 +344,15 @@ class Attention(nnx.Module):
 
     * ``"rms"`` (Qwen3): RMSNorm with one weight per projection (``query_norm``/``key_norm``), before RoPE;
     * ``"rms_zero_centered"`` (Gemma 3): the same with zero-centred ``(1 + w)`` weights, before RoPE;
+    * ``"rms_projection"`` (OLMo 3): RMSNorm over the whole projection (all heads, ``heads * head_dim``
+      weights), before RoPE;
     * ``"l2"`` (Llama 4): weightless, after RoPE, only on RoPE layers.
 
     ``qkv_bias`` / ``out_bias``: the query, key and value projections / the output projection
     add a bias (``attention_bias``; HF ``q_proj.bias`` ..., laid out ``[heads, head_dim]``).
+
+    ``soft_cap > 0`` (Gemma 2's ``attn_logits_soft_cap``): the scaled logits become
+    ``soft_cap * tanh(logits / soft_cap)`` before the mask, in training and with a KV cache.
 
     ``temperature_tuning=(floor_scale, scale)`` (Llama 4 NoPE layers) multiplies q by
     ``log1p(floor((position + 1) / floor_scale)) * scale + 1`` (computed in float32).
@@ -320,6 +376,7 @@ class Attention(nnx.Module):
         qk_norm: str = "none",
         norm_eps: float = 1e-6,
         scale: float | None = None,
+        soft_cap: float = 0.0,
         temperature_tuning: tuple[float, float] | None = None,
         qkv_bias: bool = False,
         out_bias: bool = False,
@@ -348,9 +405,14 @@ class Attention(nnx.Module):
             norm = dict(eps=norm_eps, dtype=dtype, weight_dtype=weight_dtype, zero_centered=qk_norm == "rms_zero_centered")
             self.query_norm = RMSNorm(head_dim, **norm)
             self.key_norm = RMSNorm(head_dim, **norm)
+        elif qk_norm == "rms_projection":
+            norm = dict(eps=norm_eps, dtype=dtype, weight_dtype=weight_dtype)
+            self.query_norm = RMSNorm(num_heads * head_dim, **norm)
+            self.key_norm = RMSNorm(num_kv_heads * head_dim, **norm)
         self.qk_norm = qk_norm
         self.norm_eps = norm_eps
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.soft_cap = soft_cap
         self.rope = rope
         self.sliding_window = sliding_window
         self.chunk_size = chunk_size
@@ -368,6 +430,9 @@ class Attention(nnx.Module):
         k = checkpoint_name(self.key(x), "key_proj")
         if self.qk_norm in ("rms", "rms_zero_centered"):
             q, k = self.query_norm(q), self.key_norm(k)
+        elif self.qk_norm == "rms_projection":  # one statistic over all heads: [B, S, N * hd]
+            q = self.query_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
+            k = self.key_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
         if self.rope is not None:
             q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
         if self.qk_norm == "l2":
@@ -377,7 +442,7 @@ class Attention(nnx.Module):
             factor = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale)) * scale + 1.0
             q = (q * factor[:, :, None, None]).astype(q.dtype)
         v = checkpoint_name(self.value(x), "value_proj")
-        window = dict(sliding_window=self.sliding_window, chunk_size=self.chunk_size)
+        window = dict(sliding_window=self.sliding_window, chunk_size=self.chunk_size, soft_cap=self.soft_cap)
         if hasattr(self, "cache"):
             q, k, v = constrain(q, QUERY), constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
             out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype, **window)
@@ -394,10 +459,11 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
     ``qk_norm`` is what ``use_qk_norm`` means for the family (``rms``, ``gemma`` or
     ``l2``; ``l2`` applies on RoPE layers only, as in Llama 4). Sliding layers of a
     ``sliding_window_pattern`` use ``local_rope_max_timescale`` (unscaled) when set;
-    NoPE layers take ``temperature_tuning``. ``attention_bias`` biases the query, key and value
-    projections, and the output one where the family's rules say so (``config/families.py``:
-    ``attention_out_bias``). ``cfg.attention`` is resolved per layer for this backend (``auto``
-    is never ``cudnn`` on a chunked layer).
+    NoPE layers take ``temperature_tuning``; every layer caps its logits at ``attn_logits_soft_cap``.
+    ``attention_bias`` biases the query, key and value projections, and the output one where the
+    family's rules say so (``config/families.py``: ``attention_out_bias``). ``cfg.attention`` is
+    resolved per layer for this backend (``auto`` is never ``cudnn`` on a chunked layer, nor on a
+    soft-capped one).
     """
     head_dim = cfg.resolved_head_dim
     rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None
@@ -418,6 +484,7 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
         qk_norm=norm,
         norm_eps=cfg.normalization_layer_epsilon,
         scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
+        soft_cap=cfg.attn_logits_soft_cap,
         temperature_tuning=tuning,
         qkv_bias=cfg.attention_bias,
         out_bias=cfg.attention_bias and rules_for(cfg.decoder_block).attention_out_bias,

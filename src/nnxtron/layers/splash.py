@@ -8,7 +8,8 @@ What it computes is ``attend``'s masked softmax attention: key ``t`` is visible 
 ``s // C == t // C`` (``ChunkedCausalMask``). Grouped-query heads share their key/value
 head inside the kernel (no repeated K/V). The query is multiplied by ``scale`` before the
 kernel (the kernel's logits are ``q . k``); logits and softmax statistics are float32.
-Key and value head dims may differ (MLA: 192 and 128).
+Key and value head dims may differ (MLA: 192 and 128). ``soft_cap > 0`` is the kernel's own
+``attn_logits_soft_cap``: logits ``cap * tanh(q . k / cap)`` before the mask (Gemma 2).
 
 A sequence that is not a multiple of ``LANES`` is padded at its end (segment id -1, which no
 real token has): the padded keys lie after every real query, so the causal mask hides them,
@@ -60,7 +61,14 @@ def padded_length(seq_len: int) -> int:
 
 
 def _kernel(
-    heads: int, seq_len: int, sliding_window: int, chunk_size: int, interpret: bool, block: int | None, fused: bool
+    heads: int,
+    seq_len: int,
+    sliding_window: int,
+    chunk_size: int,
+    interpret: bool,
+    block: int | None,
+    fused: bool,
+    soft_cap: float = 0.0,
 ) -> kernel_lib.SplashAttentionKernel:
     """The splash kernel of ``heads`` query heads over ``seq_len`` (padded) tokens, made
     inside each trace: it holds the mask's block tables as arrays of that trace (the host
@@ -91,15 +99,26 @@ def _kernel(
         q_seq_shards=1,
         residual_checkpoint_name="context",  # the forward's output and logsumexp: remat policies that save context keep them
         interpret=interpret,
+        attn_logits_soft_cap=soft_cap or None,
     )
 
 
 def _local_splash(
-    q, k, v, segment_ids, *, sliding_window: int, chunk_size: int, interpret: bool, block: int | None, fused: bool
+    q,
+    k,
+    v,
+    segment_ids,
+    *,
+    sliding_window: int,
+    chunk_size: int,
+    interpret: bool,
+    block: int | None,
+    fused: bool,
+    soft_cap: float = 0.0,
 ) -> jax.Array:
     """The kernel on one device's arrays: ``q [B, N, S, dk]`` (already scaled), ``k [B, K, S, dk]``,
     ``v [B, K, S, dv]``, ``segment_ids [B, S]`` (``S`` padded); returns ``[B, N, S, dv]``."""
-    kernel = _kernel(q.shape[1], q.shape[2], sliding_window, chunk_size, interpret, block, fused)
+    kernel = _kernel(q.shape[1], q.shape[2], sliding_window, chunk_size, interpret, block, fused, soft_cap)
     segments = kernel_lib.SegmentIds(q=segment_ids, kv=segment_ids)
     return jax.vmap(kernel, in_axes=(0, 0, 0, kernel_lib.SegmentIds(q=0, kv=0)))(q, k, v, segments)
 
@@ -116,12 +135,14 @@ def splash_attention(
     interpret: bool | None = None,
     block: int | None = None,
     fused_backward: bool | None = None,
+    soft_cap: float = 0.0,
 ) -> jax.Array:
     """Splash attention of ``q [B, S, N, dk]``, ``k [B, S, K, dk]``, ``v [B, S, K, dv]``
     (``N`` a multiple of ``K``) under ``attention_mask(segment_ids, sliding_window,
     chunk_size)``; returns ``[B, S, N, dv]`` in ``q``'s dtype. ``interpret`` defaults to
     "not on a TPU"; ``block`` (a multiple of ``LANES`` dividing the padded length) overrides
-    ``block_size`` and ``fused_backward`` :data:`FUSED_BACKWARD` (benchmarks)."""
+    ``block_size`` and ``fused_backward`` :data:`FUSED_BACKWARD` (benchmarks); ``soft_cap > 0``
+    caps the logits in the kernel (``attn_logits_soft_cap``)."""
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     seq = q.shape[1]
@@ -134,7 +155,13 @@ def splash_attention(
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT)
     fused = FUSED_BACKWARD if fused_backward is None else fused_backward
     local = functools.partial(
-        _local_splash, sliding_window=sliding_window, chunk_size=chunk_size, interpret=interpret, block=block, fused=fused
+        _local_splash,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        interpret=interpret,
+        block=block,
+        fused=fused,
+        soft_cap=soft_cap,
     )
     active = active_mesh()
     if active is None:

@@ -93,7 +93,10 @@ class StrategyRow:
 class Family:
     """A decoder family: its block (dense or MoE kind), weight maps and HF config maps.
 
-    ``name`` is the ``decoder_block`` value (``config.options.DECODER_BLOCKS``).
+    ``name`` is the ``decoder_block`` value (``config.options.DECODER_BLOCKS``). Empty
+    ``hf_model_type`` and ``hf_architecture``: the family has no HF counterpart (MaxText's toy blocks,
+    ``models/simple.py``); its weight maps refuse HF import and export, it has no HF golden, and
+    MaxText's own logits on its MaxText checkpoints are its reference.
     ``make_block(cfg, rngs, kind)`` and ``layer_weights(cfg, kind)`` take the layer's
     ``LayerKind`` (MoE or dense feed-forward, attention mask kind, RoPE or NoPE; which
     layer has which kind is ``config/layout.py``). ``hf_layer_prefix`` is the HF name

@@ -32,7 +32,14 @@ from nnxtron.layers.attention import gqa_attention
 from nnxtron.layers.mlp import GatedMLP
 from nnxtron.layers.norms import RMSNorm, rms_norm
 from nnxtron.models.family import Family, Golden, StrategyRow, WeightMap
-from nnxtron.models.hf_common import common_config_to_hf, gated_mlp_weights, hf_ties_head, optional_size, top_weights
+from nnxtron.models.hf_common import (
+    common_config_to_hf,
+    gated_mlp_weights,
+    hf_ties_head,
+    optional_size,
+    refuse_attention_soft_cap,
+    top_weights,
+)
 from nnxtron.models.maxtext_map import EMBED_SCALE, NORM_OFFSET, MaxTextMap, Rule, attention_rules, mlp_rules
 from nnxtron.models.maxtext_map import top_rules as maxtext_top_rules
 from nnxtron.parallel.sharding import RESIDUAL, constrain
@@ -173,6 +180,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 def config_to_hf(cfg: Config) -> dict[str, Any]:
     if cfg.num_experts > 1 or cfg.attention_type != "global" or cfg.rope_interleave or cfg.nope_layer_interval:
         raise ConfigError("HF Gemma 3 has no MoE, MLA, interleaved RoPE or NoPE layers; export a plain gemma3 config")
+    refuse_attention_soft_cap(cfg, "Gemma 3")
     if not cfg.sliding_window_pattern or not cfg.use_qk_norm or cfg.rope_type not in ("default", "linear"):
         raise ConfigError("HF Gemma 3 needs sliding_window_pattern > 0, use_qk_norm=true and rope_type default or linear")
     hf = common_config_to_hf(cfg, "gemma3_text", "Gemma3ForCausalLM")

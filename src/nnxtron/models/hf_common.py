@@ -246,7 +246,16 @@ PATTERN_FIELDS = (
     "trainable_position_size",
     "query_pre_attn_scalar",
     "local_rope_max_timescale",
+    "attn_logits_soft_cap",
 )
+
+
+def refuse_attention_soft_cap(cfg: Config, family: str) -> None:
+    """An HF class whose import nnxtron keeps without an attention logit soft cap: export refuses one."""
+    if cfg.attn_logits_soft_cap:
+        raise ConfigError(
+            f"HF {family} (as nnxtron imports it) has no attention logit soft cap; export needs attn_logits_soft_cap=0"
+        )
 
 
 def check_exportable(

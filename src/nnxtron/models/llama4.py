@@ -40,6 +40,7 @@ from nnxtron.models.hf_common import (
     common_config_to_hf,
     gated_mlp_weights,
     optional_size,
+    refuse_attention_soft_cap,
 )
 from nnxtron.models.maxtext_map import Rule, expert_rules, mlp_rules, pre_norm_map
 from nnxtron.models.prenorm import PreNormBlock, pre_norm_family
@@ -122,6 +123,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 def config_to_hf(cfg: Config) -> dict[str, Any]:
     if cfg.attention_type != "global" or cfg.sliding_window_size or cfg.sliding_window_pattern or not cfg.rope_interleave:
         raise ConfigError("HF Llama 4 needs attention_type=global, no sliding window and rope_interleave=true")
+    refuse_attention_soft_cap(cfg, "Llama 4")
     moe = cfg.num_experts > 1
     if moe and (
         not cfg.router_scales_expert_input

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from nnxtron.config.options import DECODER_BLOCKS
 from nnxtron.errors import ConfigError
-from nnxtron.models import deepseek, deepseek4, gemma, gemma3, gpt3, llama, llama4, mixtral, qwen2, qwen3
+from nnxtron.models import deepseek, deepseek4, gemma, gemma2, gemma3, gpt3, llama, llama4, mixtral, olmo3, qwen2, qwen3, simple
 from nnxtron.models.family import Family
 
-_MODULES = (llama, mixtral, qwen2, qwen3, deepseek, gemma, gemma3, llama4, gpt3, deepseek4)
+_MODULES = (llama, mixtral, qwen2, qwen3, deepseek, gemma, gemma2, gemma3, llama4, gpt3, deepseek4, olmo3, simple)
 FAMILIES: dict[str, Family] = {family.name: family for module in _MODULES for family in module.FAMILIES}
 if sorted(FAMILIES) != sorted(DECODER_BLOCKS) or len(FAMILIES) != sum(len(m.FAMILIES) for m in _MODULES):
     raise ImportError(f"the family modules define {sorted(FAMILIES)}, the config accepts decoder_block {sorted(DECODER_BLOCKS)}")
@@ -27,7 +27,7 @@ def family_for(decoder_block: str) -> Family:
 def family_for_hf(model_type: str) -> tuple[str, Family]:
     """The decoder_block name and family for an HF ``model_type``."""
     for name, family in FAMILIES.items():
-        if family.hf_model_type == model_type:
+        if family.hf_model_type and family.hf_model_type == model_type:  # "": no HF counterpart
             return name, family
-    supported = sorted({f.hf_model_type for f in FAMILIES.values()})
+    supported = sorted({f.hf_model_type for f in FAMILIES.values() if f.hf_model_type})
     raise ConfigError(f"HF model_type '{model_type}' is not supported; supported: {', '.join(supported)}")
