@@ -36,7 +36,14 @@ from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.models.family import Family, Golden, StrategyRow, WeightMap
 from nnxtron.models.gemma3 import LAYER_WEIGHTS as GEMMA3_LAYER_WEIGHTS
 from nnxtron.models.gemma3 import Gemma3Block, gemma_norm, maxtext_top_level
-from nnxtron.models.hf_common import GELU_TANH, common_config_from_hf, common_config_to_hf, hf_ties_head, top_weights
+from nnxtron.models.hf_common import (
+    GELU_TANH,
+    common_config_from_hf,
+    common_config_to_hf,
+    hf_layer_types,
+    hf_ties_head,
+    top_weights,
+)
 from nnxtron.models.maxtext_map import NORM_OFFSET, MaxTextMap, Rule, attention_rules, mlp_rules
 
 PATTERN = 2  # HF's layer_types: sliding_attention, full_attention, sliding_attention, ...
@@ -71,7 +78,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"HF Gemma 2 hidden_activation '{act}' is not supported; only gelu_pytorch_tanh")
     full = {"head_dim": 256, "tie_word_embeddings": True, "sliding_window": 4096, **hf, "hidden_act": act}
     layers = int(full["num_hidden_layers"])
-    expected = ["full_attention" if (i + 1) % PATTERN == 0 else "sliding_attention" for i in range(layers)]
+    expected = hf_layer_types(layers, PATTERN)
     if list(hf.get("layer_types") or expected) != expected:
         raise ConfigError(
             f"HF layer_types {hf['layer_types']} is not Gemma 2's alternation (sliding_attention first); "
@@ -107,9 +114,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
         hidden_activation="gelu_pytorch_tanh",
         query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.resolved_head_dim,
         sliding_window=cfg.sliding_window_size,
-        layer_types=[
-            "full_attention" if (i + 1) % PATTERN == 0 else "sliding_attention" for i in range(cfg.base_num_decoder_layers)
-        ],
+        layer_types=hf_layer_types(cfg.base_num_decoder_layers, PATTERN),
         attn_logit_softcapping=cfg.attn_logits_soft_cap or None,
         final_logit_softcapping=cfg.final_logits_soft_cap or None,
         tie_word_embeddings=hf_ties_head(cfg, input_scale=True),  # the input scale sqrt(emb_dim): normalize is HF's

@@ -35,6 +35,7 @@ from nnxtron.models.family import Family, Golden, StrategyRow, WeightMap
 from nnxtron.models.hf_common import (
     common_config_to_hf,
     gated_mlp_weights,
+    hf_layer_types,
     hf_ties_head,
     optional_size,
     refuse_attention_soft_cap,
@@ -137,7 +138,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"HF hidden_activation '{hf['hidden_activation']}' is not supported; only gelu_pytorch_tanh")
     layers = int(hf["num_hidden_layers"])
     pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
-    expected = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    expected = hf_layer_types(layers, pattern)
     if list(hf.get("layer_types") or expected) != expected:
         raise ConfigError(
             f"HF layer_types {hf['layer_types']} is not the pattern 'global every {pattern}th layer'; "
@@ -192,10 +193,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
         hidden_activation="gelu_pytorch_tanh",
         query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.resolved_head_dim,
         sliding_window=cfg.sliding_window_size,
-        layer_types=[
-            "full_attention" if (i + 1) % cfg.sliding_window_pattern == 0 else "sliding_attention"
-            for i in range(cfg.base_num_decoder_layers)
-        ],
+        layer_types=hf_layer_types(cfg.base_num_decoder_layers, cfg.sliding_window_pattern),
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_max_timescale or cfg.rope_max_timescale},
             "full_attention": full,

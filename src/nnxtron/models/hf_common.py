@@ -199,6 +199,11 @@ def window_off_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     return {"sliding_window_size": 0}
 
 
+def hf_layer_types(layers: int, pattern: int) -> list[str]:
+    """HF's ``layer_types`` of ``layers`` layers, every ``pattern``-th one global (Gemma 2 / 3, OLMo 3)."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+
+
 def hf_ties_head(cfg: Config, input_scale: bool = False) -> bool:
     """Whether HF's tied head (``x @ E^T``) is this config's: tied, and the tied logits are not
     rescaled (``layers/embed.py: tied_logit_scale``: ``normalize_embedding_logits`` divides by

@@ -12,22 +12,16 @@ from typing import Any
 from nnxtron.config.olmo3 import PATTERN  # HF's default layer_types: every 4th layer global
 from nnxtron.config.schema import Config
 from nnxtron.errors import ConfigError
-from nnxtron.models.hf_common import optional_size, rope_from_hf, rope_to_hf
-
-
-def _layer_types(layers: int) -> list[str]:
-    return ["full_attention" if (i + 1) % PATTERN == 0 else "sliding_attention" for i in range(layers)]
+from nnxtron.models.hf_common import common_config_from_hf, common_config_to_hf, hf_layer_types, rope_to_hf
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """nnxtron config values for an HF ``olmo3`` ``config.json`` (transformers 5 per-type
-    ``rope_parameters``, or 4.x ``rope_theta`` / ``rope_scaling``, which scale the global layers only)."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"HF hidden_act '{hf['hidden_act']}' is not supported by decoder_block olmo3; only silu")
-    if hf.get("attention_bias"):
-        raise ConfigError("HF attention_bias=true is not supported by decoder_block olmo3")
+    ``rope_parameters``, or 4.x ``rope_theta`` / ``rope_scaling``, which scale the global layers only):
+    the pre-norm families' shared entries (``common_config_from_hf``) on the global layers' RoPE."""
     layers = int(hf["num_hidden_layers"])
-    if list(hf.get("layer_types") or _layer_types(layers)) != _layer_types(layers):
+    expected = hf_layer_types(layers, PATTERN)
+    if list(hf.get("layer_types") or expected) != expected:
         raise ConfigError(
             f"HF layer_types {hf['layer_types']} is not OLMo 3's 'global every {PATTERN}th layer'; "
             "decoder_block olmo3 supports only that pattern"
@@ -40,32 +34,17 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     local = params.get("sliding_attention") or {"rope_type": "default", "rope_theta": theta}
     if local.get("rope_type", "default") != "default":
         raise ConfigError(f"HF OLMo 3 sliding-layer rope_type '{local['rope_type']}' is not supported; only default")
-    values = rope_from_hf({"rope_parameters": full, "max_position_embeddings": hf.get("max_position_embeddings")})
+    global_layers = {key: v for key, v in hf.items() if key not in ("rope_theta", "rope_scaling")}
+    global_layers.update(rope_parameters=full, rms_norm_eps=hf.get("rms_norm_eps", 1e-5))
+    values = common_config_from_hf(global_layers, "olmo3")
     if values["rope_type"] not in ("default", "yarn"):
         raise ConfigError(f"HF OLMo 3 global-layer rope_type '{values['rope_type']}' is not supported; use default or yarn")
-    heads, width = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     values.update(
-        decoder_block="olmo3",
-        base_emb_dim=width,
-        base_num_query_heads=heads,
-        base_num_kv_heads=optional_size(hf, "num_key_value_heads", heads),
-        head_dim=optional_size(hf, "head_dim", width // heads),
-        base_mlp_dim=int(hf["intermediate_size"]),
-        base_num_decoder_layers=layers,
-        vocab_size=int(hf["vocab_size"]),
-        normalization_layer_epsilon=float(hf.get("rms_norm_eps", 1e-5)),
-        logits_via_embedding=bool(hf.get("tie_word_embeddings", False)),
-        normalize_embedding_logits=False,  # HF's tied head: x @ E^T
-        mlp_activations=["silu", "linear"],
         use_qk_norm=True,
         sliding_window_size=int(hf.get("sliding_window") or 4096),
         sliding_window_pattern=PATTERN,
         local_rope_max_timescale=float(local.get("rope_theta", theta)),
-        rope_interleave=False,
     )
-    positions = optional_size(hf, "max_position_embeddings", 0, zero_is_default=True)
-    if positions:
-        values["max_position_embeddings"] = positions
     return values
 
 
@@ -86,26 +65,13 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
             "HF OLMo 3 scales the global layers' RoPE only; export needs local_rope_max_timescale > 0 "
             "(this config scales every layer's, MaxText's olmo3)"
         )
-    return {
-        "architectures": ["Olmo3ForCausalLM"],
-        "model_type": "olmo3",
-        "hidden_size": cfg.base_emb_dim,
-        "num_attention_heads": cfg.base_num_query_heads,
-        "num_key_value_heads": cfg.base_num_kv_heads,
-        "head_dim": cfg.resolved_head_dim,
-        "intermediate_size": cfg.base_mlp_dim,
-        "num_hidden_layers": cfg.base_num_decoder_layers,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.normalization_layer_epsilon,
-        "hidden_act": "silu",
-        "tie_word_embeddings": cfg.logits_via_embedding,
-        "attention_bias": False,
-        "sliding_window": cfg.sliding_window_size,
-        "layer_types": _layer_types(cfg.base_num_decoder_layers),
-        "rope_parameters": {
+    hf = common_config_to_hf(cfg, "olmo3", "Olmo3ForCausalLM")
+    hf.update(
+        sliding_window=cfg.sliding_window_size,
+        layer_types=hf_layer_types(cfg.base_num_decoder_layers, PATTERN),
+        rope_parameters={
             "full_attention": rope_to_hf(cfg),
             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
         },
-        "max_position_embeddings": max(cfg.max_target_length, cfg.max_position_embeddings),
-        "dtype": cfg.weight_dtype,
-    }
+    )
+    return hf
