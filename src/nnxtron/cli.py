@@ -141,6 +141,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _train_command(ns: argparse.Namespace) -> int:
+    from nnxtron.config.families import check_decodes
     from nnxtron.config.loader import is_hf_directory, load_config_report, parse_overrides, read_config_file
     from nnxtron.convert.hf import check_tokenizer
     from nnxtron.convert.runs import init_config_report, init_params
@@ -163,6 +164,7 @@ def _train_command(ns: argparse.Namespace) -> int:
                 f"max_position_embeddings={cfg.max_position_embeddings}; sample fewer tokens"
             )
         try:
+            check_decodes(cfg)
             prompt = _prompt_ids(cfg, tokenizer_for(cfg))
             if cfg.init_from and is_hf_directory(cfg.init_from):  # synthetic data: checked here only, for the sample
                 check_tokenizer(cfg.init_from, given)

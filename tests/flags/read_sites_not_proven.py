@@ -49,6 +49,7 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/config/deepseek4.py", "attention_params", "o_lora_rank"): REPORT,
     ("src/nnxtron/config/deepseek4.py", "attention_params", "q_lora_rank"): REPORT,
     ("src/nnxtron/config/deepseek4.py", "check", "*"): VALIDATION,
+    ("src/nnxtron/config/families.py", "check_decodes", "decoder_block"): VALIDATION,
     ("src/nnxtron/config/olmo3.py", "check", "*"): VALIDATION,
     ("src/nnxtron/config/deepseek4.py", "keys_seen", "*"): VALIDATION,
     ("src/nnxtron/config/derived.py", "derive", "dcn_pipeline_parallelism"): VALIDATION,

@@ -18,6 +18,7 @@ from nnxtron.convert.hf import load_hf_weights, to_hf
 from nnxtron.errors import ConfigError
 from nnxtron.models.build import build_model
 from tests.conftest import tiny_config
+from tests.integration.conftest import run_cli
 from tests.unit.test_maxtext_checkpoint import ASSETS, keys
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
@@ -65,3 +66,17 @@ def test_decoding_is_refused_naming_decoder_block():
     cfg = tiny_config("simple_mlp-tiny")
     with pytest.raises(ConfigError, match="decoder_block=simple_mlp has no attention layer"):
         next(generate(build_model(cfg), [[3, 4, 5]], cfg, 2))
+
+
+def test_training_says_before_it_starts_that_there_is_no_sample(tmp_path, capsys):
+    """The default ``sample_after_training`` on a block that cannot decode: one start-up note (the
+    tokenizer-mismatch note's mechanism), then the run trains and ends with exit status 0 — not an
+    error after a finished run."""
+    code, out, err = run_cli(
+        capsys, "train", "model_name=simple_mlp-tiny", "vocab_size=320", "steps=1", "eval_interval=-1",
+        f"base_output_directory={tmp_path}", "run_name=toy",
+    )  # fmt: skip
+    assert code == 0, err
+    note = "no sample after training: decoder_block=simple_mlp has no attention layer"
+    assert note in out + err and "sample_after_training=0 drops this note" in out + err
+    assert (tmp_path / "toy" / "config.yml").exists()

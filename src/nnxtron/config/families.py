@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from nnxtron.config import deepseek4, gpt3, olmo3, simple
 from nnxtron.config.options import DECODER_BLOCKS
+from nnxtron.errors import ConfigError
 
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
@@ -34,7 +35,9 @@ class FamilyRules:
     and HF's Qwen2 bias the query, key and value projections only). ``maxtext_layers_per_layer``: one
     MaxText layer holds this many nnxtron layers, alternating sliding then global (Gemma 2: 2; its
     ``base_num_decoder_layers`` counts them); ``maxtext_post_norms``: the family's layers have the
-    post-attention / post-MLP norms MaxText's ``use_post_attn_norm`` / ``use_post_ffw_norm`` switch."""
+    post-attention / post-MLP norms MaxText's ``use_post_attn_norm`` / ``use_post_ffw_norm`` switch;
+    ``decodes``: the family's layers have attention, so it decodes with a key-value cache (MaxText's
+    toy blocks have none: ``check_decodes``)."""
 
     check: Callable[[Config], None] | None = None
     own_keys: Mapping[str, Any] = field(default_factory=dict)
@@ -45,6 +48,7 @@ class FamilyRules:
     attention_out_bias: bool = True
     maxtext_layers_per_layer: int = 1
     maxtext_post_norms: bool = False
+    decodes: bool = True
 
 
 PLAIN = FamilyRules()
@@ -63,8 +67,8 @@ RULES: dict[str, FamilyRules] = {
     "llama4": FamilyRules(maxtext_topk_renorm="flag"),
     "olmo3": FamilyRules(check=olmo3.check),  # its 3 sliding : 1 global layers
     "gpt3": FamilyRules(check=gpt3.check, own_values={"mlp_activations": ("gelu",)}),  # one activation: a plain MLP
-    "simple": FamilyRules(check=simple.check),  # MaxText's toy blocks: no experts, no attention
-    "simple_mlp": FamilyRules(check=simple.check),
+    "simple": FamilyRules(check=simple.check, decodes=False),  # MaxText's toy blocks: no experts, no attention
+    "simple_mlp": FamilyRules(check=simple.check, decodes=False),
     "deepseek4": FamilyRules(
         check=deepseek4.check,
         own_keys=deepseek4.OPTIONS_OFF,
@@ -79,3 +83,13 @@ if not set(RULES) <= set(DECODER_BLOCKS) or any(r.maxtext_topk_renorm not in TOP
 def rules_for(decoder_block: str) -> FamilyRules:
     """The family's rules (``PLAIN`` for a family without any, or a name no family has)."""
     return RULES.get(decoder_block, PLAIN) if isinstance(decoder_block, str) else PLAIN
+
+
+def check_decodes(cfg: Config) -> None:
+    """One error naming ``decoder_block`` when the family cannot decode (generate, serve, the sample
+    after training): its layers have no attention, so nothing to cache."""
+    if not rules_for(cfg.decoder_block).decodes:
+        raise ConfigError(
+            f"decoder_block={cfg.decoder_block} has no attention layer, so nothing to cache: it cannot decode "
+            "(generate, serve); train and evaluate it, or use a block with attention"
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from nnxtron.errors import ConfigError
+from nnxtron.config.families import check_decodes
 from nnxtron.layers.kv_cache import CacheSpec, TokenCache
 from nnxtron.layers.paged_cache import PagedCache
 
@@ -27,10 +27,8 @@ def attach_caches(model: nnx.Module, batch: int, max_length: int, paging=None) -
                 if hasattr(module, "cache_spec"):
                     targets.append((module, lead, lead_axes))
     if not targets:
-        raise ConfigError(
-            f"decoder_block={model.config.decoder_block} has no attention layer, so nothing to cache: it cannot decode "
-            "(generate, serve); train and evaluate it, or use a block with attention"
-        )
+        check_decodes(model.config)
+        raise RuntimeError(f"{model.config.decoder_block}: the family's rules say it decodes, but no layer has a cache_spec")
 
     def make(spec: CacheSpec, lead, lead_axes) -> TokenCache:
         if paging is None:
