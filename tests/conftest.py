@@ -26,38 +26,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from nnxtron.config import load_config  # noqa: E402
+from tests.helpers import random_batch, tiny_config  # noqa: E402, F401  (the tests import them from here too)
 
 assert jax.device_count() == 8, "tests expect 8 fake CPU devices (XLA_FLAGS set too late?)"
-
-
-def tiny_config(model: str = "llama3.1-tiny", **overrides):
-    """A tiny test config; overrides are typed values."""
-    return load_config(values={"model_name": model, **overrides})
-
-
-def random_batch(cfg, batch: int = 4, seq: int = 24, seed: int = 0, packed: bool = False) -> dict:
-    """A deterministic batch; ``packed`` puts two documents in each row."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, cfg.vocab_size, size=(batch, seq + 1)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()
-    segments = np.ones((batch, seq), np.int32)
-    mask = np.ones((batch, seq), np.float32)
-    if packed:
-        cut = seq // 3
-        segments[:, cut:] = 2
-        positions[:, cut:] = np.arange(seq - cut)
-        mask[:, cut - 1] = 0.0
-    return {
-        "inputs": tokens[:, :-1],
-        "targets": tokens[:, 1:],
-        "positions": positions,
-        "segment_ids": segments,
-        "loss_mask": mask,
-    }
 
 
 def lower_train_step(cfg, devices: int):

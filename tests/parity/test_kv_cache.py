@@ -170,6 +170,21 @@ def test_generate_on_the_device_draws_the_host_loops_tokens(strategy, per_call, 
     assert on_device == on_host and on_device[5][1] is None
 
 
+def test_generate_takes_the_backends_tokens_per_iteration(monkeypatch):
+    """Named by no caller, the device loop's tokens per iteration are the backend's (two on a
+    TPU, one elsewhere: made two here on the CPU; the tests above show the tokens the same)."""
+    import nnxtron.infer.generate as module
+
+    assert [module.default_tokens_per_iteration(b) for b in ("tpu", "gpu", "cpu")] == [2, 1, 1]
+    cfg = tiny_config("llama3.1-tiny", decode_sampling_strategy="greedy")
+    model = build_model(cfg)
+    prompt = [list(_tokens(cfg, 1, seed=11)[0, :6])]
+    unrolls, real = [], module.jitted_chunk
+    monkeypatch.setattr(module, "jitted_chunk", lambda *args: unrolls.append(args[-1]) or real(*args))
+    monkeypatch.setitem(module.TOKENS_PER_ITERATION, "cpu", 2)
+    assert len(list(generate(model, prompt, cfg, 6))) == 6 and unrolls == [2]
+
+
 @pytest.mark.parametrize("faulty", [1, 2])
 def test_a_fault_stops_an_unrolled_loop_at_its_token(monkeypatch, faulty):
     """Two tokens per iteration of the device loop: logits that cannot be sampled before new

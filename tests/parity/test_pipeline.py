@@ -21,7 +21,7 @@ from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.models.build import build_model
 from nnxtron.parallel.mesh import make_mesh
 from nnxtron.tools.parity import GradResult, assert_grad_parity, loss_and_grads, with_tail_stack_merged
-from tests.conftest import random_batch, tiny_config
+from tests.helpers import random_batch, tiny_config
 
 BOUNDS = dict(loss_rtol=2e-6, rel=1e-5, abs_frac=1e-6, aggregate_rel=5e-6)
 PP2_FSDP2 = dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2)

@@ -27,6 +27,15 @@ from nnxtron.infer.sample import Sampling, sampling
 from nnxtron.layers.kv_cache import CacheEntry
 
 TOKENS_PER_CALL = 32  # at most this many tokens per dispatch: they stream in bursts of this size
+# Tokens per iteration of the device loop where the caller names none, per backend: on a TPU the
+# next token's first weights stream in while the previous token finishes (docs/tpu.md: a 552M
+# model at batch 1, 256 tokens, 1.786 -> 1.740 ms a token); a CPU gains nothing from it.
+TOKENS_PER_ITERATION = {"tpu": 2}
+
+
+def default_tokens_per_iteration(backend: str) -> int:
+    """The device loop's tokens per iteration on ``backend`` (``jax.default_backend()``)."""
+    return TOKENS_PER_ITERATION.get(backend, 1)
 
 
 def generate(
@@ -36,12 +45,15 @@ def generate(
     max_new_tokens: int,
     stop_ids: Sequence[int] = (),
     tokens_per_call: int = TOKENS_PER_CALL,
-    tokens_per_iteration: int = 1,
+    tokens_per_iteration: int | None = None,
 ) -> Iterator[list[int | None]]:
     """Yield one list per decoding step: each row's new token, or None once the row has
     stopped (a stop token, or ``max_new_tokens``). Sampling follows ``cfg.decode_sampling_*``;
     the tokens are those ``infer.decode.decode`` draws with ``infer.decode.sampler(cfg)``,
-    computed ``tokens_per_call`` at a time (``tokens_per_iteration``: see ``device_calls``)."""
+    computed ``tokens_per_call`` at a time (``tokens_per_iteration``: see ``device_calls``;
+    None: the backend's, :func:`default_tokens_per_iteration`)."""
+    if tokens_per_iteration is None:
+        tokens_per_iteration = default_tokens_per_iteration(jax.default_backend())
     cached, caches, last, lengths = prefill(model, prompts, max_new_tokens)
     produced = 0
     calls = device_calls(
@@ -72,10 +84,10 @@ def device_calls(
     tokens run, fault, tokens wanted)``. Each call is dispatched before the previous one's
     tokens are fetched, so the device never waits for the host.
 
-    ``tokens_per_iteration`` > 1 unrolls the loop: on a TPU v5e the next step's first weights
-    then stream in while the previous step finishes (a 552M model at batch 1, 64 tokens: 1.66
-    -> 1.64 ms a token; a bare greedy loop 1.614 -> 1.575). It stays opt-in: there its greedy
-    tokens left the host loop's at token 32 of 64, not yet explained (docs/tpu.md)."""
+    ``tokens_per_iteration`` > 1 unrolls the loop (the default on a TPU): the next step's first
+    weights then stream in while the previous step finishes. It computes the same function;
+    in bfloat16 on a TPU its greedy tokens can leave the non-unrolled loop's where the top two
+    logits lie within one bfloat16 step of each other, as the uncached forward's can (docs/tpu.md)."""
     batch = last.shape[0]
     stops = tuple(sorted(set(stop_ids)))
     chunk = jitted_chunk(cached.graphdef, draw, stops, batch, tokens_per_call, tokens_per_iteration)

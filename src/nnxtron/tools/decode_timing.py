@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.infer.decode import prompt_batch, with_caches
-from nnxtron.infer.generate import TOKENS_PER_CALL, device_calls
+from nnxtron.infer.generate import TOKENS_PER_CALL, default_tokens_per_iteration, device_calls
 from nnxtron.infer.paging import PagedLayout, Paging
 from nnxtron.infer.sample import sampling
 
@@ -94,12 +94,13 @@ def _time_device_loop(cached, step, fresh, inputs, draw, new_tokens: int, repeat
     """Seconds per token of ``generate``'s device loop (``infer.generate.device_calls``) after a
     fresh prefill: ``new_tokens`` tokens in calls of ``TOKENS_PER_CALL`` (the first run compiles)."""
     batch, length = inputs[0].shape
+    unroll = default_tokens_per_iteration(jax.default_backend())  # as generate runs it here
 
     def run() -> float:
         logits, caches = step(fresh(), *inputs)
         last, positions = jax.block_until_ready((logits[:, -1], jnp.full((batch,), length, jnp.int32)))
         start = time.perf_counter()
-        calls = device_calls(cached, caches, last, positions, draw, (), new_tokens, TOKENS_PER_CALL)
+        calls = device_calls(cached, caches, last, positions, draw, (), new_tokens, TOKENS_PER_CALL, unroll)
         assert sum(ran for _, _, ran, _, _ in calls) == new_tokens, "the device loop stopped early"
         return time.perf_counter() - start
 
