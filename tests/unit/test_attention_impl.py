@@ -189,3 +189,21 @@ def test_config_rejects_what_no_backend_can_run(model, overrides, message):
 def test_auto_and_xla_load_for_every_attention_type(model):
     assert load_config(values={"model_name": model}).attention == "auto"
     load_config(values={"model_name": model, "attention": "xla"})
+
+
+def test_attention_sinks_run_on_the_einsum_path_only():
+    """GPT-OSS's sinks (attention_sink) exist on the xla einsum path (and the KV cache's): auto is xla on every
+    backend; an explicit kernel, ring attention or a direct call with sinks is refused naming the key."""
+    for backend in ("cpu", "tpu", "gpu"):
+        assert resolve_attention("auto", backend, "bfloat16", 64, sinks=True) == "xla"
+    for value in ("dot_product", "cudnn", "splash"):
+        with pytest.raises(ConfigError, match=f"attention={value} cannot apply attention sinks"):
+            resolve_attention(value, "tpu", "bfloat16", 64, sinks=True)
+        with pytest.raises(ConfigError, match=f"attention={value} cannot apply attention sinks"):
+            load_config(overrides=["model_name=gpt-oss-tiny", f"attention={value}"])
+    with pytest.raises(ConfigError, match="ring attention .* cannot apply attention sinks"):
+        load_config(overrides=["model_name=gpt-oss-tiny", "ici_context_parallelism=2", "context_parallel_strategy=ring"])
+    q = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(ConfigError, match="attention=dot_product cannot apply attention sinks"):
+        attend(q, q, q, jnp.ones((1, 4), jnp.int32), scale=1.0, sliding_window=0, dtype=jnp.float32,
+               implementation="dot_product", sinks=jnp.zeros((2,)))  # fmt: skip

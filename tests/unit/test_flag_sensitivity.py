@@ -39,7 +39,7 @@ FAMILIES: dict[str, dict[str, Any]] = {  # family -> what shrinks it further (th
         "first_num_hash_layers": 1,
         "sinkhorn_iterations": 3,
     },
-    "gemma3-tiny": {},
+    "gemma3-tiny": {"base_num_decoder_layers": 2, "sliding_window_pattern": 2},  # one local + one global layer
     "llama4-tiny": {},
     "gpt3-52k": {},
     "llama2-tiny": {"vocab_size": 320},  # data and run observers: a byte-level model
@@ -109,8 +109,9 @@ VALUES: dict[str, Flag] = {
     "beta_slow": F(0.25, family="deepseek3-test"),
     "mscale": F(0.5, family="deepseek3-test"),
     "mscale_all_dim": F(0.5, family="deepseek3-test"),
+    "rope_truncate": F(False, family="deepseek3-test"),  # its yarn correction range unrounded: other frequencies
     "sliding_window_size": F(8),
-    "sliding_window_pattern": F(2, family="gemma3-tiny"),
+    "sliding_window_pattern": F(3, family="gemma3-tiny"),
     "local_rope_max_timescale": F(20000.0, family="gemma3-tiny"),
     "query_pre_attn_scalar": F(32.0, family="gemma3-tiny"),
     "nope_layer_interval": F(2, family="llama4-tiny"),
@@ -126,6 +127,7 @@ VALUES: dict[str, Flag] = {
     "attention_query_block": F(8),  # TRACE: 16 tokens, two blocks of queries (lax.map) in the train step
     "use_qk_norm": F(True),
     "attention_bias": F(True),  # q/k/v/out biases: new parameters in the train step
+    "attention_sink": F(False, "init", "gpt-oss-tiny"),  # the sinks leave the initial parameters (a model-building read)
     "q_lora_rank": F(0, family="deepseek3-test"),
     "kv_lora_rank": F(32, family="deepseek3-test"),
     "qk_nope_head_dim": F(8, family="deepseek3-test"),
@@ -145,6 +147,7 @@ VALUES: dict[str, Flag] = {
     "mhc_eps": F(1e-3, family="deepseek4-test"),
     "first_num_hash_layers": F(2, family="deepseek4-test"),
     "mlp_activations_limit": F(1.0, family="deepseek4-test"),
+    "mlp_bias": F(False, "init", "gpt-oss-tiny"),  # the experts' biases leave the initial parameters (a model-building read)
     # --- mixture of experts
     "num_experts": F(8, family="mixtral-tiny"),
     "num_experts_per_tok": F(1, family="mixtral-tiny"),
@@ -517,6 +520,7 @@ FAMILY_MODULES = {
 FAMILIES.setdefault("qwen2-tiny", {})
 FAMILIES.setdefault("gemma-tiny", {})
 FAMILIES.setdefault("olmo3-tiny", {})
+FAMILIES.setdefault("gpt-oss-tiny", {})
 FAMILIES.setdefault("qwen3-tiny", {})
 FAMILIES.setdefault("qwen3-moe-tiny", {})
 FAMILIES.setdefault("simple_mlp-tiny", {})

@@ -38,7 +38,8 @@ def test_every_key_of_maxtexts_base_yml_is_in_the_table_with_its_default():
     extra = [k for k, r in KEYS.items() if r.default is NOT_IN_BASE]
     assert sorted(extra) == ["enable_nnx", "pure_nnx", "pure_nnx_decoder"]
     counts = Counter(r.kind for k, r in KEYS.items() if k in values)
-    assert counts == {IGNORED: 372, REFUSED: 241, HONOURED: 132, TRANSLATED: 41}
+    # gpt_oss: attention_sink, mlp_bias and rope_truncate honoured (were refused)
+    assert counts == {IGNORED: 372, REFUSED: 238, HONOURED: 135, TRANSLATED: 41}
 
 
 def test_each_class_carries_what_it_needs():
@@ -120,6 +121,36 @@ def test_maxtexts_gemma2_layer_pairs_and_keys():
     with pytest.raises(ConfigError, match="MaxText key use_post_attn_norm=True is refused"):
         load_config(BASE, ["use_post_attn_norm=true"])  # llama2 has no post norms
     assert load_config(BASE, ["decoder_block=mistral", "base_num_decoder_layers=13"]).base_num_decoder_layers == 13
+
+
+# MaxText 0.2.5's configs/models/gpt-oss-20b.yml (its keys)
+GPT_OSS_20B = [
+    "decoder_block=gpt_oss", "base_emb_dim=2880", "base_num_query_heads=64", "base_num_kv_heads=8", "head_dim=64",
+    "sliding_window_size=128", "attention_bias=true", "attention_sink=true", "rope_type=yarn", "rope_max_timescale=150000",
+    "max_position_embeddings=131072", "original_max_position_embeddings=4096", "rope_factor=32", "beta_fast=32",
+    "beta_slow=1", "rope_interleave=false", "rope_truncate=false", "rope_attention_scaling=true", "base_mlp_dim=2880",
+    "base_moe_mlp_dim=2880", "mlp_activations=[sigmoid,linear]", "mlp_activations_limit=7.0", "routed_bias=true",
+    "mlp_bias=true", "num_experts=32", "num_experts_per_tok=4", "base_num_decoder_layers=24", "vocab_size=201088",
+    "normalization_layer_epsilon=1.0e-5", "enable_dropout=false", "logits_via_embedding=false",
+    "inhomogeneous_layer_cycle_interval=2",
+]  # fmt: skip
+
+
+def test_maxtexts_gpt_oss_keys_give_the_preset():
+    """MaxText's gpt-oss-20b keys (sinks, expert biases, the untruncated YaRN with its cos/sin scaling, the clamped
+    SwiGLU) load as nnxtron's preset, the block's alternating layers included; its keys are refused elsewhere."""
+    cfg, preset = load_config(BASE, GPT_OSS_20B), load_config(None, ["model_name=gpt-oss-20b"])
+    keys = ("decoder_block", "sliding_window_pattern", "sliding_window_size", "attention_sink", "attention_bias", "mlp_bias",
+            "routed_bias", "routed_score_func", "norm_topk_prob", "mlp_activations", "mlp_activations_limit", "rope_type",
+            "rope_truncate", "rope_scaling_factor", "rope_original_max_position_embeddings", "rope_max_timescale",
+            "base_moe_mlp_dim", "num_experts", "num_experts_per_tok", "inhomogeneous_layer_cycle_interval")  # fmt: skip
+    assert {k: getattr(cfg, k) for k in keys} == {k: getattr(preset, k) for k in keys}
+    assert cfg.sliding_window_pattern == 2 and cfg.attention_sink and cfg.mlp_bias and not cfg.rope_truncate
+    with pytest.raises(ConfigError, match="MaxText key rope_attention_scaling=True is refused"):
+        load_config(BASE, ["rope_attention_scaling=true"])  # default RoPE: nothing to scale
+    for key in ("attention_sink", "mlp_bias"):
+        with pytest.raises(ConfigError, match=f"{key} is read by decoder_block=gpt_oss only"):
+            load_config(BASE, [f"{key}=true"])
 
 
 def test_reference_command_resolves():

@@ -53,6 +53,11 @@ def check_combinations(cfg: Config) -> None:
         raise ConfigError(f"rope_type=linear needs rope_scaling_factor >= 1, got {cfg.rope_scaling_factor}")
     if cfg.rope_type == "llama3" and cfg.rope_high_freq_factor < cfg.rope_low_freq_factor:
         raise ConfigError("rope_high_freq_factor must be at least rope_low_freq_factor for rope_type=llama3")
+    if not cfg.rope_truncate and cfg.rope_type != "yarn":
+        raise ConfigError(
+            f"rope_truncate=false leaves YaRN's correction range unrounded (GPT-OSS); rope_type={cfg.rope_type} has "
+            "none, so it would change nothing: use rope_type=yarn or leave rope_truncate=true"
+        )
     check_data(cfg)
     check_mixture(cfg)
     check_dpo(cfg)
@@ -76,9 +81,10 @@ def check_family(cfg: Config) -> None:
                     "set both or neither"
                 )
         for key, off in rules.own_keys.items():
-            if getattr(cfg, key) != off:
+            if getattr(cfg, key) != off and key not in families.rules_for(cfg.decoder_block).own_keys:
+                owners = "/".join(n for n, r in families.RULES.items() if key in r.own_keys)
                 hint = "leave it empty" if off == () else f"leave it at {off} for {cfg.decoder_block}"
-                raise ConfigError(f"{key} is read by decoder_block={name} only; {hint}")
+                raise ConfigError(f"{key} is read by decoder_block={owners} only; {hint}")
     check = families.rules_for(cfg.decoder_block).check
     if check is not None:
         check(cfg)
@@ -364,6 +370,8 @@ def check_attention(cfg: Config) -> None:
         )
     if cfg.attn_logits_soft_cap:
         check_soft_cap(cfg)
+    if cfg.attention_sink:
+        check_sinks(cfg)
     if cfg.attention == "splash" and cfg.attention_type == "compressed":
         raise ConfigError(
             "attention=splash supports attention_type=global and mla (DeepSeek-V4's compressed attention runs its own "
@@ -409,6 +417,21 @@ def check_soft_cap(cfg: Config) -> None:
             "ring attention (context_parallel_strategy=ring, ici_context_parallelism > 1) cannot apply "
             "attn_logits_soft_cap (its backward pass is written by hand without the cap); use "
             "context_parallel_strategy=all_gather or attn_logits_soft_cap=0"
+        )
+
+
+def check_sinks(cfg: Config) -> None:
+    """``attention_sink`` (GPT-OSS) adds its logits on the GQA attention's einsum path (xla, and the KV cache's);
+    the kernels and ring attention cannot."""
+    if cfg.attention in ("dot_product", "cudnn", "splash"):
+        raise ConfigError(
+            f"attention={cfg.attention} cannot apply attention sinks (attention_sink=true: an extra logit per head in "
+            "the softmax denominator; only the einsum path has it); use attention=auto or xla"
+        )
+    if cfg.ici_context_parallelism != 1 and cfg.context_parallel_strategy == "ring":
+        raise ConfigError(
+            "ring attention (context_parallel_strategy=ring, ici_context_parallelism > 1) cannot apply attention "
+            "sinks (attention_sink=true); use context_parallel_strategy=all_gather"
         )
 
 

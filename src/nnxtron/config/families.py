@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nnxtron.config import deepseek4, gpt3, olmo3, simple
+from nnxtron.config import deepseek4, gpt3, gpt_oss, olmo3, simple
 from nnxtron.config.options import DECODER_BLOCKS
 from nnxtron.errors import ConfigError
 
@@ -37,7 +37,9 @@ class FamilyRules:
     ``base_num_decoder_layers`` counts them); ``maxtext_post_norms``: the family's layers have the
     post-attention / post-MLP norms MaxText's ``use_post_attn_norm`` / ``use_post_ffw_norm`` switch;
     ``decodes``: the family's layers have attention, so it decodes with a key-value cache (MaxText's
-    toy blocks have none: ``check_decodes``)."""
+    toy blocks have none: ``check_decodes``); ``maxtext_layer_pattern``: MaxText's block fixes its sliding /
+    global layers (GPT-OSS: ``GPT_OSS_ATTENTION_PATTERN``), so a MaxText ``decoder_block`` of it sets
+    ``sliding_window_pattern`` to this."""
 
     check: Callable[[Config], None] | None = None
     own_keys: Mapping[str, Any] = field(default_factory=dict)
@@ -49,6 +51,7 @@ class FamilyRules:
     maxtext_layers_per_layer: int = 1
     maxtext_post_norms: bool = False
     decodes: bool = True
+    maxtext_layer_pattern: int = 0
 
 
 PLAIN = FamilyRules()
@@ -66,6 +69,12 @@ RULES: dict[str, FamilyRules] = {
     "gemma3": FamilyRules(legacy_normalize_embedding_logits=True, maxtext_post_norms=True),
     "llama4": FamilyRules(maxtext_topk_renorm="flag"),
     "olmo3": FamilyRules(check=olmo3.check),  # its 3 sliding : 1 global layers
+    "gpt_oss": FamilyRules(
+        check=gpt_oss.check,
+        own_keys=gpt_oss.OPTIONS_OFF,
+        own_values={"mlp_activations": gpt_oss.ACTIVATIONS},
+        maxtext_layer_pattern=gpt_oss.PATTERN,
+    ),
     "gpt3": FamilyRules(check=gpt3.check, own_values={"mlp_activations": ("gelu",)}),  # one activation: a plain MLP
     "simple": FamilyRules(check=simple.check, decodes=False),  # MaxText's toy blocks: no experts, no attention
     "simple_mlp": FamilyRules(check=simple.check, decodes=False),

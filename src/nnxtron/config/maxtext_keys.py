@@ -164,7 +164,7 @@ _honoured(
     rope_max_timescale=10000, max_position_embeddings=163840, beta_fast=32, beta_slow=1, mscale=1.0,
     decode_sampling_strategy='greedy', decode_sampling_temperature=1.0, eval_interval=-1, enable_tensorboard=True,
     use_qk_norm=False, interleave_moe_layer_step=1, temperature_tuning=False, mhc_expansion_rate=1, sinkhorn_iterations=20,
-    attention_bias=False,
+    attention_bias=False, attention_sink=False, mlp_bias=False, rope_truncate=True,
 )
 _ignored(
     CHECKPOINT_IO,
@@ -411,7 +411,7 @@ _refused(
 _refused(
     'a MoE variant nnxtron does not implement',
     "leave it at MaxText's default",
-    moe_use_megatron_seq_aux_loss=False, use_random_routing=False, mlp_bias=False, use_lineage=False,
+    moe_use_megatron_seq_aux_loss=False, use_random_routing=False, use_lineage=False,
 )
 _refused(
     'read only when ragged_buffer_factor drops tokens',
@@ -422,7 +422,7 @@ _refused(
 _refused(
     'an attention variant nnxtron does not implement',
     "leave it at MaxText's default",
-    share_kv_projections=False, attention_sink=False,
+    share_kv_projections=False,
     v_norm_with_scale=True, qk_norm_with_scale=True, moba=False, use_max_logit_estimate=-1,
     partial_rotary_factor=1.0,
 )
@@ -587,7 +587,7 @@ _refused(
     'a positional-embedding or RoPE variant nnxtron does not implement',
     "leave it at MaxText's default",
     use_untrainable_positional_embedding=False, rope_use_scale=True, rope_min_timescale=1, local_rope_proportion=1.0,
-    rope_truncate=True, rope_attention_scaling=False, rope_pairwise=False,
+    rope_pairwise=False,
 )
 _refused(
     'nnxtron has no multimodal encoders',
@@ -847,6 +847,8 @@ def _decoder_block(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
     unscaled = folded and not ctx.get("use_qk_norm") and ctx.get("attention_type", "global") == "global"
     pairs = rules_for(value).maxtext_layers_per_layer
     paired = {"sliding_window_pattern": pairs} if pairs > 1 else {}  # local, then global
+    if rules_for(value).maxtext_layer_pattern:  # the block's fixed pattern (gpt_oss)
+        paired = {"sliding_window_pattern": rules_for(value).maxtext_layer_pattern}
     return {"decoder_block": value, **({"query_pre_attn_scalar": 1.0} if unscaled else {}), **paired}
 
 
@@ -866,7 +868,8 @@ _translated("rope_interleave", True, "rope_interleave with rope_type=yarn (where
             "default RoPE rotates halves), true for llama3.1 RoPE", _rope_interleave)  # fmt: skip
 _translated("decoder_block", "llama2", "decoder_block; llama2, mistral, mixtral, gemma and gemma2 (without qk-norm) also set "
             "query_pre_attn_scalar=1: MaxText folds 1/sqrt(head_dim) into the query kernel; gemma2 also sets "
-            "sliding_window_pattern=2 (MaxText's layer: a sliding, then a global layer)", _decoder_block)  # fmt: skip
+            "sliding_window_pattern=2 (MaxText's layer: a sliding, then a global layer), gpt_oss sets it to 2 (its block "
+            "alternates sliding and global layers)", _decoder_block)  # fmt: skip
 
 
 def _decoder_layers(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
@@ -891,6 +894,10 @@ for _key in ("use_post_attn_norm", "use_post_ffw_norm"):
     _add(_key, Key(REFUSED, False, "nnxtron's gemma2 and gemma3 layers always have their post-attention / post-MLP norms, "
                    "the other blocks none", f"use {_key}=true with decoder_block gemma2 or gemma3, else false",
                    check=_post_norm))  # fmt: skip
+_add("rope_attention_scaling", Key(
+    REFUSED, False, "nnxtron's YaRN always multiplies cos / sin by HF's attention factor (MaxText's rope_attention_scaling=true); "
+    "it has no other RoPE to scale", "use rope_attention_scaling=true only with rope_type=yarn (gpt-oss-* sets it)",
+    check=lambda value, ctx: value is False or str(ctx.get("rope_type", "default")).startswith("yarn")))  # fmt: skip
 _translated("rope_linear_scaling_factor", 1.0, "rope_type=linear with rope_scaling_factor (default RoPE only)", _rope_linear)
 _translated("quantize_mtp", False, "with quantization on: qwix_module_path '.*layers/.*' (false) or '(.*layers|mtp)/.*' (true)",
             lambda v, c: {"qwix_module_path": "(.*layers|mtp)/.*" if v else ".*layers/.*"} if _quantized(c) else {})  # fmt: skip

@@ -29,6 +29,7 @@ DECODER_BLOCKS = (
     "gpt3",
     "deepseek4",
     "olmo3",
+    "gpt_oss",
     "simple",  # MaxText's toy blocks (models/simple.py): no HF counterpart
     "simple_mlp",
 )
@@ -48,7 +49,7 @@ MOE_COMPUTES = ("grouped", "dense")  # routed experts: a grouped matmul on the r
 GROUPED_MATMULS = ("auto", "ragged_dot", "blocked")
 MATMUL_PRECISIONS = ("default", "high", "highest")  # jax.lax.Precision of the model's matmuls (MaxText's names)
 # two = gated (GLU), one = plain MLP (gpt3 only: config/families.py)
-SUPPORTED_MLP_ACTIVATIONS = (("silu", "linear"), ("gelu", "linear"), ("gelu",))
+SUPPORTED_MLP_ACTIVATIONS = (("silu", "linear"), ("gelu", "linear"), ("gelu",), ("sigmoid", "linear"))  # sigmoid: gpt_oss only
 
 # remat (parallel/remat.py gives each policy its jax.checkpoint policy)
 REMAT_POLICIES = (

@@ -94,6 +94,7 @@ class Config(BaseModel):
         ge=0
     )  # yarn (HF mscale; 0 = unset): cos/sin x m(mscale)/m(mscale_all_dim) when both set, else m(1)
     mscale_all_dim: Model[float] = Field(ge=0)  # yarn (HF rope_scaling mscale_all_dim): softmax scale x m(mscale_all_dim)^2
+    rope_truncate: Model[bool]  # yarn: floor / ceil the correction range (HF rope_parameters truncate; GPT-OSS: false)
     sliding_window_size: Model[int] = Field(ge=0, le=MAX_SIZE)  # 0 = full causal attention
     # --- layer patterns (Gemma 3, Llama 4): layer i is 0-based; see config/layout.py ---
     # > 0: layer i is global iff (i+1) % pattern == 0, else sliding (Gemma 3: 6)
@@ -127,6 +128,7 @@ class Config(BaseModel):
     # biases on the query, key and value projections and the output one (decoder_block=qwen2: none on the
     # output, MaxText's and HF Qwen2's); attention_type=global only
     attention_bias: Model[bool]
+    attention_sink: Model[bool]  # one learned logit per query head joins the softmax denominator (gpt_oss only)
     q_lora_rank: Model[int] = Field(ge=0, le=MAX_SIZE)  # mla: 0 = plain query projection
     kv_lora_rank: Model[int] = Field(gt=0, le=MAX_SIZE)  # mla
     qk_nope_head_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # mla
@@ -152,6 +154,7 @@ class Config(BaseModel):
         ge=0, le=MAX_COUNT
     )  # leading MoE layers routed by the non-trainable token->expert table
     mlp_activations_limit: Model[float] = Field(ge=0)  # SwiGLU clamp (HF swiglu_limit): gate <= L, |up| <= L; 0 = off
+    mlp_bias: Model[bool]  # routed experts' gate, up and down projections have biases (gpt_oss only)
 
     # --- mixture of experts -------------------------------------------------------
     num_experts: Model[int] = Field(gt=0, le=MAX_COUNT)  # 1 = dense MLP layers

@@ -271,9 +271,11 @@ class _Reader:
                 key = prefix + wm.fused_key  # the same tensor under its transformers>=5 name
             if key not in self.handles:
                 raise self._missing(prefix + wm.hf_key)
-            if wm.split_parts > 1:  # one chunk of a tensor concatenated along its last axis
+            if wm.split_parts > 1:  # one chunk of a tensor concatenated (or interleaved) along its last axis
                 size = shape[-1]
                 full = self._get(key, (*shape[:-1], wm.split_parts * size), dtype)
+                if wm.interleaved:
+                    return np.ascontiguousarray(full[..., wm.split_part :: wm.split_parts]).astype(dtype)
                 return full[..., wm.split_part * size : (wm.split_part + 1) * size].astype(dtype)
             want = _hf_shape(shape, in_dims, wm.conv1d)
             return _from_hf_tensor(self._get(key, want, dtype), shape, in_dims, wm.conv1d).astype(dtype, copy=False)
@@ -295,7 +297,7 @@ def _hf_tensors(value: np.ndarray, prefix: str, wm: WeightMap) -> dict[str, np.n
     """HF tensors (hub layout) of one layer's nnxtron ``value`` of ``wm``; a ``split_parts``
     chunk is returned under ``(key, part)`` for ``_join_split`` to concatenate."""
     if wm.split_parts > 1:
-        return {(prefix + wm.hf_key, wm.split_part): value}
+        return {(prefix + wm.hf_key, wm.split_part, wm.interleaved): value}
     if not wm.per_expert:
         if np.issubdtype(value.dtype, np.integer):  # index tables (DeepSeek-V4 tid2eid) are int64 in HF
             value = value.astype(np.int64)
@@ -304,14 +306,23 @@ def _hf_tensors(value: np.ndarray, prefix: str, wm: WeightMap) -> dict[str, np.n
 
 
 def _join_split(tensors: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
-    """Concatenate the ``(key, part)`` chunks of split tensors along their last axis."""
+    """Concatenate the ``(key, part, interleaved)`` chunks of split tensors along their last axis
+    (interleaved: alternate their columns)."""
     out = {k: v for k, v in tensors.items() if isinstance(k, str)}
     parts: dict[str, dict[int, np.ndarray]] = {}
+    interleaved: set[str] = set()
     for k, v in tensors.items():
         if not isinstance(k, str):
             parts.setdefault(k[0], {})[k[1]] = v
+            if k[2]:
+                interleaved.add(k[0])
     for key, chunks in parts.items():
-        out[key] = np.ascontiguousarray(np.concatenate([chunks[i] for i in range(len(chunks))], axis=-1))
+        ordered = [chunks[i] for i in range(len(chunks))]
+        if key in interleaved:
+            joined = np.stack(ordered, axis=-1).reshape(*ordered[0].shape[:-1], -1)
+        else:
+            joined = np.concatenate(ordered, axis=-1)
+        out[key] = np.ascontiguousarray(joined)
     return out
 
 

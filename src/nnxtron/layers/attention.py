@@ -1,5 +1,6 @@
 """Grouped-query attention: causal, sliding-window, chunked and packed-segment masks; qk-norms;
 projection biases (``attention_bias``); the attention logit soft cap (``attn_logits_soft_cap``, Gemma 2);
+attention sinks (``attention_sink``, GPT-OSS: one learned logit per head in the softmax denominator);
 NoPE layers with temperature tuning (Llama 4); the selectable implementation (``attention=``,
 docs/attention.md); context parallelism (``attend_sharded``: ring attention or gathered keys and
 values); ``gqa_attention`` builds the attention of a layer of a given kind from the config."""
@@ -36,6 +37,14 @@ QUERY = ("activation_batch", "activation_length", "activation_heads", None)
 KEY_VALUE = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)  # gathered over the context axis
 RING_KEY_VALUE = ("activation_batch", "activation_length", "activation_kv_heads", None)  # sharded like the queries
 SOFT_CAP_UNSUPPORTED = ("dot_product", "cudnn")  # jax.nn.dot_product_attention has no logit soft cap
+SINKS_UNSUPPORTED = ("dot_product", "cudnn", "splash")  # attention sinks: the einsum (xla) path only
+
+
+def sinks_refusal(implementation: str) -> str:
+    return (
+        f"attention={implementation} cannot apply attention sinks (attention_sink=true: an extra logit per head in "
+        "the softmax denominator; only the einsum path has it); use attention=auto or xla"
+    )
 
 
 def soft_cap_refusal(implementation: str) -> str:
@@ -62,6 +71,7 @@ def resolve_attention(
     chunked: bool = False,
     sequence_sharded: bool = False,
     soft_capped: bool = False,
+    sinks: bool = False,
 ) -> str:
     """The implementation ``attention=value`` runs as: ``xla``, ``dot_product``, ``cudnn`` or ``splash``.
 
@@ -72,8 +82,13 @@ def resolve_attention(
     raises a ConfigError naming the key; ``splash`` off a TPU runs in Pallas interpret mode
     on a CPU (for tests; slow) and is refused on a GPU. ``soft_capped`` (``attn_logits_soft_cap > 0``):
     ``dot_product`` and ``cudnn`` cannot cap the logits (refused), ``auto`` is never ``cudnn``.
+    ``sinks`` (``attention_sink``): only ``xla`` has them (``auto`` is ``xla``, the others refused).
     """
     dtype = jnp.dtype(dtype).name
+    if sinks:
+        if value not in ("auto", "xla"):
+            raise ConfigError(sinks_refusal(value))
+        return "xla"
     if value == "auto":
         if backend == "tpu":
             return "xla" if sequence_sharded else "splash"
@@ -117,6 +132,7 @@ def configured_attention(cfg: Config, *, chunked: bool = False) -> str:
         chunked=chunked,
         sequence_sharded=cfg.ici_context_parallelism != 1,
         soft_capped=cfg.attn_logits_soft_cap > 0,
+        sinks=cfg.attention_sink,
     )
 
 
@@ -157,6 +173,7 @@ def attend(
     implementation: str = "xla",
     query_block: int = 0,
     soft_cap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Masked softmax attention; queries share key/value heads in groups.
 
@@ -175,16 +192,19 @@ def attend(
     ``query_block > 0`` (``xla`` and ``dot_product``) computes the queries in blocks of
     that many (``query_blocks``): the same values, with one block's scores alive at a time.
     ``soft_cap > 0``: the scaled logits become ``soft_cap * tanh(logits / soft_cap)`` before the
-    mask (``xla`` and ``splash``; ``dot_product`` and ``cudnn`` cannot: refused).
+    mask (``xla`` and ``splash``; ``dot_product`` and ``cudnn`` cannot: refused). ``sinks [N]`` (float32,
+    GPT-OSS): one extra logit per query head joins each row's softmax (``xla`` only; the others refused).
     """
     if soft_cap and implementation in SOFT_CAP_UNSUPPORTED:
         raise ConfigError(soft_cap_refusal(implementation))
+    if sinks is not None and implementation in SINKS_UNSUPPORTED:
+        raise ConfigError(sinks_refusal(implementation))
     if query_block and implementation in ("cudnn", "splash"):
         raise ConfigError(
             f"attention_query_block applies to attention=xla or dot_product; attention={implementation} is already blockwise"
         )
     if implementation == "xla":
-        rows = lambda q, mask: masked_attention(q, k, v, mask, scale=scale, dtype=dtype, soft_cap=soft_cap)  # noqa: E731
+        rows = lambda q, mask: masked_attention(q, k, v, mask, scale=scale, dtype=dtype, soft_cap=soft_cap, sinks=sinks)  # noqa: E731
         return query_blocks(rows, q, attention_mask(segment_ids, sliding_window, chunk_size), query_block)
     if implementation == "dot_product":
         mask = attention_mask(segment_ids, sliding_window, chunk_size)  # each block's [B, b, S] -> [B, 1, b, S]
@@ -241,6 +261,7 @@ def attend_sharded(
     chunk_size: int = 0,
     implementation: str = "xla",
     soft_cap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """``attend`` (training and evaluation) with the activations constrained to the active
     mesh. Queries and the output stay sharded over the sequence (context parallelism). With
@@ -260,6 +281,11 @@ def attend_sharded(
                 "ring attention (context_parallel_strategy=ring) cannot apply attn_logits_soft_cap (its backward pass "
                 "is written by hand without the cap); use context_parallel_strategy=all_gather or attn_logits_soft_cap=0"
             )
+        if sinks is not None:
+            raise ConfigError(
+                "ring attention (context_parallel_strategy=ring) cannot apply attention sinks (attention_sink=true); "
+                "use context_parallel_strategy=all_gather"
+            )
         k, v = constrain(k, RING_KEY_VALUE), constrain(v, RING_KEY_VALUE)
         out = ring_attention(q, k, v, segment_ids, scale=scale, dtype=dtype, load_balance=context.load_balance, **window)
     else:
@@ -274,6 +300,7 @@ def attend_sharded(
             implementation=implementation,
             query_block=context.query_block,
             soft_cap=soft_cap,
+            sinks=sinks,
             **window,
         )
     return constrain(out, QUERY)
@@ -289,17 +316,26 @@ def masked_attention(
     dtype: jnp.dtype,
     head_major: bool = False,
     soft_cap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """``attend`` with an explicit boolean mask ``[B, S, T]`` (``k``/``v`` hold T tokens,
     ``[B, T, K, D]``, or ``[B, K, T, D]`` with ``head_major``: a decoding cache's layout);
-    ``soft_cap > 0`` caps the scaled logits (``soft_capped``) before the mask, as HF and MaxText."""
+    ``soft_cap > 0`` caps the scaled logits (``soft_capped``) before the mask, as HF and MaxText.
+    ``sinks [N]``: each head's sink logit is one more column of the (float32) softmax, then dropped
+    (HF GPT-OSS's ``eager_attention_forward``, MaxText's ``attention_sink``): it takes a share of the
+    probability and contributes no value."""
     batch, seq, heads, dk = q.shape
     kv_heads = k.shape[1 if head_major else 2]
     keys = "bktd" if head_major else "btkd"
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, dk)
     scores = soft_capped(matmul.einsum(f"bskgd,{keys}->bkgst", q, k) * jnp.asarray(scale, q.dtype), soft_cap)
     scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(kv_heads, -1)[None, :, :, None, None]
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(dtype)
     return matmul.einsum(f"bkgst,{keys}->bskgd", probs, v).reshape(batch, seq, heads, v.shape[-1])
 
 
@@ -316,13 +352,16 @@ def attend_with_cache(
     sliding_window: int = 0,
     chunk_size: int = 0,
     soft_cap: float = 0.0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Decoding: attend over the cached tokens and the new ones (then cache the new ones).
     ``segment_ids`` 0 marks padding (never cached, never attended to)."""
     kv, key_positions = cache.attended({"key": k, "value": v}, positions, segment_ids != 0)
     mask = cache_mask(positions, key_positions, sliding_window, chunk_size)
     head_major = q.shape[1] == 1  # a decode step reads the cache in its (head-major) storage layout
-    return masked_attention(q, kv["key"], kv["value"], mask, scale=scale, dtype=dtype, head_major=head_major, soft_cap=soft_cap)
+    return masked_attention(
+        q, kv["key"], kv["value"], mask, scale=scale, dtype=dtype, head_major=head_major, soft_cap=soft_cap, sinks=sinks
+    )
 
 
 def key_value_cache(
@@ -354,6 +393,9 @@ class Attention(nnx.Module):
     ``soft_cap > 0`` (Gemma 2's ``attn_logits_soft_cap``): the scaled logits become
     ``soft_cap * tanh(logits / soft_cap)`` before the mask, in training and with a KV cache.
 
+    ``sinks`` (GPT-OSS's ``attention_sink``): a learned logit per query head, ``sinks [N]`` (float32, zero
+    at init as MaxText's), joins the softmax denominator (``masked_attention``), in training and with a KV cache.
+
     ``temperature_tuning=(floor_scale, scale)`` (Llama 4 NoPE layers) multiplies q by
     ``log1p(floor((position + 1) / floor_scale)) * scale + 1`` (computed in float32).
 
@@ -380,6 +422,7 @@ class Attention(nnx.Module):
         temperature_tuning: tuple[float, float] | None = None,
         qkv_bias: bool = False,
         out_bias: bool = False,
+        sinks: bool = False,
         implementation: str = "xla",
         context: ContextParallel | None = None,
         dtype: jnp.dtype,
@@ -409,6 +452,8 @@ class Attention(nnx.Module):
             norm = dict(eps=norm_eps, dtype=dtype, weight_dtype=weight_dtype)
             self.query_norm = RMSNorm(num_heads * head_dim, **norm)
             self.key_norm = RMSNorm(num_kv_heads * head_dim, **norm)
+        if sinks:
+            self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32), out_sharding=(None,))
         self.qk_norm = qk_norm
         self.norm_eps = norm_eps
         self.scale = head_dim**-0.5 if scale is None else scale
@@ -443,6 +488,7 @@ class Attention(nnx.Module):
             q = (q * factor[:, :, None, None]).astype(q.dtype)
         v = checkpoint_name(self.value(x), "value_proj")
         window = dict(sliding_window=self.sliding_window, chunk_size=self.chunk_size, soft_cap=self.soft_cap)
+        window["sinks"] = self.sinks[...] if hasattr(self, "sinks") else None
         if hasattr(self, "cache"):
             q, k, v = constrain(q, QUERY), constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
             out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype, **window)
@@ -488,6 +534,7 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
         temperature_tuning=tuning,
         qkv_bias=cfg.attention_bias,
         out_bias=cfg.attention_bias and rules_for(cfg.decoder_block).attention_out_bias,
+        sinks=cfg.attention_sink,
         implementation=configured_attention(cfg, chunked=kind.attention == "chunked"),
         context=ContextParallel.from_config(cfg),
         dtype=jnp.dtype(cfg.dtype),

@@ -21,13 +21,26 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=True),  # tanh form = HF gelu_pytorch_tanh / gelu_new (MaxText "gelu")
     "linear": lambda x: x,
+    "sigmoid": jax.nn.sigmoid,  # gpt_oss only: its clamped SwiGLU (``glu``)
 }
+GPT_OSS_ALPHA = 1.702  # HF swiglu_alpha; MaxText's gpt_oss activation hard-codes it
 
 
 def glu(activation: str, limit: float = 0.0) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """The gated activation ``act(gate) * up``; with ``limit`` > 0 (DeepSeek-V4
-    ``swiglu_limit``) ``gate`` is clamped above at ``limit`` and ``up`` to ``[-limit, limit]`` first."""
+    ``swiglu_limit``) ``gate`` is clamped above at ``limit`` and ``up`` to ``[-limit, limit]`` first.
+
+    ``sigmoid`` (GPT-OSS, MaxText's ``mlp_activations=[sigmoid, linear]`` of ``decoder_block=gpt_oss``):
+    ``g * sigmoid(1.702 g) * (u + 1)`` of the clamped ``g``, ``u`` (HF ``GptOssExperts._apply_gate``)."""
     act = ACTIVATIONS[activation]
+    if activation == "sigmoid":
+
+        def gpt_oss(gate: jax.Array, up: jax.Array) -> jax.Array:
+            if limit > 0:
+                gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+            return gate * act(gate * GPT_OSS_ALPHA) * (up + 1)
+
+        return gpt_oss
     if limit <= 0:
         return lambda gate, up: act(gate) * up
     return lambda gate, up: act(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)

@@ -4,7 +4,10 @@
 ``nnxtron.layers.router``); each routed expert is the SwiGLU
 ``wo[e](act(x @ wi_0[e]) * (x @ wi_1[e]))`` (HF gate_proj / up_proj / down_proj) and the
 routed sum accumulates in float32 before the cast to ``cfg.dtype``. An optional shared
-expert (``shared_experts * base_moe_mlp_dim`` wide) sees every token.
+expert (``shared_experts * base_moe_mlp_dim`` wide) sees every token. GPT-OSS: the router's logits
+have a trained bias (``routed_bias`` with ``trained_router_bias``, the family's block says), the experts have biases
+(``mlp_bias``: ``wi_0_bias``, ``wi_1_bias`` ``[E, H]`` and ``wo_bias`` ``[E, D]``, as MaxText names them)
+and their activation is the clamped ``glu("sigmoid", limit)``.
 
 Dispatch (``nnxtron.parallel.expert``; ``moe_compute=grouped`` groups the assignments by
 expert for a grouped matmul — ``grouped_matmul``: ``ragged_dot`` on TPU and under
@@ -98,9 +101,11 @@ def _expert_weight(
 
 
 class MoE(nnx.Module):
-    """Routed experts (+ optional shared expert); returns ``(y, aux)``."""
+    """Routed experts (+ optional shared expert); returns ``(y, aux)``. ``trained_router_bias`` (GPT-OSS):
+    ``routed_bias`` is a trained bias of the router's logits (selection and weights alike: MaxText's
+    ``GateLogit`` bias outside DeepSeek, HF's ``router.bias``), not DeepSeek's selection-only ``RouterBias``."""
 
-    def __init__(self, cfg: Config, rngs: nnx.Rngs, hash_routed: bool = False):
+    def __init__(self, cfg: Config, rngs: nnx.Rngs, hash_routed: bool = False, trained_router_bias: bool = False):
         dim, hidden, experts = cfg.base_emb_dim, cfg.base_moe_mlp_dim, cfg.num_experts
         self.dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         self.spec = RouterSpec.from_config(cfg)
@@ -114,11 +119,14 @@ class MoE(nnx.Module):
         self.quantized = cfg.use_qwix_quantization  # qwix needs each expert weight as its own einsum operand
         self.grouped_matmul = resolve_grouped_matmul(cfg.grouped_matmul, jax.default_backend(), self.quantized)
         self.lb_weight = load_balance_weight(cfg, hash_routed)  # / the MoE layers under load_balance_convention=maxtext
-        self.router = Linear([dim], [experts], ("embed", None), dtype=jnp.float32, weight_dtype=weight_dtype, rngs=rngs)
+        trained_bias = cfg.routed_bias and trained_router_bias  # GPT-OSS: a Param
+        self.router = Linear(
+            [dim], [experts], ("embed", None), dtype=jnp.float32, weight_dtype=weight_dtype, rngs=rngs, use_bias=trained_bias
+        )
         if hash_routed:  # the table replaces the selection; no correction bias (as HF)
             table = random_hash_table(rngs.params(), cfg.vocab_size, experts, cfg.num_experts_per_tok)
             self.tid2eid = HashTable(table, out_sharding=(None, None))
-        elif cfg.routed_bias:
+        elif cfg.routed_bias and not trained_bias:
             self.router_bias = RouterBias(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
         if cfg.routed_bias_update_rate > 0 and not hash_routed:
             self.expert_load = ExpertLoad(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
@@ -126,6 +134,10 @@ class MoE(nnx.Module):
         self.wi_0 = _expert_weight(rngs, (experts, dim, hidden), experts * dim, weight_dtype, ("exp", "embed", "mlp"))
         self.wi_1 = _expert_weight(rngs, (experts, dim, hidden), experts * dim, weight_dtype, ("exp", "embed", "mlp"))
         self.wo = _expert_weight(rngs, (experts, hidden, dim), experts * hidden, weight_dtype, ("exp", "mlp", "embed"))
+        if cfg.mlp_bias:  # zeros, as MaxText's default_bias_init
+            self.wi_0_bias = nnx.Param(jnp.zeros((experts, hidden), weight_dtype), out_sharding=("exp", "mlp"))
+            self.wi_1_bias = nnx.Param(jnp.zeros((experts, hidden), weight_dtype), out_sharding=("exp", "mlp"))
+            self.wo_bias = nnx.Param(jnp.zeros((experts, dim), weight_dtype), out_sharding=("exp", "embed"))
         if cfg.shared_experts > 0:
             self.shared = GatedMLP(
                 dim,
@@ -169,11 +181,19 @@ class MoE(nnx.Module):
             combine, in_scale = jnp.ones_like(weights), weights
         else:
             combine, in_scale = weights, None
+        inputs, wi_0, wi_1 = x, self.wi_0[...], self.wi_1[...]
+        if hasattr(self, "wi_0_bias"):  # a ones column on the tokens and the biases as one more kernel row
+            inputs = jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
+            wi_0 = jnp.concatenate([wi_0, self.wi_0_bias[...][:, None, :].astype(wi_0.dtype)], axis=1)
+            wi_1 = jnp.concatenate([wi_1, self.wi_1_bias[...][:, None, :].astype(wi_1.dtype)], axis=1)
         routed = dispatch(
-            x, indices, combine, keep, in_scale, self.wi_0[...], self.wi_1[...], self.wo[...],
+            inputs, indices, combine, keep, in_scale, wi_0, wi_1, self.wo[...],
             glu=glu(self.activation, self.limit), compute=self.compute, method=self.grouped_matmul,
             token_chunks=self.token_chunks, quantized=self.quantized,
         )  # fmt: skip
+        if hasattr(self, "wo_bias"):  # each kept assignment adds its weight x its expert's output bias
+            kept = jnp.where(keep, combine.astype(jnp.float32), 0.0)
+            routed = routed + jnp.einsum("bsk,bskd->bsd", kept, jnp.take(self.wo_bias[...].astype(jnp.float32), indices, axis=0))
         y = constrain(routed.astype(self.dtype), TOKENS)
         if hasattr(self, "shared"):
             y = y + self.shared(x, intermediate)

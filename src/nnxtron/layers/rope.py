@@ -71,6 +71,7 @@ class RopeSpec:
             beta_slow=cfg.beta_slow,
             mscale=cfg.mscale,
             mscale_all_dim=cfg.mscale_all_dim,
+            truncate=cfg.rope_truncate,
         )
 
 

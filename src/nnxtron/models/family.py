@@ -39,7 +39,9 @@ class WeightMap:
     dims)]`` with ``linear_in_dims`` input dims, a fused bias (or Qwen2's ``q_proj.bias`` of
     ``[heads, head_dim]``) is flat. ``split_parts`` > 1
     marks an HF tensor that concatenates that many variables along its last axis (Llama 4
-    ``experts.gate_up_proj [E, D, 2F]``); this variable is chunk ``split_part``.
+    ``experts.gate_up_proj [E, D, 2F]``); this variable is chunk ``split_part``. ``interleaved``: the
+    parts alternate along that axis instead (GPT-OSS ``mlp.experts.gate_up_proj [E, D, 2F]`` and its bias:
+    gate at the even columns, up at the odd ones); this variable is columns ``split_part::split_parts``.
     """
 
     path: str
@@ -51,6 +53,7 @@ class WeightMap:
     conv1d: bool = False
     split_part: int = 0
     split_parts: int = 1
+    interleaved: bool = False
 
     @property
     def per_expert(self) -> bool:

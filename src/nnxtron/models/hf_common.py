@@ -96,8 +96,10 @@ def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
     elif kind == "yarn":
-        if rope.get("truncate", True) is not True or rope.get("attention_factor") is not None:
-            raise ConfigError("HF yarn rope_parameters with truncate=false or an explicit attention_factor are not supported")
+        if rope.get("attention_factor") is not None:
+            raise ConfigError("HF yarn rope_parameters with an explicit attention_factor are not supported")
+        if rope.get("truncate", True) not in (True, False):
+            raise ConfigError(f"HF yarn rope_parameters truncate={rope['truncate']!r} is not true or false")
         out.update(
             rope_type="yarn",
             rope_scaling_factor=float(rope["factor"]),
@@ -109,6 +111,7 @@ def rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             beta_slow=float(rope.get("beta_slow") or 1.0),
             mscale=float(rope.get("mscale") or 0.0),  # 0 = absent (HF semantics)
             mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+            rope_truncate=bool(rope.get("truncate", True)),  # GPT-OSS: false
         )
     else:
         raise ConfigError(f"HF rope_type '{kind}' is not supported; supported: default, llama3, yarn")
@@ -134,6 +137,8 @@ def rope_to_hf(cfg: Config) -> dict[str, Any]:
             mscale=cfg.mscale,
             mscale_all_dim=cfg.mscale_all_dim,
         )
+        if not cfg.rope_truncate:  # HF's default is true
+            rope["truncate"] = False
     return rope
 
 

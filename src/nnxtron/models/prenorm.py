@@ -40,10 +40,19 @@ class PreNormBlock(nnx.Module):
     """Pre-norm attention + pre-norm feed-forward; ``kind.moe`` selects the routed MoE feed-forward.
 
     ``qk_norm``: what ``use_qk_norm`` means for the family (see ``gqa_attention``); ``zero_centered``:
-    both norms are Gemma's ``x_hat * (1 + w)`` in float32 (Gemma v1).
+    both norms are Gemma's ``x_hat * (1 + w)`` in float32 (Gemma v1); ``trained_router_bias``: the MoE's
+    ``routed_bias`` is a trained bias of the router logits (GPT-OSS; ``layers/moe.MoE``).
     """
 
-    def __init__(self, cfg: Config, rngs: nnx.Rngs, kind: LayerKind = PLAIN, qk_norm: str = "rms", zero_centered: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        rngs: nnx.Rngs,
+        kind: LayerKind = PLAIN,
+        qk_norm: str = "rms",
+        zero_centered: bool = False,
+        trained_router_bias: bool = False,
+    ):
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         self.pre_attention_norm = rms_norm(cfg, zero_centered=zero_centered)
         if cfg.attention_type == "mla":
@@ -52,7 +61,7 @@ class PreNormBlock(nnx.Module):
             self.attention = gqa_attention(cfg, rngs, kind, qk_norm)
         self.post_attention_norm = rms_norm(cfg, zero_centered=zero_centered)
         if kind.moe:
-            self.mlp = MoE(cfg, rngs)
+            self.mlp = MoE(cfg, rngs, trained_router_bias=trained_router_bias)
         else:
             self.mlp = GatedMLP(
                 cfg.base_emb_dim, cfg.base_mlp_dim, cfg.mlp_activations[0], dtype=dtype, weight_dtype=weight_dtype, rngs=rngs

@@ -9,10 +9,25 @@ from __future__ import annotations
 
 from nnxtron.config.options import DECODER_BLOCKS
 from nnxtron.errors import ConfigError
-from nnxtron.models import deepseek, deepseek4, gemma, gemma2, gemma3, gpt3, llama, llama4, mixtral, olmo3, qwen2, qwen3, simple
+from nnxtron.models import (
+    deepseek,
+    deepseek4,
+    gemma,
+    gemma2,
+    gemma3,
+    gpt3,
+    gpt_oss,
+    llama,
+    llama4,
+    mixtral,
+    olmo3,
+    qwen2,
+    qwen3,
+    simple,
+)
 from nnxtron.models.family import Family
 
-_MODULES = (llama, mixtral, qwen2, qwen3, deepseek, gemma, gemma2, gemma3, llama4, gpt3, deepseek4, olmo3, simple)
+_MODULES = (llama, mixtral, qwen2, qwen3, deepseek, gemma, gemma2, gemma3, llama4, gpt3, deepseek4, olmo3, gpt_oss, simple)
 FAMILIES: dict[str, Family] = {family.name: family for module in _MODULES for family in module.FAMILIES}
 if sorted(FAMILIES) != sorted(DECODER_BLOCKS) or len(FAMILIES) != sum(len(m.FAMILIES) for m in _MODULES):
     raise ImportError(f"the family modules define {sorted(FAMILIES)}, the config accepts decoder_block {sorted(DECODER_BLOCKS)}")

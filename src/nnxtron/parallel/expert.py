@@ -205,7 +205,7 @@ def dispatch(
         y = expert_ffn(
             x.reshape(batch * seq, dim), *map(flat, (indices, combine, keep, in_scale)), wi_0, wi_1, wo, chunks=token_chunks, **kw
         )
-        return y.reshape(batch, seq, dim)
+        return y.reshape(batch, seq, -1)  # wo.shape[-1]: x may carry a bias column (MoE mlp_bias)
     mesh, rules = active
     token_spec = logical_to_spec((*TOKEN_NAMES, None), rules, mesh)
     token_axes = {a for entry in token_spec for a in spec_axes(entry)}
@@ -236,7 +236,7 @@ def dispatch(
             x.reshape(batch * seq, dim), indices, combine, keep, local_scale, wi_0, wi_1, wo,
             expert_offset=offset, chunks=token_chunks, **kw,
         )  # fmt: skip
-        y = y.reshape(batch, seq, dim)
+        y = y.reshape(batch, seq, -1)
         if mlp_name is not None:
             y = jax.lax.psum(y, mlp_name)
         if gather is not None:
