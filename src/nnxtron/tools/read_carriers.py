@@ -103,6 +103,7 @@ CARRIERS: dict[str, Carrier] = {
             "beta_slow": ("beta_slow",),
             "mscale": ("mscale",),
             "mscale_all_dim": ("mscale_all_dim",),
+            "truncate": ("rope_truncate",),
         }
     ),
 }
