@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from flax import nnx
 
 from nnxtron.config.schema import Config
@@ -24,10 +22,7 @@ def build_model(cfg: Config, seed: int | None = None) -> Decoder:
         return _quantized(Decoder(cfg, nnx.Rngs(cfg.init_weights_seed if seed is None else seed)))
 
 
-@functools.lru_cache(maxsize=8)
 def abstract_model(cfg: Config) -> Decoder:
-    """The Decoder with ShapeDtypeStruct leaves: shapes, dtypes and metadata, no arrays. Cached
-    per config (a train step's set-up reads it several times; building DeepSeek-V4's takes ~1 s
-    on a CPU): callers read it (split, state, iterate) and never change it."""
+    """The Decoder with ShapeDtypeStruct leaves: shapes, dtypes and metadata, no arrays."""
     with nnx.use_eager_sharding(False):
         return _quantized(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(cfg.init_weights_seed))))
