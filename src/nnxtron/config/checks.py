@@ -399,6 +399,26 @@ def check_attention(cfg: Config) -> None:
             raise ConfigError(f"attention=cudnn {reason}; use attention=auto, dot_product or xla")
 
 
+SOFT_CAP_UNSUPPORTED = ("dot_product", "cudnn")  # jax.nn.dot_product_attention has no logit soft cap
+SINKS_UNSUPPORTED = ("dot_product", "cudnn", "splash")  # attention sinks: the einsum (xla) path only
+
+
+def soft_cap_refusal(implementation: str) -> str:
+    """The refusal of ``attn_logits_soft_cap`` by ``attention=implementation`` (config check and layer alike)."""
+    return (
+        f"attention={implementation} cannot apply attn_logits_soft_cap (jax.nn.dot_product_attention has no logit "
+        "soft cap); use attention=auto, xla or splash, or attn_logits_soft_cap=0"
+    )
+
+
+def sinks_refusal(implementation: str) -> str:
+    """The refusal of ``attention_sink`` by ``attention=implementation`` (config check and layer alike)."""
+    return (
+        f"attention={implementation} cannot apply attention sinks (attention_sink=true: an extra logit per head in "
+        "the softmax denominator; only the einsum path has it); use attention=auto or xla"
+    )
+
+
 def check_soft_cap(cfg: Config) -> None:
     """``attn_logits_soft_cap`` caps the logits of the GQA attention's xla and splash paths (and the KV
     cache's); the other attentions cannot apply it."""
@@ -407,11 +427,8 @@ def check_soft_cap(cfg: Config) -> None:
             f"attn_logits_soft_cap applies to attention_type=global; attention_type={cfg.attention_type} runs its own "
             "attention without a soft cap; set attn_logits_soft_cap=0"
         )
-    if cfg.attention in ("dot_product", "cudnn"):
-        raise ConfigError(
-            f"attention={cfg.attention} cannot apply attn_logits_soft_cap (jax.nn.dot_product_attention has no logit "
-            "soft cap); use attention=auto, xla or splash, or attn_logits_soft_cap=0"
-        )
+    if cfg.attention in SOFT_CAP_UNSUPPORTED:
+        raise ConfigError(soft_cap_refusal(cfg.attention))
     if cfg.ici_context_parallelism != 1 and cfg.context_parallel_strategy == "ring":
         raise ConfigError(
             "ring attention (context_parallel_strategy=ring, ici_context_parallelism > 1) cannot apply "
@@ -423,11 +440,8 @@ def check_soft_cap(cfg: Config) -> None:
 def check_sinks(cfg: Config) -> None:
     """``attention_sink`` (GPT-OSS) adds its logits on the GQA attention's einsum path (xla, and the KV cache's);
     the kernels and ring attention cannot."""
-    if cfg.attention in ("dot_product", "cudnn", "splash"):
-        raise ConfigError(
-            f"attention={cfg.attention} cannot apply attention sinks (attention_sink=true: an extra logit per head in "
-            "the softmax denominator; only the einsum path has it); use attention=auto or xla"
-        )
+    if cfg.attention in SINKS_UNSUPPORTED:
+        raise ConfigError(sinks_refusal(cfg.attention))
     if cfg.ici_context_parallelism != 1 and cfg.context_parallel_strategy == "ring":
         raise ConfigError(
             "ring attention (context_parallel_strategy=ring, ici_context_parallelism > 1) cannot apply attention "

@@ -15,7 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from nnxtron.config.checks import CUDNN_AUTO_MAX_HEAD_DIM, cudnn_unsupported
+from nnxtron.config.checks import (
+    CUDNN_AUTO_MAX_HEAD_DIM,
+    SINKS_UNSUPPORTED,
+    SOFT_CAP_UNSUPPORTED,
+    cudnn_unsupported,
+    sinks_refusal,
+    soft_cap_refusal,
+)
 from nnxtron.config.families import rules_for
 from nnxtron.config.layout import LayerKind
 from nnxtron.config.options import ATTENTION_IMPLEMENTATIONS
@@ -36,22 +43,6 @@ QK_NORMS = ("none", "rms", "rms_zero_centered", "rms_projection", "l2")
 QUERY = ("activation_batch", "activation_length", "activation_heads", None)
 KEY_VALUE = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)  # gathered over the context axis
 RING_KEY_VALUE = ("activation_batch", "activation_length", "activation_kv_heads", None)  # sharded like the queries
-SOFT_CAP_UNSUPPORTED = ("dot_product", "cudnn")  # jax.nn.dot_product_attention has no logit soft cap
-SINKS_UNSUPPORTED = ("dot_product", "cudnn", "splash")  # attention sinks: the einsum (xla) path only
-
-
-def sinks_refusal(implementation: str) -> str:
-    return (
-        f"attention={implementation} cannot apply attention sinks (attention_sink=true: an extra logit per head in "
-        "the softmax denominator; only the einsum path has it); use attention=auto or xla"
-    )
-
-
-def soft_cap_refusal(implementation: str) -> str:
-    return (
-        f"attention={implementation} cannot apply attn_logits_soft_cap (jax.nn.dot_product_attention has no logit "
-        "soft cap); use attention=auto, xla or splash, or attn_logits_soft_cap=0"
-    )
 
 
 def soft_capped(scores: jax.Array, cap: float) -> jax.Array:
