@@ -3,8 +3,8 @@ that reads a config key (``nnxtron config readers``) runs in a case of the matri
 that key and sees its observation change — or is listed in :data:`NOT_PROVEN` with its reason.
 
 Each case of ``tests/unit/test_flag_sensitivity.py`` records which read sites of its own key
-ran while its variant was observed (:class:`Recorder`: a line tracer confined to the code
-objects that hold such a site, in the test's thread and the threads it starts). The case
+ran while its variant was observed (:class:`Recorder`: the attribute reads of ``Config`` and
+of the carrier classes, by the line they are made on). The case
 itself asserts the observation changed. When the whole matrix has run (every case recorded,
 across xdist workers), :func:`finish` fails the session on a site that no case ran and no
 listing names, and on a listing that names no site (printed after the summary).
@@ -21,10 +21,8 @@ import json
 import os
 import shutil
 import sys
-import threading
 from collections import defaultdict
 from pathlib import Path
-from types import CodeType
 from typing import Any
 
 from tests.flags.read_sites_not_proven import NOT_PROVEN
@@ -62,46 +60,76 @@ def clear_package_caches() -> None:
                     value.cache_clear()
 
 
+@functools.cache
+def _read_classes() -> tuple[type, ...]:
+    """The classes whose attribute reads are read sites: ``Config`` and the carriers of
+    ``nnxtron.tools.read_carriers.CARRIERS`` (each imported from the module that defines it)."""
+    import importlib
+    import re
+
+    from nnxtron.config.schema import Config
+    from nnxtron.tools.read_carriers import CARRIERS
+    from nnxtron.tools.read_sites import package_sources
+
+    found = {}
+    for file, text in package_sources().items():
+        for name in re.findall(r"^class (\w+)\b", text, flags=re.MULTILINE):
+            if name in CARRIERS:
+                module = file.removeprefix("src/").removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+                found[name] = getattr(importlib.import_module(module), name)
+    missing = set(CARRIERS) - set(found)
+    assert not missing, f"read_carriers.CARRIERS names classes the package does not define: {sorted(missing)}"
+    return (Config, *found.values())
+
+
 class Recorder:
-    """``with Recorder(key):`` records the ids of ``key``'s read sites whose line runs inside
-    the block (``hit``); nothing is recorded where another tracer (a debugger, coverage.py) is
-    already installed (``traced`` False)."""
+    """``with Recorder(key):`` records the ids of ``key``'s read sites whose line reads an
+    attribute of a ``Config`` or of a carrier class inside the block, in any thread (``hit``).
+
+    The classes' ``__getattribute__`` is wrapped for the block: each attribute read looks up
+    its caller's file and line among the key's sites. (A line tracer would see the same lines,
+    at the price of a Python call on every function call JAX's tracing makes: twice the
+    matrix's time.)"""
 
     def __init__(self, key: str):
         self.lines = sites_by_key().get(key, {})
         self.hit: set[str] = set()
-        self.traced = sys.gettrace() is None and os.environ.get(ENV) != OFF
+        self.traced = os.environ.get(ENV) != OFF
         self.active = False
-        self._spans: dict[CodeType, bool] = {}
+        self._saved: list[tuple[type, Any]] = []
 
-    def _global(self, frame, event, arg):
-        code = frame.f_code
-        lines = self.lines.get(code.co_filename)
-        if lines is None:
-            return None
-        spans = self._spans.get(code)
-        if spans is None:
-            spans = self._spans[code] = any(line in lines for _, _, line in code.co_lines())
-        return self._local if spans else None
+    def _wrap(self, cls: type) -> Any:
+        read = cls.__getattribute__
+        lines = self.lines
+        hit = self.hit
+        getframe = sys._getframe
 
-    def _local(self, frame, event, arg):
-        if event == "line":
-            ids = self.lines[frame.f_code.co_filename].get(frame.f_lineno)
-            if ids:
-                self.hit |= ids
-        return self._local
+        def __getattribute__(obj, name):
+            frame = getframe(1)
+            file_lines = lines.get(frame.f_code.co_filename)
+            if file_lines is not None:
+                ids = file_lines.get(frame.f_lineno)
+                if ids:
+                    hit.update(ids)
+            return read(obj, name)
+
+        return __getattribute__
 
     def __enter__(self) -> Recorder:
         self.active = self.traced and bool(self.lines)
         if self.active:
-            threading.settrace(self._global)
-            sys.settrace(self._global)
+            for cls in _read_classes():
+                self._saved.append((cls, cls.__dict__.get("__getattribute__")))
+                cls.__getattribute__ = self._wrap(cls)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.active:
-            sys.settrace(None)
-            threading.settrace(None)  # type: ignore[arg-type]
+        for cls, own in reversed(self._saved):
+            if own is None:
+                del cls.__getattribute__
+            else:
+                cls.__getattribute__ = own
+        self._saved.clear()
 
 
 def save(case: str, key: str, hit: set[str], cases: int, traced: bool) -> None:

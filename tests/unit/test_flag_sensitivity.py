@@ -60,6 +60,7 @@ RUN = {
 CACHE_DIR = str(obs.WORK / "jax-cache")
 PIPE = {"ici_pipeline_parallelism": 2, "base_num_decoder_layers": 4, "per_device_batch_size": 2}
 QUANT = {"use_qwix_quantization": True, "quantization": "int8"}
+MOE_PIPE = {"base_num_decoder_layers": 2, "per_device_batch_size": 2, "load_balance_loss_weight": 0.01}  # mixtral-tiny, its aux loss
 GPIPE = {**PIPE, "num_layers_per_pipeline_stage": 2}  # one repeat
 MAXTEXT_LR = {"lr_schedule_convention": "maxtext", "lr_schedule_type": "cosine"}
 MAXTEXT_SCHEDULE_KEYS = ("learning_rate", "warmup_steps_fraction", "learning_rate_schedule_steps",
@@ -386,16 +387,19 @@ READ_SITE_CASES: dict[str, dict[str, Flag]] = {
         "gpipe_host_offload": F(True, base={**GPIPE, "parameter_memory_host_offload": True}),
         "host_offload": F(True, base={**PIPE, "parameter_memory_host_offload": True}),
     },
+    "num_pipeline_microbatches": {"moe": F(4, family="mixtral-tiny", base={**MOE_PIPE, "ici_pipeline_parallelism": 2})},
     "num_layers_per_pipeline_stage": {
         "cycle_blocks": F(12, family="gemma3-tiny", base={"ici_pipeline_parallelism": 2, "base_num_decoder_layers": 24})
     },
     "ici_pipeline_parallelism": {
+        "moe": F(2, family="mixtral-tiny", base=MOE_PIPE),  # the router's auxiliary losses, a mean over microbatches
         "partial": F(2, base=PARTIAL, also={"pipeline_parallel_layers": 2}),
         "partial_unscanned_dropout": F(
             2, base={"scan_layers": False, "base_num_decoder_layers": 3, "dropout_rate": 0.1}, also={"pipeline_parallel_layers": 2}
         ),
     },
     "dcn_pipeline_parallelism": {
+        "moe": F(2, family="mixtral-tiny", base=MOE_PIPE),
         "partial": F(2, base=PARTIAL, also={"pipeline_parallel_layers": 2}),
         "partial_unscanned_dropout": F(
             2, base={"scan_layers": False, "base_num_decoder_layers": 3, "dropout_rate": 0.1}, also={"pipeline_parallel_layers": 2}

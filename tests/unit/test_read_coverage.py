@@ -6,11 +6,13 @@ session fails on them once the whole matrix has run."""
 from __future__ import annotations
 
 import json
+import threading
 import types
 
 import pytest
 
 from nnxtron.config.derived import derive
+from nnxtron.config.schema import Config
 from nnxtron.train.optimizer import make_optimizer
 from tests.conftest import tiny_config
 from tests.flags import read_coverage
@@ -31,6 +33,28 @@ def test_the_recorder_sees_the_reads_of_its_key_that_run():
     with read_coverage.Recorder("lion_b1") as other:  # lion's reads do not run for adamw
         make_optimizer(cfg, derive(cfg, 1))
     assert not other.hit
+
+
+def _eps_of(configs) -> list[float]:
+    return [c.adam_eps for c in configs]  # the read the next test watches
+
+
+def test_the_recorder_counts_reads_that_run_in_any_thread_and_leaves_no_hook():
+    """A line that starts without its read running (a comprehension over nothing) is no read;
+    a read in another thread is; the classes are as before once the block ends."""
+    code = _eps_of.__code__
+    recorder = read_coverage.Recorder("adam_eps")
+    recorder.lines = {code.co_filename: {code.co_firstlineno + 1: {"the read"}}}
+    with recorder:
+        _eps_of(())
+    assert not recorder.hit
+    with recorder:
+        thread = threading.Thread(target=_eps_of, args=([tiny_config("llama2-tiny")],))
+        thread.start()
+        thread.join()
+    assert recorder.hit == {"the read"}
+    assert all("__getattribute__" not in vars(cls) for cls in read_coverage._read_classes())
+    assert Config in read_coverage._read_classes()
 
 
 def test_the_report_names_unproven_sites_and_stale_listings(monkeypatch):
