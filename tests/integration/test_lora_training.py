@@ -126,25 +126,26 @@ def test_a_resumed_lora_run_continues_exactly_and_checks_its_base(sft_data, base
         init_params(load_config(overrides=sft_overrides(sft_data, str(tmp_path), "again", init_from=str(whole.run_dir))))
 
 
-@pytest.mark.parametrize("lora_dropout", [0.0, 0.3])
-def test_lora_strategies_compute_the_same_steps(sft_data, base_run, tmp_path, lora_dropout):  # noqa: F811
+def test_lora_strategies_compute_the_same_steps(sft_data, base_run, tmp_path):  # noqa: F811
     """Step 1's gradient norm and step 2's loss (after an update of the adapters) agree over
-    meshes, remat/unrolled layers, accumulation and a pipeline (2 stages), with and without
-    dropout on the adapters' input (its masks are the same whatever the layout)."""
+    meshes, remat/unrolled layers, accumulation and a pipeline (2 stages), with dropout on the
+    adapters' input (its masks are the same whatever the layout; that they act is checked
+    against a run without them). Without dropout the same steps run minus the masks, so a
+    second pass of the strategies without it would prove nothing more (it cost 22 s)."""
     runs = {}
     for name, extra in STRATEGIES.items():
         overrides = lora_overrides(sft_data, base_run, tmp_path, name, steps=2, eval_interval=-1, enable_checkpointing=False,
-                                   learning_rate=0.003, lora_dropout=lora_dropout, **extra)  # fmt: skip
+                                   learning_rate=0.003, lora_dropout=0.3, **extra)  # fmt: skip
         run(overrides)
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = [json.loads(line) for line in lines if '"loss"' in line]
     reference = runs["fsdp8"]
     assert reference[0]["grad_norm"] > 0 and reference[1]["loss"] < reference[0]["loss"]
-    if lora_dropout:  # the masks act: without them step 1's gradient is another
-        run(lora_overrides(sft_data, base_run, tmp_path, "no_dropout", steps=1, eval_interval=-1, enable_checkpointing=False))
-        lines = (tmp_path / "no_dropout" / "metrics.jsonl").read_text().splitlines()
-        plain = [json.loads(line) for line in lines if '"loss"' in line][0]
-        assert abs(plain["grad_norm"] - reference[0]["grad_norm"]) > 1e-3 * plain["grad_norm"]
+    # the masks act: without them step 1's gradient is another
+    run(lora_overrides(sft_data, base_run, tmp_path, "no_dropout", steps=1, eval_interval=-1, enable_checkpointing=False))
+    lines = (tmp_path / "no_dropout" / "metrics.jsonl").read_text().splitlines()
+    plain = [json.loads(line) for line in lines if '"loss"' in line][0]
+    assert abs(plain["grad_norm"] - reference[0]["grad_norm"]) > 1e-3 * plain["grad_norm"]
     for name, records in runs.items():
         assert records[0]["grad_norm"] == pytest.approx(reference[0]["grad_norm"], rel=1e-4), name
         assert records[1]["loss"] == pytest.approx(reference[1]["loss"], rel=1e-4), name
