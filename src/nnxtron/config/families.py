@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nnxtron.config import deepseek4, gpt3, gpt_oss, olmo3, simple
+from nnxtron.config import deepseek4, gpt3, gpt_oss, olmo3, qwen3_next, simple
 from nnxtron.config.options import DECODER_BLOCKS
 from nnxtron.errors import ConfigError
 
@@ -37,7 +37,8 @@ class FamilyRules:
     ``base_num_decoder_layers`` counts them); ``maxtext_post_norms``: the family's layers have the
     post-attention / post-MLP norms MaxText's ``use_post_attn_norm`` / ``use_post_ffw_norm`` switch;
     ``decodes``: the family's layers have attention, so it decodes with a key-value cache (MaxText's
-    toy blocks have none: ``check_decodes``); ``maxtext_layer_pattern``: MaxText's block fixes its sliding /
+    toy blocks have none: ``check_decodes``; ``no_decode_reason``: why a family with attention cannot,
+    Qwen3-Next); ``maxtext_layer_pattern``: MaxText's block fixes its sliding /
     global layers (GPT-OSS: ``GPT_OSS_ATTENTION_PATTERN``), so a MaxText ``decoder_block`` of it sets
     ``sliding_window_pattern`` to this."""
 
@@ -51,6 +52,7 @@ class FamilyRules:
     maxtext_layers_per_layer: int = 1
     maxtext_post_norms: bool = False
     decodes: bool = True
+    no_decode_reason: str = ""
     maxtext_layer_pattern: int = 0
 
 
@@ -75,6 +77,16 @@ RULES: dict[str, FamilyRules] = {
         own_values={"mlp_activations": gpt_oss.ACTIVATIONS},
         maxtext_layer_pattern=gpt_oss.PATTERN,
     ),
+    "qwen3_next": FamilyRules(
+        check=qwen3_next.check,
+        own_keys=qwen3_next.OPTIONS_OFF,
+        own_values={"mlp_activations": qwen3_next.ACTIVATIONS},
+        decodes=False,
+        no_decode_reason=(
+            "its Gated DeltaNet layers would need their recurrent and conv states in the decode cache, which "
+            "nnxtron does not implement yet"
+        ),
+    ),
     "gpt3": FamilyRules(check=gpt3.check, own_values={"mlp_activations": ("gelu",)}),  # one activation: a plain MLP
     "simple": FamilyRules(check=simple.check, decodes=False),  # MaxText's toy blocks: no experts, no attention
     "simple_mlp": FamilyRules(check=simple.check, decodes=False),
@@ -97,7 +109,13 @@ def rules_for(decoder_block: str) -> FamilyRules:
 def check_decodes(cfg: Config) -> None:
     """One error naming ``decoder_block`` when the family cannot decode (generate, serve, the sample
     after training): its layers have no attention, so nothing to cache."""
-    if not rules_for(cfg.decoder_block).decodes:
+    rules = rules_for(cfg.decoder_block)
+    if not rules.decodes and rules.no_decode_reason:
+        raise ConfigError(
+            f"decoder_block={cfg.decoder_block} cannot decode (generate, serve): {rules.no_decode_reason}; train and "
+            "evaluate it (its full forward pass matches HF's), or convert it to HF to generate"
+        )
+    if not rules.decodes:
         raise ConfigError(
             f"decoder_block={cfg.decoder_block} has no attention layer, so nothing to cache: it cannot decode "
             "(generate, serve); train and evaluate it, or use a block with attention"
