@@ -80,7 +80,6 @@ RULES: dict[str, FamilyRules] = {
     "qwen3_next": FamilyRules(
         check=qwen3_next.check,
         own_keys=qwen3_next.OPTIONS_OFF,
-        own_values={"mlp_activations": qwen3_next.ACTIVATIONS},
         decodes=False,
         no_decode_reason=(
             "its Gated DeltaNet layers would need their recurrent and conv states in the decode cache, which "

@@ -15,6 +15,7 @@ def attach_caches(model: nnx.Module, batch: int, max_length: int, paging=None) -
     up to ``max_length`` tokens (modules with a ``cache_spec(max_length)`` method returning
     one ``CacheSpec`` or a dict of them). With ``paging`` (``infer.paging.Paging``; unrolled
     layers only) the caches are ``PagedCache`` block pools shared by all sequences."""
+    check_decodes(model.config)  # first: a family with attention layers may still not decode (Qwen3-Next)
     targets = []
     for name in model.stack_names:
         stack = getattr(model, name)
@@ -27,7 +28,6 @@ def attach_caches(model: nnx.Module, batch: int, max_length: int, paging=None) -
                 if hasattr(module, "cache_spec"):
                     targets.append((module, lead, lead_axes))
     if not targets:
-        check_decodes(model.config)
         raise RuntimeError(f"{model.config.decoder_block}: the family's rules say it decodes, but no layer has a cache_spec")
 
     def make(spec: CacheSpec, lead, lead_axes) -> TokenCache:
