@@ -38,9 +38,11 @@ class FamilyRules:
     post-attention / post-MLP norms MaxText's ``use_post_attn_norm`` / ``use_post_ffw_norm`` switch;
     ``decodes``: the family's layers have attention, so it decodes with a key-value cache (MaxText's
     toy blocks have none: ``check_decodes``; ``no_decode_reason``: why a family with attention cannot,
-    Qwen3-Next); ``maxtext_layer_pattern``: MaxText's block fixes its sliding /
-    global layers (GPT-OSS: ``GPT_OSS_ATTENTION_PATTERN``), so a MaxText ``decoder_block`` of it sets
-    ``sliding_window_pattern`` to this."""
+    Qwen3-Next); ``layer_attention(cfg, i)``: the attention kind of layer ``i`` when the family fixes it
+    (Qwen3-Next: ``linear`` or ``global``), with ``layer_period(cfg)`` the period of that pattern;
+    ``maxtext_block_values``: what a MaxText ``decoder_block`` of the family implies (Qwen3-Next: q/k norms);
+    ``maxtext_layer_pattern``: MaxText's block fixes its sliding / global layers (GPT-OSS:
+    ``GPT_OSS_ATTENTION_PATTERN``), so a MaxText ``decoder_block`` of it sets ``sliding_window_pattern`` to this."""
 
     check: Callable[[Config], None] | None = None
     own_keys: Mapping[str, Any] = field(default_factory=dict)
@@ -53,6 +55,9 @@ class FamilyRules:
     maxtext_post_norms: bool = False
     decodes: bool = True
     no_decode_reason: str = ""
+    layer_attention: Callable[[Config, int], str] | None = None
+    layer_period: Callable[[Config], int] | None = None
+    maxtext_block_values: Mapping[str, Any] = field(default_factory=dict)
     maxtext_layer_pattern: int = 0
 
 
@@ -80,6 +85,9 @@ RULES: dict[str, FamilyRules] = {
     "qwen3_next": FamilyRules(
         check=qwen3_next.check,
         own_keys=qwen3_next.OPTIONS_OFF,
+        layer_attention=qwen3_next.layer_attention,
+        layer_period=qwen3_next.period,
+        maxtext_block_values={"use_qk_norm": True},  # MaxText's Qwen3-Next attention always has its q/k norms
         decodes=False,
         no_decode_reason=(
             "its Gated DeltaNet layers would need their recurrent and conv states in the decode cache, which "

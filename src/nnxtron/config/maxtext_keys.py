@@ -850,8 +850,7 @@ def _decoder_block(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
     unscaled = folded and not ctx.get("use_qk_norm") and ctx.get("attention_type", "global") == "global"
     pairs = rules_for(value).maxtext_layers_per_layer
     paired = {"sliding_window_pattern": pairs} if pairs > 1 else {}  # local, then global
-    if value == "qwen3_next":  # MaxText's Qwen3-Next attention always has its q/k norms
-        paired = {"use_qk_norm": True}
+    paired = {**paired, **rules_for(value).maxtext_block_values}  # what the block implies (qwen3_next: q/k norms)
     if rules_for(value).maxtext_layer_pattern:  # the block's fixed pattern (gpt_oss)
         paired = {"sliding_window_pattern": rules_for(value).maxtext_layer_pattern}
     return {"decoder_block": value, **({"query_pre_attn_scalar": 1.0} if unscaled else {}), **paired}

@@ -32,6 +32,16 @@ def is_full_attention(cfg: Config, i: int) -> bool:
     return interval > 0 and (i + 1) % interval == 0
 
 
+def layer_attention(cfg: Config, i: int) -> str:
+    """The attention kind of layer ``i``: ``global`` (full attention) or ``linear`` (Gated DeltaNet)."""
+    return "global" if is_full_attention(cfg, i) else "linear"
+
+
+def period(cfg: Config) -> int:
+    """The period of the layer pattern: one full-attention layer per interval."""
+    return max(cfg.inhomogeneous_layer_cycle_interval, 1)
+
+
 def rotary_dim(cfg: Config) -> int:
     """The RoPE width of the full-attention heads: ``int(head_dim * partial_rotary_factor)`` (HF's)."""
     return int(cfg.resolved_head_dim * cfg.partial_rotary_factor)
