@@ -16,9 +16,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from nnxtron.config.families import rules_for
 from nnxtron.convert.hf import from_hf
-from nnxtron.errors import ConfigError
 from nnxtron.infer.decode import CachedModel, DegenerateLogits, decode, prompt_batch, sampler, unrolled, with_caches
 from nnxtron.infer.generate import generate
 from nnxtron.infer.sample import generate_tokens
@@ -40,6 +38,10 @@ FAMILIES = {
     "mixtral-tiny": dict(scan_layers=False),  # unrolled stack
     # sliding / CSA (+ indexer) / HCA layers, hash-routed prefix, mHC: compressor buffers and entries
     "deepseek4-test": {},
+    # Gated DeltaNet + gated attention: conv inputs and the recurrent state in the cache. Two layers: at four, this
+    # random init is ill-conditioned at a few positions (a 3e-7 relative nudge of the embeddings moves their
+    # full-forward logits by 2.9e-5, the cached ones differ by up to 4.4e-5 there); at two 8.1e-6
+    "qwen3-next-tiny": dict(base_num_decoder_layers=2),
 }
 SEQ = 40
 # |logit difference| <= TOLERANCE + RELATIVE * |logit| (float32, the same function in another op order):
@@ -250,12 +252,8 @@ def test_greedy_generation_equals_hf_generate(case):
     """Greedy cached decoding of the stored tiny HF models equals transformers' own cached
     greedy ``generate`` (scripts/make_generate_goldens.py): 24 new tokens after 12, past the
     sliding windows and chunks of 8."""
-    model = from_hf(GOLDEN / case)
-    if not rules_for(model.config.decoder_block).decodes:  # Qwen3-Next: refused by name, never decoded wrong
-        with pytest.raises(ConfigError, match=f"decoder_block={model.config.decoder_block} cannot decode"):
-            next(iter(generate(model, [[5, 6, 7]], model.config, max_new_tokens=2)))
-        return
     golden = load_file(str(GOLDEN / case / "generate.safetensors"))
+    model = from_hf(GOLDEN / case)
     cfg = model.config.model_copy(update={"decode_sampling_strategy": "greedy"})
     steps = list(generate(model, [list(row) for row in golden["prompt_ids"]], cfg, max_new_tokens=golden["generated"].shape[1]))
     np.testing.assert_array_equal(np.array(steps).T, golden["generated"])

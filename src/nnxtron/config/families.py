@@ -37,8 +37,7 @@ class FamilyRules:
     ``base_num_decoder_layers`` counts them); ``maxtext_post_norms``: the family's layers have the
     post-attention / post-MLP norms MaxText's ``use_post_attn_norm`` / ``use_post_ffw_norm`` switch;
     ``decodes``: the family's layers have attention, so it decodes with a key-value cache (MaxText's
-    toy blocks have none: ``check_decodes``; ``no_decode_reason``: why a family with attention cannot,
-    Qwen3-Next); ``layer_attention(cfg, i)``: the attention kind of layer ``i`` when the family fixes it
+    toy blocks have none: ``check_decodes``); ``layer_attention(cfg, i)``: the attention kind of layer ``i`` when the family fixes it
     (Qwen3-Next: ``linear`` or ``global``), with ``layer_period(cfg)`` the period of that pattern;
     ``maxtext_block_values``: what a MaxText ``decoder_block`` of the family implies (Qwen3-Next: q/k norms);
     ``maxtext_layer_pattern``: MaxText's block fixes its sliding / global layers (GPT-OSS:
@@ -54,7 +53,6 @@ class FamilyRules:
     maxtext_layers_per_layer: int = 1
     maxtext_post_norms: bool = False
     decodes: bool = True
-    no_decode_reason: str = ""
     layer_attention: Callable[[Config, int], str] | None = None
     layer_period: Callable[[Config], int] | None = None
     maxtext_block_values: Mapping[str, Any] = field(default_factory=dict)
@@ -88,11 +86,6 @@ RULES: dict[str, FamilyRules] = {
         layer_attention=qwen3_next.layer_attention,
         layer_period=qwen3_next.period,
         maxtext_block_values={"use_qk_norm": True},  # MaxText's Qwen3-Next attention always has its q/k norms
-        decodes=False,
-        no_decode_reason=(
-            "its Gated DeltaNet layers would need their recurrent and conv states in the decode cache, which "
-            "nnxtron does not implement yet"
-        ),
     ),
     "gpt3": FamilyRules(check=gpt3.check, own_values={"mlp_activations": ("gelu",)}),  # one activation: a plain MLP
     "simple": FamilyRules(check=simple.check, decodes=False),  # MaxText's toy blocks: no experts, no attention
@@ -116,13 +109,7 @@ def rules_for(decoder_block: str) -> FamilyRules:
 def check_decodes(cfg: Config) -> None:
     """One error naming ``decoder_block`` when the family cannot decode (generate, serve, the sample
     after training): its layers have no attention, so nothing to cache."""
-    rules = rules_for(cfg.decoder_block)
-    if not rules.decodes and rules.no_decode_reason:
-        raise ConfigError(
-            f"decoder_block={cfg.decoder_block} cannot decode (generate, serve): {rules.no_decode_reason}; train and "
-            "evaluate it (its full forward pass matches HF's), or convert it to HF to generate"
-        )
-    if not rules.decodes:
+    if not rules_for(cfg.decoder_block).decodes:
         raise ConfigError(
             f"decoder_block={cfg.decoder_block} has no attention layer, so nothing to cache: it cannot decode "
             "(generate, serve); train and evaluate it, or use a block with attention"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from flax import nnx
 
 from nnxtron.config.families import check_decodes
+from nnxtron.errors import ConfigError
 from nnxtron.layers.kv_cache import CacheSpec, TokenCache
 from nnxtron.layers.paged_cache import PagedCache
 
@@ -35,6 +36,11 @@ def attach_caches(model: nnx.Module, batch: int, max_length: int, paging=None) -
             return TokenCache(batch, spec, lead, lead_axes)
         if lead:
             raise ValueError("paged caches need unrolled layers (infer.decode.unrolled)")
+        if not spec.pageable:
+            raise ConfigError(
+                f"decoder_block={model.config.decoder_block}: its recurrent decoding state cannot live in paged caches; "
+                "decode it without paging (nnxtron generate)"
+            )
         return PagedCache(batch, spec, paging.block_size, paging.pool_blocks(spec.size, max_length))
 
     with nnx.use_eager_sharding(False):  # annotations only; the arrays are placed by whoever jits the step

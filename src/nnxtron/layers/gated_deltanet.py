@@ -12,8 +12,8 @@ Per token ``t`` and value head ``h`` (its query/key head ``h // (Hv / Hk)``)::
 The recurrence is the delta rule run token by token with ``jax.lax.scan`` (HF's
 ``torch_recurrent_gated_delta_rule``; its chunked form computes the same function). Packed sequences:
 the state restarts and the convolution sees no token of another segment where ``segment_ids`` change
-(HF has no packing here; a single segment is HF's computation exactly). No KV-cached decoding: the family
-refuses generate (``config/families.py``: ``no_decode_reason``).
+(HF has no packing here; a single segment is HF's computation exactly). Decoding caches the last ``K - 1``
+conv inputs (by position) and the recurrent state (``cache_spec``); padding tokens leave both alone.
 
 Weights keep HF's layout: ``in_proj_qkvz`` ``[D, Hk, 2 dk + 2 (Hv/Hk) dv]`` and ``in_proj_ba``
 ``[D, Hk, 2 Hv/Hk]`` (HF's ``view`` per key head), ``conv [C, 1, K]`` (HF ``conv1d.weight``, C = 2 Hk dk + Hv dv),
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxtron.config.schema import Config
+from nnxtron.layers.kv_cache import CacheSpec
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
 
@@ -52,26 +53,51 @@ def causal_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array) -> jax.
 
 
 def gated_delta_rule(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, restart: jax.Array
-) -> jax.Array:
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    restart: jax.Array,
+    initial: jax.Array | None = None,
+    keep: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """The delta-rule recurrence over time, in float32: ``q, k [B, S, H, dk]``, ``v [B, S, H, dv]``, ``g, beta
-    [B, S, H]``, ``restart [B, S]`` (the state is zeroed before token t where true) -> ``o [B, S, H, dv]``."""
+    [B, S, H]``, ``restart [B, S]`` (the state is zeroed before token t where true) -> ``(o [B, S, H, dv],
+    final state [B, H, dk, dv])``. ``initial``: the state before the first token (decoding; zeros if None);
+    ``keep [B, S]``: where false the token leaves the state unchanged (padding while decoding)."""
     q = l2_normalise(q.astype(jnp.float32)) * (q.shape[-1] ** -0.5)
     k = l2_normalise(k.astype(jnp.float32))
     batch, _, heads, dk = k.shape
-    state = jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32)
+    state = jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial is None else initial.astype(jnp.float32)
+    keep = jnp.ones(restart.shape, bool) if keep is None else keep
 
     def step(state: jax.Array, inputs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        q_t, k_t, v_t, g_t, beta_t, restart_t = inputs
-        state = jnp.where(restart_t[:, None, None, None], 0.0, state) * jnp.exp(g_t)[..., None, None]
-        memory = jnp.einsum("bhkv,bhk->bhv", state, k_t)
+        q_t, k_t, v_t, g_t, beta_t, restart_t, keep_t = inputs
+        new = jnp.where(restart_t[:, None, None, None], 0.0, state) * jnp.exp(g_t)[..., None, None]
+        memory = jnp.einsum("bhkv,bhk->bhv", new, k_t)
         delta = (v_t - memory) * beta_t[..., None]
-        state = state + k_t[..., :, None] * delta[..., None, :]
-        return state, jnp.einsum("bhkv,bhk->bhv", state, q_t)
+        new = new + k_t[..., :, None] * delta[..., None, :]
+        return jnp.where(keep_t[:, None, None, None], new, state), jnp.einsum("bhkv,bhk->bhv", new, q_t)
 
-    time_major = [jnp.moveaxis(a, 1, 0) for a in (q, k, v.astype(jnp.float32), g, beta.astype(jnp.float32), restart)]
-    _, out = jax.lax.scan(step, state, tuple(time_major))
-    return jnp.moveaxis(out, 0, 1)
+    inputs = (q, k, v.astype(jnp.float32), g, beta.astype(jnp.float32), restart, keep)
+    state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in inputs))
+    return jnp.moveaxis(out, 0, 1), state
+
+
+def cached_causal_conv(x: jax.Array, kernel: jax.Array, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+    """``causal_conv`` while decoding: ``x [B, T, C]`` the cached then the new tokens' inputs at ``k_positions
+    [B, T]`` (-1: empty), outputs for the new tokens at ``q_positions [B, S]``: term ``j`` takes the input at
+    position ``p - (K - 1) + j`` where the cache or the step holds it."""
+    size = kernel.shape[-1]
+    out = jnp.zeros((*q_positions.shape, x.shape[-1]), jnp.float32)
+    for j in range(size):
+        wanted = q_positions[:, :, None] - (size - 1 - j)
+        match = (k_positions[:, None, :] == wanted) & (k_positions[:, None, :] >= 0)
+        out = out + jnp.einsum("bst,btc->bsc", match.astype(jnp.float32), x.astype(jnp.float32)) * kernel[:, j].astype(
+            jnp.float32
+        )
+    return out
 
 
 class GatedRMSNorm(nnx.Module):
@@ -98,7 +124,7 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_qkvz = Linear([cfg.base_emb_dim], [self.key_heads, width], ("embed", "kv_heads", None), **kw)
         self.in_proj_ba = Linear([cfg.base_emb_dim], [self.key_heads, 2 * group], ("embed", "kv_heads", None), **kw)
         channels = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-        size = cfg.gdn_conv_kernel_dim
+        size = self.conv_size = cfg.gdn_conv_kernel_dim
         conv = jax.random.uniform(rngs.params(), (channels, 1, size), jnp.float32, -(size**-0.5), size**-0.5)
         self.conv = nnx.Param(conv.astype(weight_dtype), out_sharding=(None, None, None))
         self.dt_bias = nnx.Param(jnp.ones((self.value_heads,), jnp.float32), out_sharding=(None,))
@@ -119,7 +145,12 @@ class GatedDeltaNet(nnx.Module):
         b = ba[..., :group].reshape(batch, seq, self.value_heads)
         a = ba[..., group:].reshape(batch, seq, self.value_heads)
         mixed = jnp.concatenate([q.reshape(batch, seq, -1), k.reshape(batch, seq, -1), v.reshape(batch, seq, -1)], -1)
-        mixed = jax.nn.silu(causal_conv(mixed, self.conv[...][:, 0, :], segment_ids)).astype(self.dtype)
+        kernel = self.conv[...][:, 0, :]
+        if hasattr(self, "cache"):  # decoding: the last K - 1 inputs come from the cache
+            past, k_positions = self.cache["conv"].extend({"x": mixed}, positions, segment_ids != 0)
+            mixed = jax.nn.silu(cached_causal_conv(past["x"], kernel, positions, k_positions)).astype(self.dtype)
+        else:
+            mixed = jax.nn.silu(causal_conv(mixed, kernel, segment_ids)).astype(self.dtype)
         keys = self.key_heads * dk
         q = mixed[..., :keys].reshape(batch, seq, self.key_heads, dk)
         k = mixed[..., keys : 2 * keys].reshape(batch, seq, self.key_heads, dk)
@@ -129,6 +160,24 @@ class GatedDeltaNet(nnx.Module):
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         )
         q, k = jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2)  # HF's repeat_interleave
-        restart = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
-        out = gated_delta_rule(q, k, v, g, beta, restart).astype(self.dtype)
-        return self.out(self.norm(out, z))
+        if hasattr(self, "cache"):  # decoding: one document per row, padding (segment 0) leaves the state alone
+            valid = segment_ids != 0
+            state = self.cache["state"]
+            out, final = gated_delta_rule(
+                q, k, v, g, beta, jnp.zeros(valid.shape, bool), initial=state.entries["s"][...][:, 0], keep=valid
+            )
+            last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
+            state.store({"s": final[:, None]}, last, last >= 0)
+        else:
+            restart = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
+            out, _ = gated_delta_rule(q, k, v, g, beta, restart)
+        return self.out(self.norm(out.astype(self.dtype), z))
+
+    def cache_spec(self, max_length: int) -> dict[str, CacheSpec]:
+        """Decoding state: the last ``K - 1`` conv inputs (a ring buffer by position) and the recurrent state
+        (one slot, float32), neither of them paged."""
+        channels = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+        conv = CacheSpec(max(self.conv_size - 1, 1), {"x": ((channels,), (None,))}, self.dtype, pageable=False)
+        dims = (self.value_heads, self.key_dim, self.value_dim)
+        state = CacheSpec(1, {"s": (dims, ("kv_heads", None, None))}, jnp.float32, pageable=False)
+        return {"conv": conv, "state": state}

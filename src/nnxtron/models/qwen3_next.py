@@ -17,7 +17,8 @@ HF weights of a full-attention layer: ``self_attn.q_proj [N * 2 hd, D]`` (per he
 gate rows: nnxtron's ``attention/query/kernel [D, N, 2 hd]``), ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``,
 ``k_norm``; of a linear one ``linear_attn.{in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, norm, out_proj}``;
 of every MoE ``mlp.gate``, ``mlp.experts`` (hub or fused layout), ``mlp.shared_expert.{gate,up,down}_proj`` and
-``mlp.shared_expert_gate``. No KV-cached decoding (the family refuses generate by name).
+``mlp.shared_expert_gate``. Decoding caches keys / values on full-attention layers and the conv inputs and
+recurrent state on DeltaNet layers (``layers/gated_deltanet.GatedDeltaNet.cache_spec``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from flax import nnx
 from nnxtron.config.layout import PLAIN, LayerKind
 from nnxtron.config.qwen3_next import rotary_dim
 from nnxtron.config.schema import Config
-from nnxtron.layers.attention import Attention, attend_sharded, gqa_attention
+from nnxtron.layers.attention import Attention, attend_sharded, attend_with_cache, gqa_attention
 from nnxtron.layers.gated_deltanet import GatedDeltaNet
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.rope import RopeSpec, apply_rope
@@ -57,10 +58,14 @@ class GatedAttention(Attention):
         q, gate = projected[..., :head_dim], projected[..., head_dim:]
         q, k = self.query_norm(q), self.key_norm(self.key(x))
         q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
-        out = attend_sharded(
-            q, k, self.value(x), segment_ids, scale=self.scale, dtype=self.dtype, implementation=self.implementation,
-            context=self.context, sliding_window=0,
-        )  # fmt: skip
+        v = self.value(x)
+        if hasattr(self, "cache"):  # decoding: Attention's key/value cache
+            out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype)
+        else:
+            out = attend_sharded(
+                q, k, v, segment_ids, scale=self.scale, dtype=self.dtype, implementation=self.implementation,
+                context=self.context, sliding_window=0,
+            )  # fmt: skip
         return self.out(out * jax.nn.sigmoid(gate).astype(out.dtype))
 
 
