@@ -117,9 +117,11 @@ FAMILIES = (
         make_block=Qwen3NextBlock,
         make_final_norm=gemma_norm,
         goldens=(Golden("qwen3_next", "qwen3_next"),),
-        # one device: sharded rows measure 1.0e-5 (fsdp4 x tensor2, unrolled) to 1.8e-5 (data2 x fsdp4, scanned + remat
-        # full) on the input cotangent (the loss bit-identical; aggregate bound 1e-5) -- the recurrence through
-        # l2-normalised keys amplifies float32 reordering; one device scanned + remat full: 3.0e-6
-        strategy_rows=(StrategyRow("qwen3-next-tiny", True, "full", "1dev", 1),),
+        # the input cotangent of this tiny random model is ill-conditioned (the recurrence through L2-normalised
+        # keys amplifies float32 reordering): against the unrolled one-device run, with the loss equal to 1 ulp,
+        # measured 1.1e-5 (one device, scanned + remat full), 2.0e-5 (fsdp4 x tensor2, unrolled), 7.1e-6 (data2 x
+        # fsdp4) and 8.8e-6 (expert2 x fsdp4, scanned + remat full) at 3 layers; 3.0e-6..1.8e-5 at 4. Its aggregate
+        # bound is 5e-5 (the matrix's 1e-5 elsewhere); a real fault (a lost state, a wrong split) moves it by O(1)
+        strategy_rows=(StrategyRow("qwen3-next-tiny", True, "full", "expert2_fsdp4", 1, bounds=(("aggregate_rel", 5e-5),)),),
     ),
 )
