@@ -149,6 +149,12 @@ VALUES: dict[str, Flag] = {
     "first_num_hash_layers": F(2, family="deepseek4-test"),
     "mlp_activations_limit": F(1.0, family="deepseek4-test"),
     "mlp_bias": F(False, "init", "gpt-oss-tiny"),  # the experts' biases leave the initial parameters (a model-building read)
+    "gdn_conv_kernel_dim": F(2, family="qwen3-next-tiny"),  # Gated DeltaNet: a shorter causal conv
+    "gdn_key_head_dim": F(16, family="qwen3-next-tiny"),
+    "gdn_value_head_dim": F(16, family="qwen3-next-tiny"),
+    "gdn_num_key_heads": F(1, family="qwen3-next-tiny"),
+    "gdn_num_value_heads": F(2, family="qwen3-next-tiny"),
+    "partial_rotary_factor": F(0.25, family="qwen3-next-tiny"),  # RoPE on 2 of the 8 dims of a full-attention head
     # --- mixture of experts
     "num_experts": F(8, family="mixtral-tiny"),
     "num_experts_per_tok": F(1, family="mixtral-tiny"),
@@ -471,6 +477,16 @@ READ_SITE_CASES: dict[str, dict[str, Flag]] = {
     "normalization_layer_epsilon": {"mtp": F(1e-3, family="deepseek3-test", base=MTP)},
     "dropout_rate": {"mtp": F(0.1, family="deepseek3-test", base=MTP)},
 }  # fmt: skip
+# Qwen3-Next: its layer pattern (one full-attention layer in 4, not 2) and the Gated DeltaNet's own reads
+Q3N = "qwen3-next-tiny"
+for _key, _flag in {
+    "inhomogeneous_layer_cycle_interval": F(4, family=Q3N),
+    "base_emb_dim": F(64, family=Q3N),
+    "normalization_layer_epsilon": F(1e-3, family=Q3N),
+    "dtype": F("bfloat16", family=Q3N),
+    "weight_dtype": F("bfloat16", family=Q3N),
+}.items():
+    MORE.setdefault(_key, {})["qwen3_next"] = _flag
 for _key, _cases in READ_SITE_CASES.items():
     assert not set(_cases) & set(MORE.get(_key, {})), f"{_key}: a label of READ_SITE_CASES is already in MORE"
     MORE.setdefault(_key, {}).update(_cases)
@@ -525,6 +541,7 @@ FAMILIES.setdefault("qwen2-tiny", {})
 FAMILIES.setdefault("gemma-tiny", {})
 FAMILIES.setdefault("olmo3-tiny", {})
 FAMILIES.setdefault("gpt-oss-tiny", {})
+FAMILIES.setdefault("qwen3-next-tiny", {})
 FAMILIES.setdefault("qwen3-tiny", {})
 FAMILIES.setdefault("qwen3-moe-tiny", {})
 FAMILIES.setdefault("simple_mlp-tiny", {})

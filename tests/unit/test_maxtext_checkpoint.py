@@ -65,14 +65,18 @@ def logits(name: str, **extra: str) -> np.ndarray:
 
 
 def test_every_family_and_layout_has_an_asset():
-    """Each family with a MaxText map has a checkpoint MaxText wrote, scanned and unscanned."""
+    """Each family with a MaxText map has a checkpoint MaxText wrote, scanned and unscanned; the families without
+    one are named here."""
     from nnxtron.models.registry import FAMILIES
 
     families = {n.rsplit("_", 1)[0] for n in NAMES}
     assert set(CONFIGS) == families
     assert all(f"{f}_{s}" in NAMES for f in families for s in ("scanned", "unscanned"))
     covered = {config(f"{f}_scanned").decoder_block for f in families}
-    assert covered == {name for name, family in FAMILIES.items() if family.maxtext is not None} == set(FAMILIES)
+    assert covered == {name for name, family in FAMILIES.items() if family.maxtext is not None}
+    # the families without a MaxText map, each named (docs/families.md says why): Qwen3-Next's MaxText scanned tree
+    # groups its layers as decoder/layers/{local_layers, global_layer} with a nested layer axis, not converted yet
+    assert set(FAMILIES) - covered == {"qwen3_next"}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -38,8 +38,9 @@ def test_every_key_of_maxtexts_base_yml_is_in_the_table_with_its_default():
     extra = [k for k, r in KEYS.items() if r.default is NOT_IN_BASE]
     assert sorted(extra) == ["enable_nnx", "pure_nnx", "pure_nnx_decoder"]
     counts = Counter(r.kind for k, r in KEYS.items() if k in values)
-    # gpt_oss: attention_sink, mlp_bias and rope_truncate honoured (were refused)
-    assert counts == {IGNORED: 372, REFUSED: 238, HONOURED: 135, TRANSLATED: 41}
+    # gpt_oss: attention_sink, mlp_bias and rope_truncate honoured (were refused); qwen3_next: the gdn_* keys and
+    # partial_rotary_factor honoured, gdn_chunk_size ignored (the chunked scan's chunk)
+    assert counts == {IGNORED: 373, REFUSED: 231, HONOURED: 141, TRANSLATED: 41}
 
 
 def test_each_class_carries_what_it_needs():
@@ -72,7 +73,7 @@ def test_maxtexts_base_yml_loads_unchanged_with_maxtexts_values():
         1.0, True, "all", "maxtext")  # fmt: skip
     assert (cfg.base_output_directory, cfg.max_num_checkpoints_to_keep, cfg.sample_after_training) == ("maxtext_output", 2**40, 0)
     assert cfg.tokenizer_type == "byte"  # synthetic data without tokenizer_path: MaxText reads no tokenizer
-    assert len(report.ignored) == 372 and "profiler" in report.ignored and "use_ragged_sort" in report.ignored
+    assert len(report.ignored) == 373 and "profiler" in report.ignored and "use_ragged_sort" in report.ignored
 
 
 def test_scan_layers_per_stage_follows_maxtexts_default_in_a_pipeline():
@@ -153,6 +154,33 @@ def test_maxtexts_gpt_oss_keys_give_the_preset():
             load_config(BASE, [f"{key}=true"])
 
 
+# MaxText 0.2.5's configs/models/qwen3-next-80b-a3b.yml (its keys)
+QWEN3_NEXT_80B = [
+    "decoder_block=qwen3_next", "base_emb_dim=2048", "base_num_decoder_layers=48", "base_num_query_heads=16",
+    "base_num_kv_heads=2", "head_dim=256", "vocab_size=151936", "normalization_layer_epsilon=1.0e-6", "base_mlp_dim=512",
+    "base_moe_mlp_dim=512", "num_experts=512", "shared_experts=1", "num_experts_per_tok=10", "norm_topk_prob=true",
+    "inhomogeneous_layer_cycle_interval=4", "gdn_conv_kernel_dim=4", "gdn_key_head_dim=128", "gdn_value_head_dim=128",
+    "gdn_num_key_heads=16", "gdn_num_value_heads=32", "gdn_chunk_size=64", "rope_max_timescale=10000000",
+    "partial_rotary_factor=0.25", "enable_dropout=false",
+]  # fmt: skip
+
+
+def test_maxtexts_qwen3_next_keys_give_the_preset():
+    """MaxText's qwen3-next-80b-a3b keys (the Gated DeltaNet's, partial RoPE, one full-attention layer in 4, the
+    shared expert) load as nnxtron's preset (its q/k norms set by the block); its keys are refused elsewhere."""
+    cfg, preset = load_config(BASE, QWEN3_NEXT_80B), load_config(None, ["model_name=qwen3-next-80b-a3b"])
+    keys = ("decoder_block", "use_qk_norm", "partial_rotary_factor", "inhomogeneous_layer_cycle_interval", "shared_experts",
+            "gdn_conv_kernel_dim", "gdn_key_head_dim", "gdn_value_head_dim", "gdn_num_key_heads", "gdn_num_value_heads",
+            "base_moe_mlp_dim", "num_experts", "num_experts_per_tok", "norm_topk_prob", "routed_score_func", "head_dim",
+            "rope_max_timescale")  # fmt: skip
+    assert {k: getattr(cfg, k) for k in keys} == {k: getattr(preset, k) for k in keys}
+    for key, value in (("gdn_num_key_heads", 8), ("partial_rotary_factor", 0.5)):
+        with pytest.raises(ConfigError, match=f"{key} is read by decoder_block=qwen3_next only"):
+            load_config(BASE, [f"{key}={value}"])
+    with pytest.raises(ConfigError, match="use_qk_norm_in_gdn=False is refused"):
+        load_config(BASE, [*QWEN3_NEXT_80B, "use_qk_norm_in_gdn=false"])
+
+
 def test_reference_command_resolves():
     cfg, report = load_config_report(BASE, [*RUN, *REFERENCE])
     assert (cfg.decoder_block, cfg.attention_type, cfg.base_emb_dim, cfg.num_experts) == ("deepseek", "mla", 64, 16)
@@ -185,7 +213,7 @@ def test_linen_variant_is_one_line(capsys):
 def test_config_show_lists_the_ignored_keys(capsys):
     code, out, _ = run_cli(capsys, "config", "show", str(BASE), "profiler=xplane")
     assert code == 0
-    assert "# MaxText keys ignored (372;" in out and "profiler='xplane'" in out and "gcs_metrics=False" in out
+    assert "# MaxText keys ignored (373;" in out and "profiler='xplane'" in out and "gcs_metrics=False" in out
     assert "dtype: bfloat16" in out
 
 
@@ -293,6 +321,6 @@ def test_train_prints_the_ignored_keys_at_start_up(capsys, tmp_path):
     )
     assert code == 0, err
     text = out + err
-    assert "MaxText keys ignored (372; infrastructure nnxtron does not have" in text
-    assert "371 at MaxText's default values; set otherwise: profiler='xplane'" in text
+    assert "MaxText keys ignored (373; infrastructure nnxtron does not have" in text
+    assert "372 at MaxText's default values; set otherwise: profiler='xplane'" in text
     assert "profilers and compiler dumps nnxtron does not have in training (36):\n    " in text  # named, grouped by reason

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nnxtron.config import deepseek4, gpt3, gpt_oss, olmo3, simple
+from nnxtron.config import deepseek4, gpt3, gpt_oss, olmo3, qwen3_next, simple
 from nnxtron.config.options import DECODER_BLOCKS
 from nnxtron.errors import ConfigError
 
@@ -37,9 +37,11 @@ class FamilyRules:
     ``base_num_decoder_layers`` counts them); ``maxtext_post_norms``: the family's layers have the
     post-attention / post-MLP norms MaxText's ``use_post_attn_norm`` / ``use_post_ffw_norm`` switch;
     ``decodes``: the family's layers have attention, so it decodes with a key-value cache (MaxText's
-    toy blocks have none: ``check_decodes``); ``maxtext_layer_pattern``: MaxText's block fixes its sliding /
-    global layers (GPT-OSS: ``GPT_OSS_ATTENTION_PATTERN``), so a MaxText ``decoder_block`` of it sets
-    ``sliding_window_pattern`` to this."""
+    toy blocks have none: ``check_decodes``); ``layer_attention(cfg, i)``: the attention kind of layer ``i`` when the family fixes it
+    (Qwen3-Next: ``linear`` or ``global``), with ``layer_period(cfg)`` the period of that pattern;
+    ``maxtext_block_values``: what a MaxText ``decoder_block`` of the family implies (Qwen3-Next: q/k norms);
+    ``maxtext_layer_pattern``: MaxText's block fixes its sliding / global layers (GPT-OSS:
+    ``GPT_OSS_ATTENTION_PATTERN``), so a MaxText ``decoder_block`` of it sets ``sliding_window_pattern`` to this."""
 
     check: Callable[[Config], None] | None = None
     own_keys: Mapping[str, Any] = field(default_factory=dict)
@@ -51,6 +53,9 @@ class FamilyRules:
     maxtext_layers_per_layer: int = 1
     maxtext_post_norms: bool = False
     decodes: bool = True
+    layer_attention: Callable[[Config, int], str] | None = None
+    layer_period: Callable[[Config], int] | None = None
+    maxtext_block_values: Mapping[str, Any] = field(default_factory=dict)
     maxtext_layer_pattern: int = 0
 
 
@@ -74,6 +79,13 @@ RULES: dict[str, FamilyRules] = {
         own_keys=gpt_oss.OPTIONS_OFF,
         own_values={"mlp_activations": gpt_oss.ACTIVATIONS},
         maxtext_layer_pattern=gpt_oss.PATTERN,
+    ),
+    "qwen3_next": FamilyRules(
+        check=qwen3_next.check,
+        own_keys=qwen3_next.OPTIONS_OFF,
+        layer_attention=qwen3_next.layer_attention,
+        layer_period=qwen3_next.period,
+        maxtext_block_values={"use_qk_norm": True},  # MaxText's Qwen3-Next attention always has its q/k norms
     ),
     "gpt3": FamilyRules(check=gpt3.check, own_values={"mlp_activations": ("gelu",)}),  # one activation: a plain MLP
     "simple": FamilyRules(check=simple.check, decodes=False),  # MaxText's toy blocks: no experts, no attention

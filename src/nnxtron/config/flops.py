@@ -27,6 +27,17 @@ def _attention_params(cfg: Config) -> tuple[int, int, int]:
     return d * (h + 2 * k) * hd + h * hd * d, h, 2 * hd
 
 
+def _linear_attention(cfg: Config) -> tuple[int, int]:
+    """Gated DeltaNet (Qwen3-Next's ``linear`` layers): (matmul params, forward flops per token of its
+    recurrence and conv): the decay, the memory read, the update and the output, each ``dk x dv`` per value
+    head, and the depthwise conv over q, k, v."""
+    d, hk, hv = cfg.base_emb_dim, cfg.gdn_num_key_heads, cfg.gdn_num_value_heads
+    dk, dv = cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
+    params = d * (2 * hk * dk + 2 * hv * dv) + d * 2 * hv + hv * dv * d
+    channels = 2 * hk * dk + hv * dv
+    return params, 2 * 4 * hv * dk * dv + 2 * cfg.gdn_conv_kernel_dim * channels
+
+
 def _ffn_params(cfg: Config, moe: bool) -> int:
     """Matmul params one token goes through in a feed-forward layer (active experts only)."""
     d = cfg.base_emb_dim
@@ -52,7 +63,9 @@ def training_flops_per_token(cfg: Config) -> float:
     """Model FLOPs per trained token: 6 x active matmul params + causal attention (fwd + bwd).
 
     Every layer counts by its kind (MoE or dense; global, sliding or chunked attention).
-    DeepSeek-V4 layers count their compressors, indexer and hyper-connection mixes.
+    DeepSeek-V4 layers count their compressors, indexer and hyper-connection mixes; Gated DeltaNet layers
+    (``linear``) their projections, recurrence and conv (Qwen3-Next's gated attention counts as plain GQA:
+    its query's gate half, ``D x heads x head_dim`` per full-attention layer, is left out).
     MoE layers count the router, the ``num_experts_per_tok`` routed and the shared
     experts a token actually uses; MTP depths count as one more layer each (of the last
     layer's kind) plus their [2D -> D] projection and output head.
@@ -62,11 +75,17 @@ def training_flops_per_token(cfg: Config) -> float:
     kinds = list(layer_kinds(cfg))
     kinds += [kinds[-1]] * cfg.mtp_num_layers
 
+    linear_params, linear_flops = _linear_attention(cfg)
+
     def attention(kind: LayerKind) -> int:
+        if kind.attention == "linear":
+            return linear_params
         return deepseek4.attention_params(cfg, kind.attention) if cfg.attention_type == "compressed" else attn_params
+
+    def mixing(kind: LayerKind) -> float:  # q.k and p.v: 2 flops per multiply-add over the keys each query sees, per head
+        return linear_flops if kind.attention == "linear" else 2 * heads * width * _keys_seen(cfg, kind)
 
     matmul_params = sum(attention(kind) + _ffn_params(cfg, kind.moe) for kind in kinds)
     matmul_params += (1 + cfg.mtp_num_layers) * d * cfg.vocab_size + cfg.mtp_num_layers * 2 * d * d
-    # q.k and p.v: 2 flops per multiply-add over the keys each query sees, per head
-    attention = sum(2 * heads * width * _keys_seen(cfg, kind) for kind in kinds)
+    attention = sum(mixing(kind) for kind in kinds)
     return 6.0 * matmul_params + 3.0 * attention

@@ -19,7 +19,8 @@ Layer ``i`` (0-based) of a config:
   and ``(i + 1) % interleave_moe_layer_step == 0`` (HF Qwen3-MoE's rule, with ``dense_layers`` its
   ``mlp_only_layers`` and the step its ``decoder_sparse_step``);
 * no RoPE (NoPE) iff ``nope_layer_interval > 0`` and ``(i + 1) % nope_layer_interval == 0``;
-* attention: DeepSeek-V4 (``compress_ratios``): ``sliding`` (0), ``csa`` or ``hca`` by the
+* attention: a family that fixes its pattern (``FamilyRules.layer_attention``; Qwen3-Next: ``global`` iff
+  ``(i + 1) % inhomogeneous_layer_cycle_interval == 0``, else ``linear``, Gated DeltaNet); DeepSeek-V4 (``compress_ratios``): ``sliding`` (0), ``csa`` or ``hca`` by the
   layer's ratio, and hash-routed MoE iff ``i < first_num_hash_layers``; with ``sliding_window_pattern`` P > 0, ``global`` iff ``(i + 1) % P == 0``
   else ``sliding``; with ``chunk_attn_window_size`` > 0, ``chunked`` on RoPE layers and
   ``global`` on NoPE layers; otherwise ``sliding`` when ``sliding_window_size`` > 0
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from nnxtron.config import deepseek4
+from nnxtron.config.families import rules_for
 from nnxtron.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ class LayerKind:
     """What distinguishes one layer from another in a patterned decoder."""
 
     moe: bool = False
-    attention: Literal["global", "sliding", "chunked", "csa", "hca"] = "global"
+    attention: Literal["global", "sliding", "chunked", "csa", "hca", "linear"] = "global"
     rope: bool = True
     hash: bool = False  # DeepSeek-V4: MoE routed by the token -> expert table
 
@@ -73,7 +75,10 @@ def layer_kind(cfg: Config, i: int) -> LayerKind:
     rope = not (cfg.nope_layer_interval and (i + 1) % cfg.nope_layer_interval == 0)
     if cfg.compress_ratios:  # DeepSeek-V4
         return LayerKind(moe=moe, attention=deepseek4.attention_kind(cfg, i), hash=deepseek4.hash_routed(cfg, i))
-    if cfg.sliding_window_pattern:
+    fixed = rules_for(cfg.decoder_block).layer_attention  # the family's own pattern (Qwen3-Next: linear / global)
+    if fixed is not None:
+        attention = fixed(cfg, i)
+    elif cfg.sliding_window_pattern:
         attention = "global" if (i + 1) % cfg.sliding_window_pattern == 0 else "sliding"
     elif cfg.chunk_attn_window_size:
         attention = "chunked" if rope else "global"
@@ -89,6 +94,9 @@ def layer_kinds(cfg: Config) -> tuple[LayerKind, ...]:
 def layer_pattern_period(cfg: Config) -> int:
     """The smallest number of layers after which the layer kinds repeat (1: all alike)."""
     periods = [cfg.sliding_window_pattern or 1, cfg.nope_layer_interval or 1]
+    family_period = rules_for(cfg.decoder_block).layer_period
+    if family_period is not None:
+        periods.append(family_period(cfg))
     if cfg.num_experts > 1:
         periods.append(cfg.interleave_moe_layer_step)
         if cfg.dense_layers:  # any set of layers: no shorter period in general

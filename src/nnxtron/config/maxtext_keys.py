@@ -244,6 +244,7 @@ _ignored(
 )
 _ignored(
     KERNELS,
+    gdn_chunk_size=64,  # the chunk of MaxText's chunked Gated DeltaNet: the same function (nnxtron: token by token)
     mla_qk_head_chunk_size=0, csa_qk_head_chunk_size=0, megablox=True, use_custom_sort_vjp=True,
     router_topk_matmul_vjp=False, te_ep_overflow_check_every_n_steps=20,
     moe_use_direct_token_gather=False, use_gather_mosaic_kernel=False, ragged_gather_fallback=False,
@@ -424,8 +425,8 @@ _refused(
     "leave it at MaxText's default",
     share_kv_projections=False,
     v_norm_with_scale=True, qk_norm_with_scale=True, moba=False, use_max_logit_estimate=-1,
-    partial_rotary_factor=1.0,
 )
+_honoured(partial_rotary_factor=1.0)  # qwen3_next only (config/qwen3_next.py); nnxtron refuses it elsewhere as MaxText does
 _refused(
     'read only with moba=true',
     'leave moba=false',
@@ -635,12 +636,14 @@ _refused(
     gate=('use_mrope', (False,)),
     mrope_section=[24, 20, 20], position_id_per_seconds=25,
 )
-_refused(
-    "read only by Qwen3-Next's Gated Delta Net (decoder_block=qwen3_next), which nnxtron does not have",
-    'choose a decoder_block nnxtron has',
-    gate=("decoder_block", options.DECODER_BLOCKS),
+# Qwen3-Next's Gated DeltaNet (decoder_block=qwen3_next; nnxtron runs its recurrence token by token)
+_honoured(
     gdn_conv_kernel_dim=4, gdn_key_head_dim=128, gdn_value_head_dim=128, gdn_num_key_heads=16, gdn_num_value_heads=32,
-    gdn_chunk_size=64, use_qk_norm_in_gdn=True,
+)
+_refused(
+    "the Gated DeltaNet without the L2-normalised queries and keys, which nnxtron (and HF Qwen3-Next) does not have",
+    'leave use_qk_norm_in_gdn=true',
+    use_qk_norm_in_gdn=True,
 )
 _refused(
     'mHC-lite (permutation mixing) is not implemented; nnxtron runs Sinkhorn-Knopp',
@@ -847,6 +850,7 @@ def _decoder_block(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
     unscaled = folded and not ctx.get("use_qk_norm") and ctx.get("attention_type", "global") == "global"
     pairs = rules_for(value).maxtext_layers_per_layer
     paired = {"sliding_window_pattern": pairs} if pairs > 1 else {}  # local, then global
+    paired = {**paired, **rules_for(value).maxtext_block_values}  # what the block implies (qwen3_next: q/k norms)
     if rules_for(value).maxtext_layer_pattern:  # the block's fixed pattern (gpt_oss)
         paired = {"sliding_window_pattern": rules_for(value).maxtext_layer_pattern}
     return {"decoder_block": value, **({"query_pre_attn_scalar": 1.0} if unscaled else {}), **paired}

@@ -30,6 +30,7 @@ DECODER_BLOCKS = (
     "deepseek4",
     "olmo3",
     "gpt_oss",
+    "qwen3_next",
     "simple",  # MaxText's toy blocks (models/simple.py): no HF counterpart
     "simple_mlp",
 )

@@ -490,7 +490,9 @@ class Attention(nnx.Module):
         return checkpoint_name(self.out(checkpoint_name(out, "context")), "out_proj")
 
 
-def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "rms") -> Attention:
+def gqa_attention(
+    cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "rms", cls: type[Attention] = Attention
+) -> Attention:
     """The GQA attention of a layer of ``kind``.
 
     ``qk_norm`` is what ``use_qk_norm`` means for the family (``rms``, ``gemma`` or
@@ -500,7 +502,7 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
     ``attention_bias`` biases the query, key and value projections, and the output one where the
     family's rules say so (``config/families.py``: ``attention_out_bias``). ``cfg.attention`` is
     resolved per layer for this backend (``auto`` is never ``cudnn`` on a chunked layer, nor on a
-    soft-capped one).
+    soft-capped one). ``cls``: an ``Attention`` subclass to build (Qwen3-Next's gated attention).
     """
     head_dim = cfg.resolved_head_dim
     rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None
@@ -510,7 +512,7 @@ def gqa_attention(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "
     tuning = (
         (cfg.temperature_tuning_floor_scale, cfg.temperature_tuning_scale) if cfg.temperature_tuning and not kind.rope else None
     )
-    return Attention(
+    return cls(
         cfg.base_emb_dim,
         cfg.base_num_query_heads,
         cfg.base_num_kv_heads,

@@ -50,6 +50,7 @@ class CacheSpec:
     entries: Mapping[str, tuple[tuple[int, ...], tuple[str | None, ...]]]
     dtype: jnp.dtype
     slot_dim: int = 0
+    pageable: bool = True  # False: a recurrent state, not per-token entries (Qwen3-Next's DeltaNet): never paged
 
 
 class TokenCache(nnx.Module):
@@ -112,6 +113,10 @@ class TokenCache(nnx.Module):
             return self.extend(new, positions, valid)
         self._write(new, positions, valid)
         return {name: self._stored(name) for name in new}, self._stored_positions()
+
+    def store(self, new: Mapping[str, jax.Array], positions: jax.Array, valid: jax.Array) -> None:
+        """Store ``new`` entries ``[B, S, ...]`` without reading the cache (a recurrent state kept in one slot)."""
+        self._write(new, positions, valid)
 
     def _write(self, new: Mapping[str, jax.Array], positions: jax.Array, valid: jax.Array) -> None:
         """Store the last ``size`` valid positions of each row in their slots (the rest are dropped)."""

@@ -103,9 +103,17 @@ def _expert_weight(
 class MoE(nnx.Module):
     """Routed experts (+ optional shared expert); returns ``(y, aux)``. ``trained_router_bias`` (GPT-OSS):
     ``routed_bias`` is a trained bias of the router's logits (selection and weights alike: MaxText's
-    ``GateLogit`` bias outside DeepSeek, HF's ``router.bias``), not DeepSeek's selection-only ``RouterBias``."""
+    ``GateLogit`` bias outside DeepSeek, HF's ``router.bias``), not DeepSeek's selection-only ``RouterBias``.
+    ``gated_shared_expert`` (Qwen3-Next): the shared expert's output is scaled by ``sigmoid(x @ shared_gate)``."""
 
-    def __init__(self, cfg: Config, rngs: nnx.Rngs, hash_routed: bool = False, trained_router_bias: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        rngs: nnx.Rngs,
+        hash_routed: bool = False,
+        trained_router_bias: bool = False,
+        gated_shared_expert: bool = False,
+    ):
         dim, hidden, experts = cfg.base_emb_dim, cfg.base_moe_mlp_dim, cfg.num_experts
         self.dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         self.spec = RouterSpec.from_config(cfg)
@@ -148,6 +156,8 @@ class MoE(nnx.Module):
                 rngs=rngs,
                 limit=self.limit,
             )
+            if gated_shared_expert:  # Qwen3-Next: sigmoid(x @ w) scales the shared expert (HF shared_expert_gate)
+                self.shared_gate = Linear([dim], [1], ("embed", None), dtype=self.dtype, weight_dtype=weight_dtype, rngs=rngs)
 
     def route(self, x: jax.Array, tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Routing of ``x [B, S, D]``: weights ``[B, S, k]``, indices ``[B, S, k]``, probs ``[B, S, E]``.
@@ -196,7 +206,10 @@ class MoE(nnx.Module):
             routed = routed + jnp.einsum("bsk,bskd->bsd", kept, jnp.take(self.wo_bias[...].astype(jnp.float32), indices, axis=0))
         y = constrain(routed.astype(self.dtype), TOKENS)
         if hasattr(self, "shared"):
-            y = y + self.shared(x, intermediate)
+            shared = self.shared(x, intermediate)
+            if hasattr(self, "shared_gate"):
+                shared = jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32)).astype(self.dtype) * shared
+            y = y + shared
         aux = {}
         if self.lb_weight > 0:
             lb_loss = load_balance_loss(indices, probs, self.spec.balance, self.dtype)

@@ -165,7 +165,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, spec: RopeSpec) -> jax.Array:
     """Rotate ``x`` [B, S, N, hd] by ``positions`` [B, S].
 
     As HF: angles and cos/sin in float32, times ``attention_factor(spec)``, then cast to x.dtype.
+    A spec narrower than ``x`` (partial RoPE, Qwen3-Next's ``partial_rotary_factor``) rotates the first
+    ``spec.head_dim`` dims and passes the rest through (HF ``apply_rotary_pos_emb``'s ``q_pass``).
     """
+    if spec.head_dim < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., : spec.head_dim], positions, spec), x[..., spec.head_dim :]], axis=-1)
     inv = jnp.asarray(inverse_frequencies(spec))
     angles = positions.astype(jnp.float32)[..., None] * inv  # [B, S, hd/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)

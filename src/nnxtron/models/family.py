@@ -82,7 +82,8 @@ class StrategyRow:
     """A row of the strategy-parity matrix for the family (``tests/parity/test_matrix.py``,
     ``FAMILY_ROWS``): its tiny preset ``model`` with ``overrides``, scanned or not, under the remat
     policy ``remat``, on ``mesh`` (a mesh name of that test) with ``accumulation`` microbatches,
-    against the same model unrolled, without remat, on one device."""
+    against the same model unrolled, without remat, on one device. ``bounds``: the parity bounds
+    (``tools/parity.assert_grad_parity``'s keywords) the row widens, measured and explained where it is declared."""
 
     model: str
     scan: bool
@@ -90,6 +91,7 @@ class StrategyRow:
     mesh: str
     accumulation: int
     overrides: tuple[tuple[str, Any], ...] = ()
+    bounds: tuple[tuple[str, float], ...] = ()  # the test's gradient bounds this family's row widens, with its reason
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ class PreNormBlock(nnx.Module):
 
     ``qk_norm``: what ``use_qk_norm`` means for the family (see ``gqa_attention``); ``zero_centered``:
     both norms are Gemma's ``x_hat * (1 + w)`` in float32 (Gemma v1); ``trained_router_bias``: the MoE's
-    ``routed_bias`` is a trained bias of the router logits (GPT-OSS; ``layers/moe.MoE``).
+    ``routed_bias`` is a trained bias of the router logits (GPT-OSS; ``layers/moe.MoE``); ``make_attention``: the
+    layer's token mixer instead of GQA / MLA (Qwen3-Next); ``gated_shared_expert``: ``layers/moe.MoE``'s.
     """
 
     def __init__(
@@ -52,16 +53,20 @@ class PreNormBlock(nnx.Module):
         qk_norm: str = "rms",
         zero_centered: bool = False,
         trained_router_bias: bool = False,
+        make_attention: Callable[[Config, nnx.Rngs, LayerKind], nnx.Module] | None = None,
+        gated_shared_expert: bool = False,
     ):
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         self.pre_attention_norm = rms_norm(cfg, zero_centered=zero_centered)
-        if cfg.attention_type == "mla":
+        if make_attention is not None:
+            self.attention = make_attention(cfg, rngs, kind)
+        elif cfg.attention_type == "mla":
             self.attention = MLA(cfg, rngs)
         else:
             self.attention = gqa_attention(cfg, rngs, kind, qk_norm)
         self.post_attention_norm = rms_norm(cfg, zero_centered=zero_centered)
         if kind.moe:
-            self.mlp = MoE(cfg, rngs, trained_router_bias=trained_router_bias)
+            self.mlp = MoE(cfg, rngs, trained_router_bias=trained_router_bias, gated_shared_expert=gated_shared_expert)
         else:
             self.mlp = GatedMLP(
                 cfg.base_emb_dim, cfg.base_mlp_dim, cfg.mlp_activations[0], dtype=dtype, weight_dtype=weight_dtype, rngs=rngs
