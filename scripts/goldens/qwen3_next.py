@@ -7,9 +7,10 @@ GQA 4q/2kv of 8 with the sigmoid output gate, zero-centred q/k norms and RoPE on
 from __future__ import annotations
 
 import torch
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
 from goldens.harness import VOCAB, Case, Run, logits, variant
 from goldens.mixtral_qwen3 import softmax_router_check
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 # HF draws A in [0.01, 16] (most heads forget within a token or two) and sets dt_bias to 1 and the gated norm's
 # weight to 1: from this seed, layer by layer, A is redrawn in [0.05, 1] (a state that lasts tens of tokens),
@@ -39,7 +40,14 @@ def _effects(run: Run) -> None:
     logits; the checkpoint holds the per-expert hub layout."""
     assert run.model.config.layer_types == ["linear_attention", "full_attention", "linear_attention"]
     state = run.model.state_dict()
-    for suffix in ("conv1d.weight", "A_log", "dt_bias", "in_proj_ba.weight", "linear_attn.norm.weight", "shared_expert_gate.weight"):
+    for suffix in (
+        "conv1d.weight",
+        "A_log",
+        "dt_bias",
+        "in_proj_ba.weight",
+        "linear_attn.norm.weight",
+        "shared_expert_gate.weight",
+    ):
         zeroed = {key: torch.zeros_like(v) if key.endswith(suffix) else v for key, v in state.items()}
         diff = float((logits(variant(run, state_dict=zeroed), run.input_ids) - run.logits).abs().max())
         print(f"  max|logits - logits({suffix} = 0)| = {diff:.3e}")

@@ -91,3 +91,22 @@ def test_paged_decoding_caches_are_refused():
     model = unrolled(build_model(tiny_config(MODEL, base_num_decoder_layers=2), seed=0))
     with pytest.raises(ConfigError, match="decoder_block=qwen3_next: its recurrent decoding state cannot live in paged"):
         attach_caches(model, 2, 32, Paging())
+
+
+def test_the_flop_count_counts_each_mixer_s_weights():
+    """config/flops.py's matmul weights per layer are the model's: the gated attention's query kernel holds the
+    output gate's half too (``FamilyRules.query_gate``), the DeltaNet its qkvz / ba projections and out."""
+    from flax import nnx
+
+    from nnxtron.config import flops
+    from nnxtron.models.build import abstract_model
+    from nnxtron.params import flatten
+
+    cfg = tiny_config(MODEL, scan_layers=False)
+    params = flatten(nnx.state(abstract_model(cfg), nnx.Param))
+
+    def kernels(layer: str) -> int:
+        return sum(v.size for k, v in params.items() if k.startswith(f"{layer}/attention/") and k.endswith("/kernel"))
+
+    assert kernels("layers/layers/0/cycle/1") == flops._attention_params(cfg)[0]  # full (gated) attention
+    assert kernels("layers/layers/0/cycle/0") == flops._linear_attention(cfg)[0]  # Gated DeltaNet

@@ -40,6 +40,8 @@ class FamilyRules:
     toy blocks have none: ``check_decodes``); ``layer_attention(cfg, i)``: the attention kind of layer ``i`` when the family fixes it
     (Qwen3-Next: ``linear`` or ``global``), with ``layer_period(cfg)`` the period of that pattern;
     ``maxtext_block_values``: what a MaxText ``decoder_block`` of the family implies (Qwen3-Next: q/k norms);
+    ``query_gate``: the query projection also yields a per-head output gate as wide as the query (Qwen3-Next's
+    gated attention: ``D x heads x head_dim`` more weights on each full-attention layer, ``config/flops.py``);
     ``maxtext_layer_pattern``: MaxText's block fixes its sliding / global layers (GPT-OSS:
     ``GPT_OSS_ATTENTION_PATTERN``), so a MaxText ``decoder_block`` of it sets ``sliding_window_pattern`` to this."""
 
@@ -56,6 +58,7 @@ class FamilyRules:
     layer_attention: Callable[[Config, int], str] | None = None
     layer_period: Callable[[Config], int] | None = None
     maxtext_block_values: Mapping[str, Any] = field(default_factory=dict)
+    query_gate: bool = False
     maxtext_layer_pattern: int = 0
 
 
@@ -86,6 +89,7 @@ RULES: dict[str, FamilyRules] = {
         layer_attention=qwen3_next.layer_attention,
         layer_period=qwen3_next.period,
         maxtext_block_values={"use_qk_norm": True},  # MaxText's Qwen3-Next attention always has its q/k norms
+        query_gate=True,
     ),
     "gpt3": FamilyRules(check=gpt3.check, own_values={"mlp_activations": ("gelu",)}),  # one activation: a plain MLP
     "simple": FamilyRules(check=simple.check, decodes=False),  # MaxText's toy blocks: no experts, no attention

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from nnxtron.config import deepseek4
+from nnxtron.config.families import rules_for
 from nnxtron.config.layout import LayerKind, layer_kinds
 
 if TYPE_CHECKING:
@@ -24,7 +25,8 @@ def _attention_params(cfg: Config) -> tuple[int, int, int]:
         kv = d * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + v)
         return query + kv + h * v * d, h, qk + v
     k, hd = cfg.base_num_kv_heads, cfg.resolved_head_dim
-    return d * (h + 2 * k) * hd + h * hd * d, h, 2 * hd
+    gate = h * hd if rules_for(cfg.decoder_block).query_gate else 0  # the output gate's half of the query projection
+    return d * (h + 2 * k) * hd + d * gate + h * hd * d, h, 2 * hd
 
 
 def _linear_attention(cfg: Config) -> tuple[int, int]:
@@ -64,8 +66,8 @@ def training_flops_per_token(cfg: Config) -> float:
 
     Every layer counts by its kind (MoE or dense; global, sliding or chunked attention).
     DeepSeek-V4 layers count their compressors, indexer and hyper-connection mixes; Gated DeltaNet layers
-    (``linear``) their projections, recurrence and conv (Qwen3-Next's gated attention counts as plain GQA:
-    its query's gate half, ``D x heads x head_dim`` per full-attention layer, is left out).
+    (``linear``) their projections, recurrence and conv; Qwen3-Next's gated attention its query projection's
+    gate half too (``FamilyRules.query_gate``).
     MoE layers count the router, the ``num_experts_per_tok`` routed and the shared
     experts a token actually uses; MTP depths count as one more layer each (of the last
     layer's kind) plus their [2D -> D] projection and output head.

@@ -83,9 +83,7 @@ def check(cfg: Config) -> None:
             f"gdn_num_value_heads={cfg.gdn_num_value_heads} must be a multiple of gdn_num_key_heads={cfg.gdn_num_key_heads}"
         )
     if rotary_dim(cfg) % 2 or rotary_dim(cfg) == 0:
-        raise ConfigError(
-            f"head_dim x partial_rotary_factor = {rotary_dim(cfg)} rotary dims; it must be even and > 0"
-        )
+        raise ConfigError(f"head_dim x partial_rotary_factor = {rotary_dim(cfg)} rotary dims; it must be even and > 0")
     check_strategies(cfg)
 
 

@@ -24,7 +24,6 @@ recurrent state on DeltaNet layers (``layers/gated_deltanet.GatedDeltaNet.cache_
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from nnxtron.config.layout import PLAIN, LayerKind

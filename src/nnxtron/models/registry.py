@@ -28,7 +28,23 @@ from nnxtron.models import (
 )
 from nnxtron.models.family import Family
 
-_MODULES = (llama, mixtral, qwen2, qwen3, deepseek, gemma, gemma2, gemma3, llama4, gpt3, deepseek4, olmo3, gpt_oss, qwen3_next, simple)
+_MODULES = (
+    llama,
+    mixtral,
+    qwen2,
+    qwen3,
+    deepseek,
+    gemma,
+    gemma2,
+    gemma3,
+    llama4,
+    gpt3,
+    deepseek4,
+    olmo3,
+    gpt_oss,
+    qwen3_next,
+    simple,
+)
 FAMILIES: dict[str, Family] = {family.name: family for module in _MODULES for family in module.FAMILIES}
 if sorted(FAMILIES) != sorted(DECODER_BLOCKS) or len(FAMILIES) != sum(len(m.FAMILIES) for m in _MODULES):
     raise ImportError(f"the family modules define {sorted(FAMILIES)}, the config accepts decoder_block {sorted(DECODER_BLOCKS)}")
