@@ -21,6 +21,9 @@ from tests.parity.test_kv_cache import FAMILIES, RELATIVE, SEQ, TOLERANCE
 
 BLOCK = 4
 CHUNK = 5
+# a recurrent decoding state, not per-token entries: paged caches refuse it by name
+# (tests/unit/test_qwen3_next.py::test_paged_decoding_caches_are_refused)
+NOT_PAGEABLE = {"qwen3-next-tiny"}
 
 
 def _run_chunks(cached, layout, caches, sequence: int, tokens: np.ndarray, start: int = 0):
@@ -39,7 +42,7 @@ def _run_chunks(cached, layout, caches, sequence: int, tokens: np.ndarray, start
     return np.concatenate(out), caches
 
 
-@pytest.mark.parametrize("model_name", sorted(FAMILIES))
+@pytest.mark.parametrize("model_name", sorted(set(FAMILIES) - NOT_PAGEABLE))
 def test_paged_logits_equal_the_full_forward(model_name):
     cfg = tiny_config(model_name, **FAMILIES[model_name])
     model = build_model(cfg)
