@@ -485,6 +485,8 @@ for _key, _flag in {
     "normalization_layer_epsilon": F(1e-3, family=Q3N),
     "dtype": F("bfloat16", family=Q3N),
     "weight_dtype": F("bfloat16", family=Q3N),
+    "head_dim": F(16, family=Q3N),  # the partial RoPE's width (config/qwen3_next.rotary_dim, layers/rope.apply_rope)
+    "base_num_query_heads": F(8, family=Q3N),
 }.items():
     MORE.setdefault(_key, {})["qwen3_next"] = _flag
 for _key, _cases in READ_SITE_CASES.items():
