@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 
@@ -15,7 +16,7 @@ from nnxtron.config.flops import training_flops_per_token
 from nnxtron.errors import UserError
 from nnxtron.models.decoder import Decoder
 from nnxtron.tools.bench import pipeline_fields, run_bench
-from nnxtron.tools.step_profile import HLO_FILE, hlo_ops, summarize
+from nnxtron.tools.step_profile import HLO_FILE, _tpu_op_times, hlo_ops, summarize
 from tests.scripts import load_script
 
 OVERRIDES = [
@@ -101,6 +102,29 @@ ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
     assert ops["ynn_fusion.4"].matmul and ops["ynn_fusion.4"].op_name.endswith("while/body/neg")
     assert ops["sort.3"].opcode == "sort" and ops["sort.3"].op_name == ops["neg.2"].op_name
     assert not ops["neg.2"].matmul
+
+
+def test_tpu_device_plane_ops_are_timed_inside_the_modules_asked_for():
+    """A TPU's device plane names its ops by their instruction text and its module executions on a
+    line of their own (no ``hlo_op`` stats: before, a TPU profile's breakdown was empty): each op
+    counts for the module execution it falls within, and only for accepted modules."""
+    from types import SimpleNamespace as Event
+
+    def event(name: str, start: float, end: float) -> Event:
+        return Event(name=name, start_ns=start, end_ns=end, duration_ns=end - start)
+
+    modules = Event(events=[event("jit_train_step(123)", 0, 100), event("jit_eval_step(9)", 200, 300),
+                            event("jit_train_step(123)", 400, 500)])  # fmt: skip
+    ops = Event(events=[
+        event("%fusion.3 = (f32[4,2048]{1,0}, bf16[4,2048]{1,0}) fusion(%a, %b), kind=kLoop", 10, 40),
+        event("%fusion.3 = (f32[4,2048]{1,0}, bf16[4,2048]{1,0}) fusion(%a, %b), kind=kLoop", 410, 430),
+        event("%splash_mha_fwd.1 = f32[4] custom-call(%q)", 50, 60),
+        event("%fusion.3 = f32[2] fusion(%c)", 210, 290),  # the eval step's
+        event("%copy.7 = f32[2] copy(%d)", 150, 160),  # between executions
+    ])  # fmt: skip
+    totals = collections.defaultdict(lambda: [0.0, 0])
+    _tpu_op_times(modules, ops, lambda name: "train_step" in name, totals)
+    assert {k: tuple(v) for k, v in totals.items()} == {"fusion.3": (50e-9, 2), "splash_mha_fwd.1": (10e-9, 1)}
 
 
 def test_bench_profile_is_for_the_train_step(capsys):

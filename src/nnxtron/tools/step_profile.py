@@ -22,6 +22,7 @@ run side by side.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import re
 from collections.abc import Callable, Iterable
@@ -93,7 +94,10 @@ def hlo_ops(text: str) -> dict[str, Op]:
 
 def op_times(trace_dir: str | Path, module: Callable[[str], bool]) -> dict[str, tuple[float, int]]:
     """Seconds and executions of each op of the modules ``module`` accepts, summed over the
-    trace (the ``*.xplane.pb`` under ``trace_dir``)."""
+    trace (the ``*.xplane.pb`` under ``trace_dir``). XLA:CPU (and GPU) events name their op and
+    module in stats (``hlo_op``, ``hlo_module``); a TPU's device plane does not: its ``XLA Ops``
+    line names each event by the instruction's text (``%fusion.3 = ...``) and its ``XLA Modules``
+    line holds the executions of the modules, which the ops fall within (:func:`_tpu_op_times`)."""
     from jax.profiler import ProfileData
 
     files = sorted(Path(trace_dir).rglob("*.xplane.pb"))
@@ -101,6 +105,10 @@ def op_times(trace_dir: str | Path, module: Callable[[str], bool]) -> dict[str, 
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}")
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for plane in ProfileData.from_file(str(files[-1])).planes:
+        lines = {line.name: line for line in plane.lines}
+        if "XLA Ops" in lines and "XLA Modules" in lines:
+            _tpu_op_times(lines["XLA Modules"], lines["XLA Ops"], module, totals)
+            continue
         for line in plane.lines:
             for event in line.events:
                 stats = dict(event.stats)
@@ -109,6 +117,22 @@ def op_times(trace_dir: str | Path, module: Callable[[str], bool]) -> dict[str, 
                     totals[str(name)][0] += event.duration_ns / 1e9
                     totals[str(name)][1] += 1
     return {name: (seconds, int(count)) for name, (seconds, count) in totals.items()}
+
+
+_TPU_OP = re.compile(r"^%?([\w.\-]+)\s*=")
+
+
+def _tpu_op_times(modules: Any, ops: Any, accept: Callable[[str], bool], totals: dict[str, list[float]]) -> None:
+    """Add the ops of a TPU device plane (``ops``: its ``XLA Ops`` line) that ran inside an
+    execution of an accepted module (``modules``: its ``XLA Modules`` line) to ``totals``."""
+    spans = sorted((event.start_ns, event.end_ns) for event in modules.events if accept(event.name))
+    starts = [start for start, _ in spans]
+    for event in ops.events:
+        i = bisect.bisect_right(starts, event.start_ns) - 1
+        named = _TPU_OP.match(event.name)
+        if i >= 0 and event.start_ns < spans[i][1] and named:
+            totals[named.group(1)][0] += event.duration_ns / 1e9
+            totals[named.group(1)][1] += 1
 
 
 def _kind(op: Op) -> str:
