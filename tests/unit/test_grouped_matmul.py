@@ -108,14 +108,19 @@ def test_blocked_runs_at_its_flop_count():
 @pytest.mark.parametrize("method", gm.METHODS)
 def test_permute_rows_gradient_is_the_gather_gradient(method):
     """``group_rows``' ``rows`` / ``restore`` undo each other, so ``permute_rows``' gather gradient
-    equals ``take_rows``' scatter-add gradient, both ways (into the layout and back)."""
+    equals ``take_rows``' scatter-add gradient, both ways (into the layout and back). Where the
+    grouping says its gathers are in bounds (``ragged_dot``: no bounds mask), both are permutations."""
     keys = jnp.asarray([2, 0, 3, 2, 1, 3, 0, 2, 3, 3, 2, 0], jnp.int32)  # 3: in no group
     grouped = gm.group_rows(keys, 3, method)
+    assert grouped.in_bounds == (method == "ragged_dot")
+    if grouped.in_bounds:
+        for perm in (grouped.rows, grouped.restore):
+            np.testing.assert_array_equal(np.sort(np.asarray(perm)), np.arange(keys.shape[0]))
     x = jax.random.normal(jax.random.key(0), (12, 5))
     for index, inverse, rows in ((grouped.rows, grouped.restore, 12), (grouped.restore, grouped.rows, grouped.rows.shape[0])):
         y = x if rows == 12 else jax.random.normal(jax.random.key(1), (rows, 5))
         cot = jax.random.normal(jax.random.key(2), (index.shape[0], 5))
-        got = jax.grad(lambda a, i=index, j=inverse, c=cot: jnp.sum(gm.permute_rows(a, i, j) * c))(y)
+        got = jax.grad(lambda a, i=index, j=inverse, c=cot: jnp.sum(gm.permute_rows(a, i, j, grouped.in_bounds) * c))(y)
         ref = jax.grad(lambda a, i=index, c=cot: jnp.sum(gm.take_rows(a, i) * c))(y)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     out = gm.take_rows(gm.take_rows(x, grouped.rows), grouped.restore)
@@ -135,9 +140,9 @@ def test_gather_slots_is_the_gather_of_the_slot_major_repeat(method):
     x = jax.random.normal(jax.random.key(0), (tokens, 5))
     cot = jax.random.normal(jax.random.key(1), (grouped.rows.shape[0], 5))
     repeated = lambda a: gm.take_rows(jnp.tile(a, (k, 1)), grouped.rows)  # noqa: E731
-    got = gm.gather_slots(x, grouped.rows, grouped.restore, k)
+    got = gm.gather_slots(x, grouped.rows, grouped.restore, k, grouped.in_bounds)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(repeated(x)))
-    grad = jax.grad(lambda a: jnp.sum(gm.gather_slots(a, grouped.rows, grouped.restore, k) * cot))(x)
+    grad = jax.grad(lambda a: jnp.sum(gm.gather_slots(a, grouped.rows, grouped.restore, k, grouped.in_bounds) * cot))(x)
     ref = jax.grad(lambda a: jnp.sum(repeated(a) * cot))(x)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(ref), rtol=1e-6, atol=1e-6)
 

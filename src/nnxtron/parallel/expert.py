@@ -107,14 +107,14 @@ def expert_ffn(
     # rows, where [T, k, D] would re-tile k as a second-minor dimension (a copy on a TPU)
     key = jnp.where(valid, local, local_experts).T.reshape(-1)  # invalid -> in no group (zero output)
     grouped = group_rows(key, local_experts, method)
-    xs = gather_slots(x, grouped.rows, grouped.restore, k)  # padding rows are zero rows
+    xs = gather_slots(x, grouped.rows, grouped.restore, k, grouped.in_bounds)  # padding rows are zero rows
     if in_scale is not None:
-        xs = xs * permute_rows(in_scale.T.reshape(-1), grouped.rows, grouped.restore)[:, None].astype(xs.dtype)
+        xs = xs * permute_rows(in_scale.T.reshape(-1), grouped.rows, grouped.restore, grouped.in_bounds)[:, None].astype(xs.dtype)
     dtype = x.dtype
     gate = checkpoint_name(grouped.matmul(xs, wi_0.astype(dtype)), "mlpwi_0")
     up = checkpoint_name(grouped.matmul(xs, wi_1.astype(dtype)), "mlpwi_1")
     out = checkpoint_name(grouped.matmul(glu(gate, up), wo.astype(dtype)), "mlpwo")
-    out = permute_rows(out, grouped.restore, grouped.rows).reshape(k, tokens, -1).astype(jnp.float32)
+    out = permute_rows(out, grouped.restore, grouped.rows, grouped.in_bounds).reshape(k, tokens, -1).astype(jnp.float32)
     weights = jnp.where(valid, combine.astype(jnp.float32), 0.0)
     return jnp.einsum("ktd,tk->td", out, weights)
 

@@ -102,52 +102,59 @@ def block_layout(group_sizes: jax.Array, rows: int, block: int) -> BlockLayout:
     return BlockLayout(block_group, source.astype(jnp.int32), target.astype(jnp.int32))
 
 
-def take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
-    """``x[index]`` along axis 0, zero where ``index`` is out of range."""
+def take_rows(x: jax.Array, index: jax.Array, in_bounds: bool = False) -> jax.Array:
+    """``x[index]`` along axis 0, zero where ``index`` is out of range; ``in_bounds``: every index
+    is in range (a permutation), so the gather skips the bounds mask (on a TPU a select and a
+    broadcast of the whole output per gather, docs/tpu.md)."""
+    if in_bounds:
+        return jnp.take(x, index, axis=0, mode="clip")
     return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 
-@jax.custom_vjp
-def permute_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def permute_rows(x: jax.Array, index: jax.Array, inverse: jax.Array, in_bounds: bool = False) -> jax.Array:
     """``take_rows(x, index)`` where ``index`` is one-to-one and ``inverse`` undoes it (``index[inverse[j]]
     == j`` wherever ``inverse[j]`` is in range, and every other row of ``x`` is taken by no index):
-    its gradient is the gather ``take_rows(ct, inverse)``, not a scatter-add (slow on CPU)."""
-    return take_rows(x, index)
+    its gradient is the gather ``take_rows(ct, inverse)``, not a scatter-add (slow on CPU).
+    ``in_bounds``: both are permutations (``GroupedRows.in_bounds``)."""
+    return take_rows(x, index, in_bounds)
 
 
-def _permute_fwd(x, index, inverse):
-    return take_rows(x, index), (index, inverse)
+def _permute_fwd(x, index, inverse, in_bounds):
+    return take_rows(x, index, in_bounds), (index, inverse)
 
 
-def _permute_bwd(res, ct):
+def _permute_bwd(in_bounds, res, ct):
     index, inverse = res
-    return take_rows(ct, inverse), None, None
+    return take_rows(ct, inverse, in_bounds), None, None
 
 
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def gather_slots(x: jax.Array, index: jax.Array, inverse: jax.Array, slots: int) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def gather_slots(x: jax.Array, index: jax.Array, inverse: jax.Array, slots: int, in_bounds: bool = False) -> jax.Array:
     """The rows of ``x [T, D]`` taken once per slot: ``permute_rows`` of ``x`` repeated slot-major
     (row ``j * T + t`` is ``x[t]``) without building the ``[slots * T, D]`` repeat. ``index`` takes
     rows of that repeat (out of range: a zero row); its gradient gathers each slot's rows back
-    (``inverse``) and sums the slots."""
-    return _gather_slots(x, index, slots)
+    (``inverse``) and sums the slots. ``in_bounds``: both are permutations."""
+    return _gather_slots(x, index, slots, in_bounds)
 
 
-def _gather_slots(x: jax.Array, index: jax.Array, slots: int) -> jax.Array:
+def _gather_slots(x: jax.Array, index: jax.Array, slots: int, in_bounds: bool) -> jax.Array:
     tokens = x.shape[0]
+    if in_bounds:
+        return take_rows(x, index % tokens, in_bounds=True)
     return take_rows(x, jnp.where(index < slots * tokens, index % tokens, tokens))
 
 
-def _gather_slots_fwd(x, index, inverse, slots):
-    return _gather_slots(x, index, slots), (inverse, x.shape[0])
+def _gather_slots_fwd(x, index, inverse, slots, in_bounds):
+    return _gather_slots(x, index, slots, in_bounds), (inverse, x.shape[0])
 
 
-def _gather_slots_bwd(slots, res, ct):
+def _gather_slots_bwd(slots, in_bounds, res, ct):
     inverse, tokens = res
-    return take_rows(ct, inverse).reshape(slots, tokens, -1).sum(axis=0), None, None
+    return take_rows(ct, inverse, in_bounds).reshape(slots, tokens, -1).sum(axis=0), None, None
 
 
 gather_slots.defvjp(_gather_slots_fwd, _gather_slots_bwd)
@@ -173,11 +180,14 @@ class GroupedRows(NamedTuple):
     """Rows sorted by group for a grouped matmul: ``rows[i]`` is the input row at position ``i``
     (out of range: a zero row), ``restore[j]`` the position holding input row ``j`` (out of
     range: row ``j`` is in no group and its output is zero), ``matmul(lhs, rhs)`` the grouped
-    matmul of ``lhs`` in that order with ``rhs [G, K, N]``."""
+    matmul of ``lhs`` in that order with ``rhs [G, K, N]``. ``in_bounds``: ``rows`` and ``restore``
+    are permutations (``ragged_dot``: rows in no group sort last and come out zero), so their
+    gathers need no bounds mask."""
 
     rows: jax.Array
     restore: jax.Array
     matmul: Callable[[jax.Array, jax.Array], jax.Array]
+    in_bounds: bool = False
 
 
 def group_rows(keys: jax.Array, groups: int, method: str) -> GroupedRows:
@@ -189,7 +199,7 @@ def group_rows(keys: jax.Array, groups: int, method: str) -> GroupedRows:
     restore = jnp.zeros_like(order).at[order].set(jnp.arange(rows, dtype=jnp.int32))
     group_sizes = jnp.zeros((groups + 1,), jnp.int32).at[keys].add(1)[:groups]
     if method == "ragged_dot":
-        return GroupedRows(order, restore, lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, group_sizes))
+        return GroupedRows(order, restore, lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, group_sizes), in_bounds=True)
     if method != "blocked":
         raise ValueError(f"grouped matmul method {method!r}; choose one of {METHODS}")
     layout = block_layout(group_sizes, rows, block_size(rows, groups))
