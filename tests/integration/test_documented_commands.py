@@ -15,6 +15,10 @@ editing an example):
   ``checkpoint_period`` are divided by 100 (at least 2; ``steps=2`` where none is given),
   ``eval_steps=1``, and at most 16 decoded tokens (``max_new_tokens``,
   ``sample_after_training``): the commands run the same code paths in seconds;
+- the sample after training: the README's default run (:data:`SAMPLED`) and a command that sets
+  ``sample_after_training`` decode theirs; the other ``train`` commands get
+  ``sample_after_training=0`` (each sample compiles a prefill and a decode loop, 3-5 s a command
+  on 2 cores; decoding every family is proven against HF in tests/parity/test_kv_cache.py);
 - a command shown again (the same words in another document) runs once, where first shown;
 - ``--port``: a free port (``serve`` is started, asked ``/health``, and stopped with SIGINT);
 - the few commands of :data:`ADDED` (a 7B+ preset shrunk to fit this machine, ...), each with
@@ -28,6 +32,7 @@ line. Tables that name a command no document shows fail the test, so they cannot
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -53,6 +58,7 @@ NNXTRON = Path(sys.executable).with_name("nnxtron")  # the console script pip in
 TIMEOUT_S = 600
 SCALED_KEYS = ("steps", "learning_rate_schedule_steps", "eval_interval", "checkpoint_period")
 DECODED_TOKENS = 16  # at most, for max_new_tokens and sample_after_training
+SAMPLED = {"nnxtron train run_name=demo steps=200"}  # train commands whose sample after training runs
 # the docs/ beside the runs: three of the documents (post-training.md's eval of docs/*.md scores
 # every file there; all of them are 100k tokens, 100 s on 2 cores, for the same code path)
 DOCS_BESIDE = ("docs/logging.md", "docs/config.md", "docs/init.md")
@@ -204,10 +210,10 @@ def check_synopsis(cmd: Documented) -> list[str]:
     return problems
 
 
-def scaled(text: str, subcommand: str, keys: set[str]) -> str:
+def scaled(text: str, subcommand: str, keys: set[str], sampled: bool = False) -> str:
     """``text`` with its step counts divided by 100 (at least 2) and at most
-    :data:`DECODED_TOKENS` decoded; for ``train`` ``steps=2``, ``eval_steps=1`` and the sample's
-    tokens where none is given, for ``generate`` its tokens."""
+    :data:`DECODED_TOKENS` decoded; for ``train`` ``steps=2``, ``eval_steps=1`` and, where none is
+    given, the sample's tokens (``sampled``, else none), for ``generate`` its tokens."""
 
     def one(match: re.Match) -> str:
         value = int(match.group(2))
@@ -218,7 +224,8 @@ def scaled(text: str, subcommand: str, keys: set[str]) -> str:
 
     text = re.sub(rf"(?<![\w.])({'|'.join(SCALED_KEYS)})=(-?\d+)(?![\w.])", one, text)
     text = re.sub(r"(?<![\w.])(max_new_tokens|sample_after_training)=(\d+)(?![\w.])", capped, text)
-    added = {"train": (("steps", 2), ("eval_steps", 1), ("sample_after_training", DECODED_TOKENS)),
+    sample = DECODED_TOKENS if sampled else 0
+    added = {"train": (("steps", 2), ("eval_steps", 1), ("sample_after_training", sample)),
              "generate": (("max_new_tokens", DECODED_TOKENS),)}.get(subcommand, ())  # fmt: skip
     return text + "".join(f" {k}={v}" for k, v in added if k not in keys)
 
@@ -346,15 +353,32 @@ def documented_home(tmp_path_factory) -> Path:
     return home
 
 
+def shared_directory(tmp_path_factory, name: str) -> Path:
+    """A directory every pytest-xdist worker of this session sees (beside the workers' own
+    temporary directories), for what one worker makes and the others reuse."""
+    base = tmp_path_factory.getbasetemp()
+    parent = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (parent / name).mkdir(exist_ok=True)
+    return parent / name
+
+
+@pytest.fixture(scope="session")
+def compilation_cache(tmp_path_factory) -> Path:
+    """One compilation cache for the commands of every worker (the default model's programs,
+    the tiny families' ...): JAX writes its entries atomically, so workers may share it."""
+    return shared_directory(tmp_path_factory, "documented-jax-cache")
+
+
 # -- running ------------------------------------------------------------------------------------------
 
 
-def environment(home: Path, words: list[str], env_words: list[str]) -> dict[str, str]:
+def environment(home: Path, words: list[str], env_words: list[str], cache: Path) -> dict[str, str]:
     """This process's environment with ``HOME`` = ``home``, the ``nnxtron`` script first on PATH,
-    the fake CPU devices the command's mesh asks for (the command's own ``XLA_FLAGS=`` wins)."""
+    the fake CPU devices the command's mesh asks for (the command's own ``XLA_FLAGS=`` wins) and
+    the shared compilation ``cache``."""
     env = {**os.environ, **fake_device_env(devices_for(words)), "HOME": str(home), "WANDB_MODE": "offline"}
-    # one compilation cache for the commands of this process's documents (runs/demo's steps, decoding ...)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(home / ".cache" / "nnxtron" / "jax_cache")
+    # one compilation cache for the commands of every document (runs/demo's steps, decoding ...)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["PATH"] = os.pathsep.join([str(NNXTRON.parent), env.get("PATH", "")])
     if any(w.startswith("XLA_FLAGS=") for w in env_words):
@@ -363,14 +387,14 @@ def environment(home: Path, words: list[str], env_words: list[str]) -> dict[str,
     return env
 
 
-def run_one(cmd: Documented, home: Path, workdir: Path) -> str | None:
+def run_one(cmd: Documented, home: Path, workdir: Path, cache: Path) -> str | None:
     """Run ``cmd`` in bash as a user would; None when it did what its document says, else the problem."""
     words = cmd.words
     args = [w for w in words[words.index("nnxtron") + 1 :] if w != "&"]
     keys = {w.split("=", 1)[0] for w in args if "=" in w}
     added, _ = ADDED.get(cmd.key, ((), ""))
-    line = scaled(cmd.line_text, args[0], keys) + "".join(f" {w}" for w in added)
-    env = environment(home, [*args, *added], words[: words.index("nnxtron")])
+    line = scaled(cmd.line_text, args[0], keys, cmd.key in SAMPLED) + "".join(f" {w}" for w in added)
+    env = environment(home, [*args, *added], words[: words.index("nnxtron")], cache)
     if args[0] == "serve":
         return serve_once(line, env, workdir)
     if "$i" in line:  # cluster.md: one process per value of $i, started together
@@ -428,13 +452,19 @@ def serve_once(line: str, env: dict, workdir: Path) -> str | None:
 
 
 @pytest.fixture(scope="session")
-def demo_run(documented_home, tmp_path_factory) -> Path:
+def demo_run(documented_home, compilation_cache, tmp_path_factory) -> Path:
     """``runs/demo`` as README's ``nnxtron train run_name=demo steps=200`` makes it (scaled), for
-    the documents that use it without making it."""
-    workdir = tmp_path_factory.mktemp("demo")
-    cmd = Documented("README.md", 0, "bash", "nnxtron train run_name=demo steps=200")
-    assert run_one(cmd, documented_home, workdir) is None
-    return workdir / "runs" / "demo"
+    the documents that use it without making it: made once, by the first worker to need it
+    (the others wait on its lock, then find it)."""
+    workdir = shared_directory(tmp_path_factory, "documented-demo")
+    demo = workdir / "runs" / "demo"
+    with open(workdir / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (workdir / "made").exists():
+            cmd = Documented("README.md", 0, "bash", "nnxtron train run_name=demo steps=200")
+            assert run_one(cmd, documented_home, workdir, compilation_cache) is None
+            (workdir / "made").touch()
+    return demo
 
 
 def prepare(workdir: Path, demo: Path | None) -> None:
@@ -453,6 +483,7 @@ def test_the_tables_name_documented_commands():
     assert not set(ADDED) - shown, set(ADDED) - shown
     assert not set(ERRORS) - shown, set(ERRORS) - shown
     assert not TRANSCRIPTS - shown, TRANSCRIPTS - shown
+    assert not SAMPLED - shown, SAMPLED - shown
     assert not [str(c) for c in documented_commands() if c.key in ADDED and is_synopsis(c)]
 
 
@@ -508,12 +539,12 @@ CHAINS = [chain for document in DOCUMENTS for chain in chains(document)]
 
 
 @pytest.mark.parametrize("chain", CHAINS, ids=[f"{c[0].document}:{c[0].line}" for c in CHAINS])
-def test_documented_commands_run(chain, documented_home, tmp_path, request):
+def test_documented_commands_run(chain, documented_home, compilation_cache, tmp_path, request):
     prepare(tmp_path, request.getfixturevalue("demo_run") if needs_demo(chain) else None)
     problems = []
     for cmd in chain:
         start, cpu = time.monotonic(), _children_cpu()
-        problem = run_one(cmd, documented_home, tmp_path)
+        problem = run_one(cmd, documented_home, tmp_path, compilation_cache)
         print(f"{time.monotonic() - start:6.1f} s, {_children_cpu() - cpu:6.1f} s CPU  {cmd}")  # pytest -s shows the costs
         if problem:
             problems.append(f"{cmd}\n  -> {problem}")
