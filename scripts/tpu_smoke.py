@@ -168,6 +168,16 @@ CHECKS = (
     "splash_vs_xla_bf16",
     "to_hf_round_trip",
 )
+NEEDS = {"generate": "train_default", "to_hf_round_trip": "train_default"}  # checks that read another's run
+
+
+def missing_prerequisites(chosen: list[str]) -> list[str]:
+    """One line per chosen check whose prerequisite (``NEEDS``) is not chosen before it."""
+    return [
+        f"{name} reads the run {NEEDS[name]} makes; put {NEEDS[name]} before it in --only"
+        for i, name in enumerate(chosen)
+        if name in NEEDS and NEEDS[name] not in chosen[:i]
+    ]
 
 
 def _backend() -> str:
@@ -196,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return _child(args.child[0], Path(args.child[1]))
+    problems = missing_prerequisites(args.only or list(CHECKS))
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        return 2
     backend = _backend()
     if backend != "tpu":
         print(f"tpu_smoke.py runs on a TPU; this machine's JAX backend is {backend}", file=sys.stderr)

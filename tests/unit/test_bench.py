@@ -208,3 +208,17 @@ def test_decode_bench_reports_prefill_and_decode_throughput():
     assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
     assert result["prefill_seconds"] > 0 and result["decode_compile_seconds"] > 0 and result["params"] > 0
     assert result["generate_tokens_per_s"] == pytest.approx(2 / result["generate_token_seconds"])  # generate's device loop
+
+
+def test_tpu_smoke_refuses_a_check_without_the_run_it_reads(capsys):
+    """``scripts/tpu_smoke.py --only to_hf_round_trip`` alone failed on the chip after minutes (no
+    default run to convert); a check chosen without its prerequisite before it is refused first,
+    with one line and exit 2, on any machine."""
+    smoke = load_script("scripts/tpu_smoke.py")
+    assert smoke.main(["--only", "to_hf_round_trip"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: to_hf_round_trip reads the run train_default makes; put train_default before it in --only"
+    ]
+    assert smoke.missing_prerequisites(["generate", "train_default"]) != []
+    assert smoke.missing_prerequisites(["train_default", "generate", "to_hf_round_trip"]) == []
+    assert smoke.missing_prerequisites(list(smoke.CHECKS)) == []
