@@ -17,7 +17,8 @@ step into groups that hold for any JAX train step (nnxtron's or MaxText's, whose
 
 The XLA:CPU runtime records each executed op (thunk) with its name (``hlo_op``); its time is
 the op's own, whichever thread ran it, so the sums can exceed the step's wall time when ops
-run side by side.
+run side by side. A TPU records its ops on the device plane's ``XLA Ops`` line, one after
+another (``op_times`` reads both).
 """
 
 from __future__ import annotations
