@@ -154,6 +154,7 @@ VALUES: dict[str, Flag] = {
     "gdn_value_head_dim": F(16, family="qwen3-next-tiny"),
     "gdn_num_key_heads": F(1, family="qwen3-next-tiny"),
     "gdn_num_value_heads": F(2, family="qwen3-next-tiny"),
+    "gdn_chunk_size": F(4, family="qwen3-next-tiny"),  # the delta rule 4 tokens at a time: another program
     "partial_rotary_factor": F(0.25, family="qwen3-next-tiny"),  # RoPE on 2 of the 8 dims of a full-attention head
     # --- mixture of experts
     "num_experts": F(8, family="mixtral-tiny"),

@@ -244,7 +244,6 @@ _ignored(
 )
 _ignored(
     KERNELS,
-    gdn_chunk_size=64,  # the chunk of MaxText's chunked Gated DeltaNet: the same function (nnxtron: token by token)
     mla_qk_head_chunk_size=0, csa_qk_head_chunk_size=0, megablox=True, use_custom_sort_vjp=True,
     router_topk_matmul_vjp=False, te_ep_overflow_check_every_n_steps=20,
     moe_use_direct_token_gather=False, use_gather_mosaic_kernel=False, ragged_gather_fallback=False,
@@ -636,9 +635,10 @@ _refused(
     gate=('use_mrope', (False,)),
     mrope_section=[24, 20, 20], position_id_per_seconds=25,
 )
-# Qwen3-Next's Gated DeltaNet (decoder_block=qwen3_next; nnxtron runs its recurrence token by token)
+# Qwen3-Next's Gated DeltaNet (decoder_block=qwen3_next; its delta rule a gdn_chunk_size chunk of tokens at a time)
 _honoured(
     gdn_conv_kernel_dim=4, gdn_key_head_dim=128, gdn_value_head_dim=128, gdn_num_key_heads=16, gdn_num_value_heads=32,
+    gdn_chunk_size=64,
 )
 _refused(
     "the Gated DeltaNet without the L2-normalised queries and keys, which nnxtron (and HF Qwen3-Next) does not have",

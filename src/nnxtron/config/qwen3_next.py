@@ -22,6 +22,7 @@ OPTIONS_OFF = {
     "gdn_value_head_dim": 128,
     "gdn_num_key_heads": 16,
     "gdn_num_value_heads": 32,
+    "gdn_chunk_size": 64,
     "partial_rotary_factor": 1.0,
 }
 

@@ -161,6 +161,7 @@ class Config(BaseModel):
     gdn_value_head_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # value head width (HF linear_value_head_dim)
     gdn_num_key_heads: Model[int] = Field(gt=0, le=MAX_COUNT)  # query/key heads (HF linear_num_key_heads)
     gdn_num_value_heads: Model[int] = Field(gt=0, le=MAX_COUNT)  # value heads, a multiple of the key heads
+    gdn_chunk_size: Model[int] = Field(gt=0, le=MAX_SIZE)  # tokens the delta rule takes at a time (the same function)
     partial_rotary_factor: Model[float] = Field(gt=0, le=1)  # RoPE on the first head_dim x this dims (qwen3_next only)
 
     # --- mixture of experts -------------------------------------------------------

@@ -9,8 +9,9 @@ Per token ``t`` and value head ``h`` (its query/key head ``h // (Hv / Hk)``)::
     S = S * exp(g_t);  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t   # S [dk, dv], float32
     y = out_proj(rms_norm(o) * w * silu(z))                               # the gated norm, w starts at 1
 
-The recurrence is the delta rule run token by token with ``jax.lax.scan`` (HF's
-``torch_recurrent_gated_delta_rule``; its chunked form computes the same function). Packed sequences:
+``gated_delta_rule`` is the recurrence token by token (HF's ``torch_recurrent_gated_delta_rule``), the
+definition; the layer runs ``chunked_gated_delta_rule``, the same function ``gdn_chunk_size`` tokens at a time
+(HF's ``torch_chunk_gated_delta_rule``), whose backward keeps one state per chunk. Packed sequences:
 the state restarts and the convolution sees no token of another segment where ``segment_ids`` change
 (HF has no packing here; a single segment is HF's computation exactly). Decoding caches the last ``K - 1``
 conv inputs (by position) and the recurrent state (``cache_spec``); padding tokens leave both alone.
@@ -52,6 +53,11 @@ def causal_conv(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array) -> jax.
     return out
 
 
+def _normalised(q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The delta rule's queries and keys: L2-normalised in float32, the queries scaled by ``1 / sqrt(dk)``."""
+    return l2_normalise(q.astype(jnp.float32)) * (q.shape[-1] ** -0.5), l2_normalise(k.astype(jnp.float32))
+
+
 def gated_delta_rule(
     q: jax.Array,
     k: jax.Array,
@@ -66,8 +72,7 @@ def gated_delta_rule(
     [B, S, H]``, ``restart [B, S]`` (the state is zeroed before token t where true) -> ``(o [B, S, H, dv],
     final state [B, H, dk, dv])``. ``initial``: the state before the first token (decoding; zeros if None);
     ``keep [B, S]``: where false the token leaves the state unchanged (padding while decoding)."""
-    q = l2_normalise(q.astype(jnp.float32)) * (q.shape[-1] ** -0.5)
-    k = l2_normalise(k.astype(jnp.float32))
+    q, k = _normalised(q, k)
     batch, _, heads, dk = k.shape
     state = jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if initial is None else initial.astype(jnp.float32)
     keep = jnp.ones(restart.shape, bool) if keep is None else keep
@@ -83,6 +88,76 @@ def gated_delta_rule(
     inputs = (q, k, v.astype(jnp.float32), g, beta.astype(jnp.float32), restart, keep)
     state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in inputs))
     return jnp.moveaxis(out, 0, 1), state
+
+
+def chunked_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    restart: jax.Array,
+    initial: jax.Array | None = None,
+    keep: jax.Array | None = None,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array]:
+    """``gated_delta_rule``'s function computed a chunk of tokens at a time (HF ``torch_chunk_gated_delta_rule``,
+    MaxText's ``gdn_chunk_size``): the same arguments and results, float32.
+
+    Inside a chunk of ``C`` tokens with cumulative log decay ``G`` the delta rule's updates are one triangular
+    solve, ``T = (I + tril(diag(beta) K K^T * exp(G_i - G_j), -1))^-1``, and the chunk's outputs two products
+    with the state it starts from; only that state is carried from chunk to chunk (``lax.scan``), so the
+    backward pass keeps one ``[B, H, dk, dv]`` state per chunk, not per token. A restart inside a chunk splits
+    it: token pairs of different pieces do not interact and only the piece before the first restart sees the
+    incoming state. ``keep`` false makes a token's decay 1 and its ``beta`` 0 (the state passes it unchanged,
+    as in the recurrence); the sequence is padded to whole chunks the same way."""
+    q, k = _normalised(q, k)
+    v, g, beta = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
+    batch, seq, heads, dk = k.shape
+    dv = v.shape[-1]
+    if keep is not None:
+        g, beta, restart = jnp.where(keep[..., None], g, 0.0), jnp.where(keep[..., None], beta, 0.0), restart & keep
+    size = min(chunk_size, seq)
+    chunks = -(-seq // size)
+    pad = chunks * size - seq
+
+    def chunked(x: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, H, C, ...] (restart: [n, B, 1, C])
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        x = x.reshape(batch, chunks, size, *x.shape[2:])
+        x = x[:, :, :, None] if x.ndim == 3 else x  # restart: a head axis of 1
+        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
+
+    q, k, v, beta = (chunked(x) for x in (q, k, v, beta))
+    piece = jnp.cumsum(chunked(restart).astype(jnp.int32), axis=-1)  # [n, B, 1, C]: restarts so far inside the chunk
+    gcum = jnp.cumsum(chunked(g), axis=-1)  # [n, B, H, C]
+    causal = jnp.tril(jnp.ones((size, size), bool))
+    together = causal & (piece[..., :, None] == piece[..., None, :])  # i >= j, no restart in (j, i]
+    decay = jnp.where(together, jnp.exp(jnp.where(together, gcum[..., :, None] - gcum[..., None, :], 0.0)), 0.0)
+    k_beta = k * beta[..., None]
+    strict = jnp.einsum("nbhid,nbhjd->nbhij", k_beta, k) * decay * (1.0 - jnp.eye(size))
+    solve = jax.scipy.linalg.solve_triangular(
+        jnp.eye(size) + strict, jnp.broadcast_to(jnp.eye(size), strict.shape), lower=True, unit_diagonal=True
+    )
+    values = solve @ (v * beta[..., None])  # the chunk's updates before the incoming state's part
+    first_piece = (piece == 0).astype(jnp.float32)  # tokens that see the incoming state
+    k_decayed = (solve @ (k_beta * jnp.exp(gcum)[..., None])) * first_piece[..., None]
+    q_decayed = q * (jnp.exp(gcum) * first_piece)[..., None]
+    scores = jnp.einsum("nbhid,nbhjd->nbhij", q, k) * decay
+    last = piece[..., -1:]  # the piece the chunk ends in
+    to_end = jnp.where(piece == last, jnp.exp(gcum[..., -1:] - gcum), 0.0)  # [n, B, H, C]
+    carry_over = jnp.where(last[..., 0] == 0, jnp.exp(gcum[..., -1]), 0.0)  # [n, B, H]
+
+    def step(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        values_c, k_decayed_c, q_decayed_c, scores_c, k_c, to_end_c, carry_c = xs
+        new_values = values_c - k_decayed_c @ state
+        out = q_decayed_c @ state + scores_c @ new_values
+        state = state * carry_c[..., None, None] + jnp.einsum("bhc,bhck,bhcv->bhkv", to_end_c, k_c, new_values)
+        return state, out
+
+    state = jnp.zeros((batch, heads, dk, dv), jnp.float32) if initial is None else initial.astype(jnp.float32)
+    state, out = jax.lax.scan(step, state, (values, k_decayed, q_decayed, scores, k, to_end, carry_over))
+    out = jnp.moveaxis(out, 0, 1).swapaxes(2, 3).reshape(batch, chunks * size, heads, dv)  # [B, n C, H, dv]
+    return out[:, :seq], state
 
 
 def cached_causal_conv(x: jax.Array, kernel: jax.Array, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
@@ -125,6 +200,7 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_ba = Linear([cfg.base_emb_dim], [self.key_heads, 2 * group], ("embed", "kv_heads", None), **kw)
         channels = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
         size = self.conv_size = cfg.gdn_conv_kernel_dim
+        self.chunk_size = cfg.gdn_chunk_size
         conv = jax.random.uniform(rngs.params(), (channels, 1, size), jnp.float32, -(size**-0.5), size**-0.5)
         self.conv = nnx.Param(conv.astype(weight_dtype), out_sharding=(None, None, None))
         self.dt_bias = nnx.Param(jnp.ones((self.value_heads,), jnp.float32), out_sharding=(None,))
@@ -163,14 +239,15 @@ class GatedDeltaNet(nnx.Module):
         if hasattr(self, "cache"):  # decoding: one document per row, padding (segment 0) leaves the state alone
             valid = segment_ids != 0
             state = self.cache["state"]
-            out, final = gated_delta_rule(
-                q, k, v, g, beta, jnp.zeros(valid.shape, bool), initial=state.entries["s"][...][:, 0], keep=valid
-            )
+            out, final = chunked_gated_delta_rule(
+                q, k, v, g, beta, jnp.zeros(valid.shape, bool),
+                initial=state.entries["s"][...][:, 0], keep=valid, chunk_size=self.chunk_size,
+            )  # fmt: skip
             last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
             state.store({"s": final[:, None]}, last, last >= 0)
         else:
             restart = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
-            out, _ = gated_delta_rule(q, k, v, g, beta, restart)
+            out, _ = chunked_gated_delta_rule(q, k, v, g, beta, restart, chunk_size=self.chunk_size)
         return self.out(self.norm(out.astype(self.dtype), z))
 
     def cache_spec(self, max_length: int) -> dict[str, CacheSpec]:

@@ -120,7 +120,11 @@ FAMILIES = (
         # keys amplifies float32 reordering): against the unrolled one-device run, with the loss equal to 1 ulp,
         # measured 1.1e-5 (one device, scanned + remat full), 2.0e-5 (fsdp4 x tensor2, unrolled), 7.1e-6 (data2 x
         # fsdp4) and 8.8e-6 (expert2 x fsdp4, scanned + remat full) at 3 layers; 3.0e-6..1.8e-5 at 4. Its aggregate
-        # bound is 5e-5 (the matrix's 1e-5 elsewhere); a real fault (a lost state, a wrong split) moves it by O(1)
-        strategy_rows=(StrategyRow("qwen3-next-tiny", True, "full", "expert2_fsdp4", 1, bounds=(("aggregate_rel", 5e-5),)),),
+        # bound is 5e-5 (the matrix's 1e-5 elsewhere); a real fault (a lost state, a wrong split) moves it by O(1).
+        # The chunked delta rule (a triangular solve per chunk) moves single leaves by up to 4.1e-5 of their norm
+        # (the token-by-token scan: 1.3e-5): the per-leaf bound is 1e-4 (the matrix's 2e-5)
+        strategy_rows=(
+            StrategyRow("qwen3-next-tiny", True, "full", "expert2_fsdp4", 1, bounds=(("aggregate_rel", 5e-5), ("rel", 1e-4))),
+        ),
     ),
 )
