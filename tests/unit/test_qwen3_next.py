@@ -67,7 +67,6 @@ def test_the_recurrence_restarts_and_the_conv_stops_at_a_segment_boundary():
     [
         (dict(ici_pipeline_parallelism=2), "pipeline parallelism"),
         (dict(ici_context_parallelism=2), "ici_context_parallelism=1"),
-        (dict(use_qwix_quantization=True, quantization="int8"), "use_qwix_quantization=false"),
         (dict(mtp_num_layers=1), "mtp_num_layers"),
         (dict(inhomogeneous_layer_cycle_interval=0), "inhomogeneous_layer_cycle_interval"),
         (dict(shared_experts=0), "shared_experts >= 1"),

@@ -101,10 +101,5 @@ def check_strategies(cfg: Config) -> None:
             "decoder_block qwen3_next's Gated DeltaNet recurrence runs along the whole sequence; context "
             "parallelism is not supported: set ici_context_parallelism=1"
         )
-    if cfg.use_qwix_quantization:
-        raise ConfigError(
-            "decoder_block qwen3_next: use_qwix_quantization=true is not supported (its rules are untested on the "
-            "Gated DeltaNet projections and recurrence); set use_qwix_quantization=false"
-        )
     if cfg.mtp_num_layers:
         raise ConfigError("decoder_block qwen3_next: mtp_num_layers > 0 is not supported (HF drops its MTP layers)")
