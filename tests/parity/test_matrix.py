@@ -327,11 +327,11 @@ def test_gemma_quantized_matches_its_quantized_baseline():
     assert_grad_parity(result, run_family("gemma-tiny", Strategy(extra=quantized)), **TENSOR_QUANT_BOUNDS)
 
 
-@pytest.mark.parametrize("model", ["gemma2-tiny", "olmo3-tiny", "qwen3-next-tiny"])
+@pytest.mark.parametrize("model", ["gemma2-tiny", "olmo3-tiny", "qwen3-next-tiny", "gpt-oss-tiny"])
 def test_soft_capped_and_qk_normed_families_quantized_scan_equals_unrolled(model):
     """fp8 with Gemma 2's logit soft caps, OLMo 3's whole-projection qk-norm and Qwen3-Next's Gated DeltaNet
     projections: scanned with full remat == unrolled, on one device, at float32 BOUNDS (measured 2026-12-07:
-    gemma2-tiny 6.7e-8, olmo3-tiny 0.0; qwen3-next-tiny 2.2e-6, input cotangent 3.6e-6). Split over data shards or microbatches, their fp8 weight gradients move by the
+    gemma2-tiny 6.7e-8, olmo3-tiny 0.0; qwen3-next-tiny 2.2e-6, input cotangent 3.6e-6; gpt-oss-tiny 0.0). Split over data shards or microbatches, their fp8 weight gradients move by the
     per-split scales — on one device with accumulation 2: aggregate gemma2-tiny 3.8e-2, olmo3-tiny
     4.5e-2, input cotangent <= 2e-5 — above TENSOR_QUANT_BOUNDS, so their sharded rows run unquantized
     (the family rows above)."""

@@ -228,3 +228,21 @@ def test_dense_in_a_pipeline_equals_the_grouped_sequential_model():
                                                 use_qwix_quantization=True, quantization="fp8_full")).ops  # fmt: skip
     moe_paths = [path for path in ops if path.endswith("/mlp")]
     assert moe_paths and all(ops[path] == {"einsum": 3} for path in moe_paths), ops
+
+
+def test_expert_biases_are_added_alike_on_every_path():
+    """GPT-OSS's expert biases (``mlp_bias``; made non-zero here), added after the grouped matmuls by each row's expert
+    (``expert_ffn``) or per expert (``dense_ffn``): dense and blocked = grouped (ragged_dot), values and every
+    gradient, the biases' own included."""
+    pair = {}
+    for path in ("grouped", "dense", "blocked"):
+        cfg = tiny_config("gpt-oss-tiny", **PATHS[path], load_balance_loss_weight=0.01)
+        with nnx.use_eager_sharding(False):
+            moe = MoE(cfg, nnx.Rngs(0), trained_router_bias=True)
+        for i, name in enumerate(("wi_0_bias", "wi_1_bias", "wo_bias")):
+            param = getattr(moe, name)
+            param[...] = 0.5 * jax.random.normal(jax.random.key(10 + i), param.shape)
+        pair[path] = (moe, cfg)
+    x = inputs(dim=pair["grouped"][1].base_emb_dim)
+    out = _compare(pair, x, jax.random.normal(jax.random.key(3), x.shape))
+    assert all(errs["aggregate"] < 1e-5 for errs in out["errs"].values()), out["errs"]

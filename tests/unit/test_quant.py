@@ -90,6 +90,16 @@ def test_qwen3_next_quantizes_its_projections_not_its_recurrence():
     assert all(counts == ({"ragged_dot": 3} if path.endswith("/mlp") else {"dot_general": 1}) for path, counts in ops.items())
 
 
+def test_gpt_oss_quantizes_its_expert_kernels_not_their_biases():
+    """GPT-OSS's expert biases (mlp_bias) are added after the grouped matmuls, so qwix quantizes the three expert
+    kernels (the parameters themselves) and nothing else of the MoE: three ragged_dots, no bias matmul."""
+    ops = quant.quantized_structure(quantized("gpt-oss-tiny")).ops
+    assert {path: counts for path, counts in ops.items() if path.endswith("/mlp")} == {
+        f"layers/layers/cycle/{i}/mlp": {"ragged_dot": 3} for i in range(2)
+    }
+    assert all(re.search(r"/attention/(query|key|value|out)$", path) for path in ops if not path.endswith("/mlp")), ops
+
+
 def test_module_path_options_select_what_is_quantized():
     only_mlp = quant.quantized_structure(quantized(qwix_module_path=".*/mlp/.*")).ops
     assert sorted(only_mlp) == [p for p in LLAMA_MODULES if "/mlp/" in p]

@@ -51,11 +51,6 @@ def check(cfg: Config) -> None:
             "decoder_block gpt_oss weighs its experts by the softmax over the top-k router logits; set "
             "routed_score_func=softmax and norm_topk_prob=true"
         )
-    if cfg.mlp_bias and cfg.use_qwix_quantization:
-        raise ConfigError(
-            "decoder_block gpt_oss's expert biases (mlp_bias=true) ride the expert kernels as one more row, which qwix "
-            "cannot find as a weight to quantize; set use_qwix_quantization=false (or mlp_bias=false)"
-        )
     if cfg.routed_bias_update_rate:
         raise ConfigError(
             "decoder_block gpt_oss's routed_bias is a trained bias of the router logits (HF router.bias), not "

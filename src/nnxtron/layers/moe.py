@@ -191,15 +191,11 @@ class MoE(nnx.Module):
             combine, in_scale = jnp.ones_like(weights), weights
         else:
             combine, in_scale = weights, None
-        inputs, wi_0, wi_1 = x, self.wi_0[...], self.wi_1[...]
-        if hasattr(self, "wi_0_bias"):  # a ones column on the tokens and the biases as one more kernel row
-            inputs = jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
-            wi_0 = jnp.concatenate([wi_0, self.wi_0_bias[...][:, None, :].astype(wi_0.dtype)], axis=1)
-            wi_1 = jnp.concatenate([wi_1, self.wi_1_bias[...][:, None, :].astype(wi_1.dtype)], axis=1)
+        biases = (self.wi_0_bias[...], self.wi_1_bias[...]) if hasattr(self, "wi_0_bias") else None
         routed = dispatch(
-            inputs, indices, combine, keep, in_scale, wi_0, wi_1, self.wo[...],
+            x, indices, combine, keep, in_scale, self.wi_0[...], self.wi_1[...], self.wo[...],
             glu=glu(self.activation, self.limit), compute=self.compute, method=self.grouped_matmul,
-            token_chunks=self.token_chunks, quantized=self.quantized,
+            token_chunks=self.token_chunks, quantized=self.quantized, biases=biases,
         )  # fmt: skip
         if hasattr(self, "wo_bias"):  # each kept assignment adds its weight x its expert's output bias
             kept = jnp.where(keep, combine.astype(jnp.float32), 0.0)

@@ -76,6 +76,7 @@ def expert_ffn(
     method: str,
     expert_offset: jax.Array | int = 0,
     chunks: int = 1,
+    biases: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """``sum_j combine[t, j] * FFN_{indices[t, j]}(x[t] * in_scale[t, j])`` in float32.
 
@@ -83,6 +84,10 @@ def expert_ffn(
     ``[E_local, ...]`` hold experts ``expert_offset .. expert_offset + E_local - 1``.
     Assignments to other experts, or with ``keep`` false, contribute zero. ``method``: the
     grouped matmul, ``ragged_dot`` or ``blocked`` (``parallel/grouped_matmul.py``).
+    ``biases`` (GPT-OSS ``mlp_bias``): the gate and up projections' biases ``[E_local, H]``,
+    gathered by each grouped row's expert and added after the matmuls: the kernels stay the
+    parameters themselves, which qwix finds as weights to quantize, and the biases are not
+    quantized.
 
     ``chunks > 1`` (``moe_token_chunks``) runs it over that many equal pieces of the ``T``
     tokens, one after another, each recomputed in the backward pass: the same values, with
@@ -95,7 +100,7 @@ def expert_ffn(
         split = lambda a: None if a is None else a.reshape(chunks, tokens // chunks, *a.shape[1:])  # noqa: E731
 
         def one(args):
-            return expert_ffn(*args, wi_0, wi_1, wo, glu=glu, method=method, expert_offset=expert_offset)
+            return expert_ffn(*args, wi_0, wi_1, wo, glu=glu, method=method, expert_offset=expert_offset, biases=biases)
 
         out = jax.lax.map(jax.checkpoint(one), tuple(map(split, (x, indices, combine, keep, in_scale))))
         return out.reshape(tokens, -1)
@@ -111,8 +116,12 @@ def expert_ffn(
     if in_scale is not None:
         xs = xs * permute_rows(in_scale.T.reshape(-1), grouped.rows, grouped.restore, grouped.in_bounds)[:, None].astype(xs.dtype)
     dtype = x.dtype
-    gate = checkpoint_name(grouped.matmul(xs, wi_0.astype(dtype)), "mlpwi_0")
-    up = checkpoint_name(grouped.matmul(xs, wi_1.astype(dtype)), "mlpwi_1")
+    gate, up = grouped.matmul(xs, wi_0.astype(dtype)), grouped.matmul(xs, wi_1.astype(dtype))
+    if biases is not None:  # each row's expert bias (zero on padding rows and rows in no group)
+        row_expert = jnp.take(key, grouped.rows, mode="fill", fill_value=local_experts)
+        gate = gate + jnp.take(biases[0].astype(dtype), row_expert, axis=0, mode="fill", fill_value=0)
+        up = up + jnp.take(biases[1].astype(dtype), row_expert, axis=0, mode="fill", fill_value=0)
+    gate, up = checkpoint_name(gate, "mlpwi_0"), checkpoint_name(up, "mlpwi_1")
     out = checkpoint_name(grouped.matmul(glu(gate, up), wo.astype(dtype)), "mlpwo")
     out = permute_rows(out, grouped.restore, grouped.rows, grouped.in_bounds).reshape(k, tokens, -1).astype(jnp.float32)
     weights = jnp.where(valid, combine.astype(jnp.float32), 0.0)
@@ -131,6 +140,7 @@ def dense_ffn(
     *,
     glu: Callable[[jax.Array, jax.Array], jax.Array],
     quantized: bool = False,
+    biases: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """``expert_ffn``'s function on ``x [B, S, D]`` and routing ``[B, S, k]`` -> ``[B, S, D]``
     float32, computing every expert ``[E, ...]`` on every token. ``in_scale`` (Llama 4) needs
@@ -158,13 +168,16 @@ def dense_ffn(
     # by shape, cannot tell wi_0 from wi_1 (nor from wo when the widths are equal) — a cast weight
     # would stay unquantized or fail under the gradient trace
     xw = x.astype(wi_0.dtype)
+    bias_0, bias_1 = (0.0, 0.0) if biases is None else (b.astype(wi_0.dtype) for b in biases)  # [E, H] per expert
     if quantized:  # MaxText's form: per-expert outputs [B, S, E, D], then the weighted sum
-        gate = checkpoint_name(jnp.einsum("bsd,edh->bseh", xw, wi_0).astype(dtype), "mlpwi_0")
-        up = checkpoint_name(jnp.einsum("bsd,edh->bseh", xw, wi_1).astype(dtype), "mlpwi_1")
+        gate = checkpoint_name((jnp.einsum("bsd,edh->bseh", xw, wi_0) + bias_0).astype(dtype), "mlpwi_0")
+        up = checkpoint_name((jnp.einsum("bsd,edh->bseh", xw, wi_1) + bias_1).astype(dtype), "mlpwi_1")
         hidden = glu(gate, up).astype(wo.dtype)
         out = checkpoint_name(jnp.einsum("bseh,ehd->bsed", hidden, wo).astype(dtype), "mlpwo")
         return jnp.einsum("bsed,bse->bsd", out.astype(jnp.float32), weights)
     both = jnp.einsum("bsd,edgh->bsegh", xw, jnp.stack([wi_0, wi_1], axis=-2))
+    if biases is not None:
+        both = both + jnp.stack([bias_0, bias_1], axis=-2)  # [E, 2, H]
     gate = checkpoint_name(both[..., 0, :].astype(dtype), "mlpwi_0")
     up = checkpoint_name(both[..., 1, :].astype(dtype), "mlpwi_1")
     weighted = glu(gate, up).astype(jnp.float32) * weights[..., None]  # [B, S, E, H]; unselected experts: 0
@@ -186,15 +199,17 @@ def dispatch(
     method: str,
     token_chunks: int = 1,
     quantized: bool = False,
+    biases: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Routed output ``[B, S, D]`` float32 for ``x [B, S, D]`` and routing ``[B, S, k]``;
     ``glu(gate, up)`` is the gated activation (``nnxtron.layers.mlp.glu``); ``compute`` is
     ``moe_compute`` (``grouped``: ``expert_ffn``, sharded by hand; ``dense``: ``dense_ffn``);
     ``method`` the grouped matmul of ``expert_ffn`` (``ragged_dot`` or ``blocked``);
     ``token_chunks`` runs it over that many pieces of each device's tokens
-    (``expert_ffn``'s ``chunks``); ``quantized`` is ``dense_ffn``'s."""
+    (``expert_ffn``'s ``chunks``); ``quantized`` is ``dense_ffn``'s; ``biases`` the gate and up
+    projections' ``[E, H]`` (``expert_ffn``)."""
     if compute == "dense":
-        return dense_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, glu=glu, quantized=quantized)
+        return dense_ffn(x, indices, combine, keep, in_scale, wi_0, wi_1, wo, glu=glu, quantized=quantized, biases=biases)
     if compute != "grouped":
         raise ValueError(f"moe_compute={compute!r}; choose one of {MOE_COMPUTES}")
     kw = dict(glu=glu, method=method)
@@ -203,9 +218,10 @@ def dispatch(
         batch, seq, dim = x.shape
         flat = lambda a: None if a is None else a.reshape(batch * seq, -1)  # noqa: E731
         y = expert_ffn(
-            x.reshape(batch * seq, dim), *map(flat, (indices, combine, keep, in_scale)), wi_0, wi_1, wo, chunks=token_chunks, **kw
-        )
-        return y.reshape(batch, seq, -1)  # wo.shape[-1]: x may carry a bias column (MoE mlp_bias)
+            x.reshape(batch * seq, dim), *map(flat, (indices, combine, keep, in_scale)), wi_0, wi_1, wo,
+            chunks=token_chunks, biases=biases, **kw,
+        )  # fmt: skip
+        return y.reshape(batch, seq, -1)
     mesh, rules = active
     token_spec = logical_to_spec((*TOKEN_NAMES, None), rules, mesh)
     token_axes = {a for entry in token_spec for a in spec_axes(entry)}
@@ -223,8 +239,10 @@ def dispatch(
     mlp_name = mlp_axes if len(mlp_axes) > 1 else (mlp_axes[0] if mlp_axes else None)
 
     has_scale = in_scale is not None
+    extras = ((in_scale,) if has_scale else ()) + (biases or ())
 
-    def body(x, indices, combine, keep, wi_0, wi_1, wo, *scale):
+    def body(x, indices, combine, keep, wi_0, wi_1, wo, *rest):
+        scale, local_biases = rest[: int(has_scale)], (tuple(rest[int(has_scale) :]) or None)
         routing = (indices, combine, keep, *scale)
         if gather is not None:
             x, *routing = (jax.lax.all_gather(a, ep_name, axis=gather, tiled=True) for a in (x, *routing))
@@ -234,7 +252,7 @@ def dispatch(
         local_scale = scale[0] if scale else None
         y = expert_ffn(
             x.reshape(batch * seq, dim), indices, combine, keep, local_scale, wi_0, wi_1, wo,
-            expert_offset=offset, chunks=token_chunks, **kw,
+            expert_offset=offset, chunks=token_chunks, biases=local_biases, **kw,
         )  # fmt: skip
         y = y.reshape(batch, seq, -1)
         if mlp_name is not None:
@@ -245,6 +263,8 @@ def dispatch(
 
     wi_spec, wo_spec = P(ep_name, None, mlp_name), P(ep_name, mlp_name, None)
     route_spec = P(*token_spec[:2], None)
-    in_specs = (token_spec, route_spec, route_spec, route_spec, wi_spec, wi_spec, wo_spec) + ((route_spec,) if has_scale else ())
+    bias_spec = P(ep_name, mlp_name)
+    in_specs = (token_spec, route_spec, route_spec, route_spec, wi_spec, wi_spec, wo_spec)
+    in_specs += ((route_spec,) if has_scale else ()) + ((bias_spec, bias_spec) if biases else ())
     fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=token_spec, axis_names=set(mesh.axis_names), check_vma=False)
-    return fn(x, indices, combine, keep, wi_0, wi_1, wo, *((in_scale,) if has_scale else ()))
+    return fn(x, indices, combine, keep, wi_0, wi_1, wo, *extras)
