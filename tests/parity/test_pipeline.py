@@ -109,6 +109,15 @@ CASES = {
     "gemma_scaled_embedding_around_stages": ("gemma-tiny", dict(base_num_decoder_layers=4), PP2_FSDP2, 4),
     # Gemma 2's (sliding, global) pairs as stages, its attention soft cap inside them
     "gemma2_soft_capped_pairs_in_stages": ("gemma2-tiny", dict(remat_policy="none"), PP2_FSDP2, 4),
+    # GPT-OSS's (sliding, global) pairs with sinks, biases and clamped MoE experts as stages
+    "gpt_oss_pairs_in_stages": ("gpt-oss-tiny", dict(base_num_decoder_layers=4, remat_policy="none"), PP2_FSDP2, 4),
+    # Qwen3-Next's (Gated DeltaNet, gated attention) cycles as stages (a cycle of 2 here: 1 linear + 1 full)
+    "qwen3_next_cycles_in_stages": (
+        "qwen3-next-tiny",
+        dict(base_num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2, remat_policy="none"),
+        PP2_FSDP2,
+        4,
+    ),
     # MaxText's toy blocks, which MaxText's own pipeline tests run: one matmul a layer, no residual (4 stages, gpipe)
     "simple_gpipe_4_stages": (
         "simple-tiny",

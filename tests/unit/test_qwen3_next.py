@@ -65,7 +65,6 @@ def test_the_recurrence_restarts_and_the_conv_stops_at_a_segment_boundary():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (dict(ici_pipeline_parallelism=2), "pipeline parallelism"),
         (dict(ici_context_parallelism=2), "ici_context_parallelism=1"),
         (dict(mtp_num_layers=1), "mtp_num_layers"),
         (dict(inhomogeneous_layer_cycle_interval=0), "inhomogeneous_layer_cycle_interval"),

@@ -90,12 +90,6 @@ def check(cfg: Config) -> None:
 
 def check_strategies(cfg: Config) -> None:
     """What the Gated DeltaNet layers do not run under (refused by name, never run wrong)."""
-    if cfg.pipeline_stages > 1:
-        raise ConfigError(
-            "decoder_block qwen3_next is not supported with pipeline parallelism (ici/dcn_pipeline_parallelism > 1): "
-            "its stages are untested with the Gated DeltaNet layers; set ici_pipeline_parallelism=1 and "
-            "dcn_pipeline_parallelism=1"
-        )
     if cfg.ici_context_parallelism != 1:
         raise ConfigError(
             "decoder_block qwen3_next's Gated DeltaNet recurrence runs along the whole sequence; context "
