@@ -11,7 +11,9 @@ scanned stacks of identical *blocks*: a block is one layer, or — for a repeati
 one cycle of ``inhomogeneous_layer_cycle_interval`` layers (a ``CycleBlock``) so that every
 block in a stack has the same structure and one compiled body scans them all. Layers
 left over after the last full cycle form a ``remainder_layers`` stack holding one
-shorter block; no layer is ever dropped.
+shorter block; no layer is ever dropped. A pipeline that whole cycles cannot fill may instead
+run a sliding/global pattern as one-layer blocks of kind ``selected`` whose kind is data
+(``selected_stacks``, ``config/pipeline.decoder_stacks``).
 
 Layer ``i`` (0-based) of a config:
 
