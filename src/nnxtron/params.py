@@ -16,7 +16,7 @@ two layouts as a whole. Layer counts are one int for every stack or a dict per s
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -196,6 +196,40 @@ def rename_stacks(flat: dict[str, Any], moves: Mapping[str, tuple[str, int]]) ->
             path = layer_path(f"{group[: group.rindex(f'{stack}/layers/')]}{name}/layers/", first + index, rest)
         renamed[path] = value
     return renamed
+
+
+def restack(flat: dict[str, Any], source: Sequence[Any], target: Sequence[Any]) -> dict[str, Any]:
+    """Layer-list paths of the stacks ``source`` renamed to where ``target`` holds the same model
+    layer (both ``config.layout.StackLayout`` sequences over the same layers: ``name``,
+    ``num_layers``, ``layers_per_block``, ``hf_layer``, ``sub_path``): e.g. a pipeline's one-layer
+    blocks ``layers/layers/7/...`` to the cycle layout's ``remainder_layers/layers/0/cycle/1/...``,
+    or a partial pipeline's ``unpipelined_layers`` back into the main stack. Other paths are kept;
+    a layer missing from ``target`` raises."""
+    where = {}
+    for stack in target:
+        for block in range(stack.num_layers):
+            for position in range(stack.layers_per_block):
+                where[stack.hf_layer(block, position)] = (stack.name, block, stack.sub_path(position))
+    by_name = {stack.name: stack for stack in source}
+    moved = {}
+    for path, value in flat.items():
+        split = split_layer_path(path)
+        if split is None or split[1] is None or stack_name(split[0]) not in by_name:
+            moved[path] = value
+            continue
+        group, block, rest = split
+        stack = by_name[stack_name(group)]
+        position = 0
+        if stack.layers_per_block > 1:  # ".../cycle/<j>/rest"
+            _, index, rest = rest.split("/", 2)
+            position = int(index)
+        layer = stack.hf_layer(block, position)
+        if layer not in where:
+            raise ValueError(f"restack: {path} is model layer {layer}, which the target stacks do not hold")
+        name, new_block, sub = where[layer]
+        prefix = group[: group.rindex(f"{stack.name}/layers/")]
+        moved[layer_path(f"{prefix}{name}/layers/", new_block, "".join(f"{part}/" for part in sub) + rest)] = value
+    return moved
 
 
 def layer_list_layout(state: Any, num_layers: LayerCounts) -> dict[str, Any]:

@@ -206,6 +206,9 @@ MUTATIONS = [
              "aux = dict(carry.aux_sum)", ("tests/parity/test_pipeline.py::test_pipeline_equals_the_sequential_model[moe_load_balance_loss]",)),
     Mutation("pipeline-ignores-iteration-remat-flag", "parallel/pipeline.py", "policy = jax_policy(remat) if spec.remat_iterations else None",
              "policy = jax_policy(remat)", ("tests/unit/test_pipeline.py::test_per_stage_remat_is_in_the_program_only_when_enabled",)),
+    Mutation("pipeline-selected-kind-ignored", "parallel/layer_kind.py", "return jnp.asarray(global_layers, jnp.bool_)[block_ids]",
+             "return jnp.ones_like(block_ids, jnp.bool_)  # every layer global",
+             ("tests/parity/test_pipeline_kinds.py::test_selected_kind_pipeline_equals_the_sequential_cycles[default_layout_circular_4_repeats]",)),
     Mutation("pipeline-ignores-delay", "parallel/pipeline_schedule.py", "sent = y if delay == 1 else previous", "sent = y",
              ("tests/unit/test_pipeline.py::test_non_trainable_state_mutated_in_a_stage_survives",)),
     # each pipeline flag's reader (issue 26): the schedule's loops, gathers, stage bodies and the spec

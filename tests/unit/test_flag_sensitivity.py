@@ -367,6 +367,13 @@ WSD = {"lr_schedule_type": "wsd"}
 MTP = {"mtp_num_layers": 1}
 MIXTURE = {**DATA, "dataset_path": (C["text_a"], C["text_b"]), "dataset_weights": (0.5, 0.5)}
 SYNTHETIC = {**DATA, "dataset_type": "synthetic", "dataset_path": ()}
+# gemma3-tiny with one 4-layer cycle (3 sliding, 1 global) on 2 stages: one-layer blocks whose kind is data
+SELECTED_PIPE = {
+    "ici_pipeline_parallelism": 2,
+    "base_num_decoder_layers": 4,
+    "sliding_window_pattern": 4,
+    "per_device_batch_size": 2,
+}
 PARTIAL = {"base_num_decoder_layers": 4, "per_device_batch_size": 2, "scan_layers": False}  # + pipeline_parallel_layers=2
 MAXTEXT_BALANCE = {"load_balance_convention": "maxtext", "load_balance_loss_weight": 0.01}
 # Contexts that run a key's further read sites (issue 54's backlog, tests/flags/read_coverage.py):
@@ -396,9 +403,13 @@ READ_SITE_CASES: dict[str, dict[str, Flag]] = {
     },
     "num_pipeline_microbatches": {"moe": F(4, family="mixtral-tiny", base={**MOE_PIPE, "ici_pipeline_parallelism": 2})},
     "num_layers_per_pipeline_stage": {
-        "cycle_blocks": F(12, family="gemma3-tiny", base={"ici_pipeline_parallelism": 2, "base_num_decoder_layers": 24})
+        "cycle_blocks": F(12, family="gemma3-tiny", base={"ici_pipeline_parallelism": 2, "base_num_decoder_layers": 24}),
+        # one-layer blocks whose attention kind is data (config/layout.selected_stacks): GPipe vs 2 repeats
+        "selected_kinds": F(2, family="gemma3-tiny", base=SELECTED_PIPE),
     },
+    "pipeline_parallel_layers": {"selected_kinds": F(2, family="gemma3-tiny", base=SELECTED_PIPE)},  # 2 of 4, 2 after
     "ici_pipeline_parallelism": {
+        "selected_kinds": F(2, family="gemma3-tiny", base={"per_device_batch_size": 2}),  # 1 whole cycle for 2 stages
         "moe": F(2, family="mixtral-tiny", base=MOE_PIPE),  # the router's auxiliary losses, a mean over microbatches
         "partial": F(2, base=PARTIAL, also={"pipeline_parallel_layers": 2}),
         "partial_unscanned_dropout": F(

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from nnxtron.config import load_config
-from nnxtron.config.layout import pattern_stacks
+from nnxtron.config.layout import layer_kinds, pattern_stacks
 from nnxtron.config.pipeline import pipeline_spec
 from nnxtron.config.stacks import layer_stacks, pipeline_summary
 from nnxtron.errors import ConfigError
@@ -82,19 +82,25 @@ def test_summary_line_names_the_pipelined_and_outside_layers():
     "model,values,stages,message",
     [
         (
-            "gemma3-tiny",
+            "llama4-tiny",
             {},
-            2,
+            4,
             re.escape(
-                "gemma3 with 8 layers has 1 whole 6-layer cycle to pipeline but 2 stages need one each; a cycle cannot be split "
-                "across stages: every stage runs one program under vmap, and the layers of a cycle differ (sliding, global); "
-                "use base_num_decoder_layers >= 12 or no pipeline"
+                "llama4 with 8 layers has 2 whole 4-layer cycles to pipeline but 4 stages need one each; a cycle cannot be "
+                "split across stages: every stage runs one program under vmap, and the layers of a cycle differ (chunked, "
+                "chunked+moe, global+nope+moe); nor can they run as one-layer blocks whose attention kind is data (as the "
+                "sliding/global patterns of Gemma 2/3, OLMo 3 and GPT-OSS do): its layers' parameters or code differ (MoE "
+                "and dense feed-forward layers; chunked attention with weights or code of its own; RoPE and NoPE layers: "
+                "chunked, chunked+moe, global+nope+moe); use base_num_decoder_layers >= 16 or at most 2 pipeline stages"
             ),
         ),
-        ("gemma3-tiny", {"base_num_decoder_layers": 4}, 2, "has 0 whole 6-layer cycles .* >= 12 or no pipeline"),
-        ("gemma3-4b", {}, 8, "has 5 whole 6-layer cycles .* >= 48 or at most 5 pipeline stages"),
-        ("llama4-tiny", {}, 4, r"differ \(chunked, chunked\+moe, global\+nope\+moe\); use base_num_decoder_layers >= 16"),
-        ("deepseek4-test", {}, 2, r">= 6 \(and compress_ratios to match\) or no pipeline"),  # 2 hash layers + 2 x 2
+        (  # 2 hash layers + 2 x 2
+            "deepseek4-test",
+            {},
+            2,
+            r"parameters or code differ \(hash-routed and learned-router MoE layers; csa/hca attention with weights or code "
+            r"of its own: .*\); use base_num_decoder_layers >= 6 \(and compress_ratios to match\) or no pipeline",
+        ),
     ],
 )
 def test_fewer_cycles_than_stages_is_one_clear_error(model, values, stages, message):
@@ -144,3 +150,53 @@ def test_one_layer_blocks_keep_the_defaults_meaning():
     assert (spec.blocks, spec.repeats, spec.auto_note) == (4, 2, "")
     with pytest.raises(ConfigError, match="3 pipelined layers do not divide into 2 stages"):
         _cfg("llama3.1-tiny", 2, base_num_decoder_layers=3)
+
+
+# model, values, stages -> (pipelined layers, repeats, layers in unpipelined_layers)
+SELECTED = [
+    ("gemma3-tiny", {}, 2, (8, 4, 0)),  # 1 whole 6-layer cycle for 2 stages
+    ("gemma3-tiny", {"base_num_decoder_layers": 4}, 2, (4, 2, 0)),  # no whole cycle at all
+    ("gemma3-4b", {}, 8, (32, 4, 2)),  # 5 cycles for 8 stages: 32 of 34 layers pipelined
+    ("gemma2-tiny", {}, 4, (4, 1, 0)),  # (sliding, global) pairs: 2 for 4 stages
+    ("olmo3-tiny", {}, 4, (4, 1, 0)),
+    ("gpt-oss-tiny", {}, 2, (2, 1, 0)),
+]
+
+
+@pytest.mark.parametrize("model,values,stages,expected", SELECTED, ids=[f"{m}-{s}" for m, v, s, _ in SELECTED])
+def test_sliding_global_patterns_split_across_stages_as_one_layer_blocks(model, values, stages, expected):
+    """Too few whole cycles for the stages, and layers of one structure: one-layer blocks of kind
+    ``selected`` whose kinds (``global_layers``) are the pattern's, by layer."""
+    cfg = _cfg(model, stages, **values)
+    spec = pipeline_spec(cfg)
+    layers, repeats, unpipelined = expected
+    assert (spec.blocks, spec.repeats, spec.layers_per_stage, spec.layers_per_block) == (layers, repeats, 1, 1)
+    stacks = layer_stacks(cfg)
+    assert all(stack.kinds[0].attention == "selected" for stack in stacks)
+    assert {s.name: s.num_layers for s in stacks}.get("unpipelined_layers", 0) == unpipelined
+    expected_kinds = tuple(kind.attention == "global" for kind in layer_kinds(cfg))
+    assert all(stack.global_layers == expected_kinds for stack in stacks)
+    assert "attention kind" in spec.auto_note and "is data" in spec.auto_note
+
+
+def test_whole_cycles_keep_the_cycle_layout_and_set_keys_decide():
+    """Where whole cycles fill the stages the cycle blocks stay; set keys that are not whole
+    cycles take one-layer blocks (which the one-layer rules then check)."""
+    assert pipeline_spec(_cfg("gemma3-tiny", 2, base_num_decoder_layers=12)).layers_per_block == 6
+    spec = pipeline_spec(_cfg("gemma3-tiny", 2, num_layers_per_pipeline_stage=3, pipeline_parallel_layers=6))
+    assert (spec.blocks, spec.layers_per_stage, spec.repeats, spec.layers_per_block) == (6, 3, 1, 1)
+    with pytest.raises(ConfigError, match="8 pipelined layers do not divide into 2 stages x num_layers_per_pipeline_stage=3"):
+        _cfg("gemma3-tiny", 2, num_layers_per_pipeline_stage=3)
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"attention": "splash"}, "attention=splash takes a static mask"),
+        ({"attention": "cudnn", "dtype": "bfloat16"}, "attention=cudnn takes a static mask"),
+        ({"ici_context_parallelism": 2}, "context_parallel_strategy=ring takes a static window"),
+    ],
+)
+def test_static_mask_attention_is_refused_by_name_for_kinds_as_data(values, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg("gemma3-tiny", 2, **values)

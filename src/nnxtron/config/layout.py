@@ -11,7 +11,9 @@ scanned stacks of identical *blocks*: a block is one layer, or — for a repeati
 one cycle of ``inhomogeneous_layer_cycle_interval`` layers (a ``CycleBlock``) so that every
 block in a stack has the same structure and one compiled body scans them all. Layers
 left over after the last full cycle form a ``remainder_layers`` stack holding one
-shorter block; no layer is ever dropped.
+shorter block; no layer is ever dropped. A pipeline that whole cycles cannot fill may instead
+run a sliding/global pattern as one-layer blocks of kind ``selected`` whose kind is data
+(``selected_stacks``, ``config/pipeline.decoder_stacks``).
 
 Layer ``i`` (0-based) of a config:
 
@@ -47,7 +49,7 @@ class LayerKind:
     """What distinguishes one layer from another in a patterned decoder."""
 
     moe: bool = False
-    attention: Literal["global", "sliding", "chunked", "csa", "hca", "linear"] = "global"
+    attention: Literal["global", "sliding", "chunked", "csa", "hca", "linear", "selected"] = "global"
     rope: bool = True
     hash: bool = False  # DeepSeek-V4: MoE routed by the token -> expert table
 
@@ -119,12 +121,16 @@ class StackLayout:
     ``name`` is the Decoder attribute and the stack axis name, ``first_layer`` the HF index
     of its first layer, ``num_layers`` the number of blocks (the scan length) and
     ``kinds`` the kinds of the layers in one block (one entry: a block is one layer).
+    ``global_layers`` (a stack of ``selected`` one-layer blocks, ``selected_stacks``): whether
+    block ``b`` of the stack is a global-attention layer (else sliding), by block index in the
+    unsplit stack; empty when every block's kind is fixed by its structure.
     """
 
     name: str
     first_layer: int
     num_layers: int
     kinds: tuple[LayerKind, ...]
+    global_layers: tuple[bool, ...] = ()
 
     @property
     def layers_per_block(self) -> int:
@@ -180,3 +186,42 @@ def pattern_stacks(cfg: Config) -> tuple[StackLayout, ...]:
         first = start + blocks * cycle
         stacks.append(StackLayout("remainder_layers", first, 1, kinds[first:]))
     return tuple(stacks)
+
+
+SELECTABLE = frozenset({"sliding", "global"})  # attention kinds one layer structure can compute, chosen at run time
+
+
+def selectable_reason(cfg: Config) -> str | None:
+    """Why the layers of ``cfg``'s pattern cannot be one-layer blocks whose attention kind is
+    data (``selected_stacks``), or None when they can: every layer must be ``sliding`` or
+    ``global`` with the same feed-forward (MoE or dense), RoPE and routing, and no prefix stack.
+    Such layers have the same parameters (a family's block builds the same weights for both
+    kinds; ``models/stack.py`` checks it when it builds one) and differ only in the attention
+    mask's window and the RoPE table."""
+    kinds = set(layer_kinds(cfg))
+    attention = {kind.attention for kind in kinds}
+    differ = []
+    if len({kind.moe for kind in kinds}) > 1:
+        differ.append("MoE and dense feed-forward layers")
+    if len({kind.hash for kind in kinds}) > 1:
+        differ.append("hash-routed and learned-router MoE layers")
+    if attention - SELECTABLE:
+        differ.append(f"{'/'.join(sorted(attention - SELECTABLE))} attention with weights or code of its own")
+    if len({kind.rope for kind in kinds}) > 1:
+        differ.append("RoPE and NoPE layers")
+    if differ:
+        labels = ", ".join(sorted({kind.label for kind in kinds}))
+        return f"its layers' parameters or code differ ({'; '.join(differ)}: {labels})"
+    if (cfg.num_experts > 1 and cfg.first_num_dense_layers) or cfg.first_num_hash_layers:
+        return "it has a prefix stack (first_num_dense_layers / first_num_hash_layers)"
+    return None
+
+
+def selected_stacks(cfg: Config) -> tuple[StackLayout, ...]:
+    """The layers of a sliding/global pattern as one ``layers`` stack of one-layer blocks of kind
+    ``selected`` (see ``selectable_reason``): every block has one structure, and block ``b``'s
+    ``global_layers[b]`` selects its attention window and RoPE table at run time. What a
+    pipeline uses when whole cycles do not divide into its stages (``config/pipeline.py``)."""
+    kinds = layer_kinds(cfg)
+    kind = LayerKind(moe=kinds[0].moe, attention="selected", rope=kinds[0].rope)
+    return (StackLayout("layers", 0, len(kinds), (kind,), tuple(k.attention == "global" for k in kinds)),)

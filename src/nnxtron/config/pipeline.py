@@ -26,9 +26,9 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nnxtron.config.layout import StackLayout, cycle_length, pattern_stacks
+from nnxtron.config.layout import StackLayout, cycle_length, pattern_stacks, selectable_reason, selected_stacks
 from nnxtron.config.options import PIPELINE_OPTIONS_OFF
-from nnxtron.config.pipeline_layout import choose_layout, too_few_cycles
+from nnxtron.config.pipeline_layout import choose_layout, cycle_layout_fits, too_few_cycles
 from nnxtron.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -90,12 +90,35 @@ class PipelineSpec:
         ]
 
 
+def _cycle_main(stacks: tuple[StackLayout, ...]) -> StackLayout | None:
+    by_name = {stack.name: stack for stack in stacks}
+    return next((by_name[name] for name in PIPELINED_STACKS if name in by_name), None)
+
+
+def selects_kinds(cfg: Config) -> bool:
+    """Whether the decoder's main stack is one-layer blocks whose attention kind is data
+    (``layout.selected_stacks``): a pipeline whose stages whole cycles cannot fill
+    (``pipeline_layout.cycle_layout_fits``) over a pattern whose layers share one structure
+    (``layout.selectable_reason``). Elsewhere the cycle blocks stay (the checkpoint layout of
+    the unpipelined model, MaxText's scanned cycle, static masks for every attention kernel)."""
+    if cfg.pipeline_stages == 1 or cycle_length(cfg) == 1 or selectable_reason(cfg) is not None:
+        return False
+    main = _cycle_main(pattern_stacks(cfg))
+    return main is None or not cycle_layout_fits(cfg, main, cfg.pipeline_stages)
+
+
+@functools.cache
+def decoder_stacks(cfg: Config) -> tuple[StackLayout, ...]:
+    """The stacks of the layer pattern a decoder builds before any pipeline split:
+    ``layout.pattern_stacks``, or ``layout.selected_stacks`` where ``selects_kinds``."""
+    return selected_stacks(cfg) if selects_kinds(cfg) else pattern_stacks(cfg)
+
+
 def main_stack(cfg: Config) -> StackLayout:
     """The stack a pipeline runs: ``moe_layers`` after a dense prefix, else ``layers``."""
-    stacks = {stack.name: stack for stack in pattern_stacks(cfg)}
-    for name in PIPELINED_STACKS:
-        if name in stacks:
-            return stacks[name]
+    main = _cycle_main(decoder_stacks(cfg))
+    if main is not None:
+        return main
     if cycle_length(cfg) > 1:  # the layers do not fill one whole cycle
         raise too_few_cycles(cfg, cfg.pipeline_stages, 0, None)
     raise ConfigError(
@@ -111,6 +134,8 @@ def pipeline_spec(cfg: Config) -> PipelineSpec | None:
     if stages == 1:
         return None
     main = main_stack(cfg)
+    if main.global_layers:
+        check_selected_attention(cfg)
     per_block = main.layers_per_block
     layout = choose_layout(cfg, main, stages)  # the configured layout, or one chosen for cycle blocks
     layers, layers_per_stage = layout.layers, layout.layers_per_stage
@@ -170,6 +195,26 @@ def pipeline_spec(cfg: Config) -> PipelineSpec | None:
         host_weights=cfg.parameter_memory_host_offload,
         auto_note=layout.auto_note,
     )
+
+
+def check_selected_attention(cfg: Config) -> None:
+    """A pipeline of one-layer blocks whose kind is data (``selects_kinds``) chooses each
+    layer's window at run time: only a mask built from it (``attention=xla``, ``dot_product``;
+    ``auto`` runs ``xla``) can apply it; the kernels that take a static mask are refused by name."""
+    fix = (
+        f"or base_num_decoder_layers / num_layers_per_pipeline_stage that give every stage whole "
+        f"{cycle_length(cfg)}-layer cycles (docs/pipeline.md)"
+    )
+    if cfg.attention in ("splash", "cudnn"):
+        raise ConfigError(
+            f"attention={cfg.attention} takes a static mask, but this pipeline's layers choose sliding or global "
+            f"attention at run time (one-layer blocks whose kind is data); use attention=auto, xla or dot_product {fix}"
+        )
+    if cfg.ici_context_parallelism > 1 and cfg.context_parallel_strategy == "ring":
+        raise ConfigError(
+            "context_parallel_strategy=ring takes a static window, but this pipeline's layers choose sliding or global "
+            f"attention at run time (one-layer blocks whose kind is data); use context_parallel_strategy=all_gather {fix}"
+        )
 
 
 def check_pipeline_options(cfg: Config) -> None:

@@ -1,6 +1,7 @@
 """The layer stacks a decoder builds: the pattern's stacks, the main one split by a pipeline.
 
-``config/layout.pattern_stacks`` groups the layers into stacks of identical blocks;
+``config/pipeline.decoder_stacks`` groups the layers into stacks of identical blocks
+(``layout.pattern_stacks``, or for some pipelines ``layout.selected_stacks``);
 ``config/pipeline.pipeline_spec`` schedules the main stack over the pipeline stages. When
 ``pipeline_parallel_layers`` pipelines only the first blocks of the main stack, the rest
 form ``unpipelined_layers``, applied after the pipeline. Computed once per config;
@@ -13,8 +14,8 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
-from nnxtron.config.layout import StackLayout, pattern_stacks
-from nnxtron.config.pipeline import UNPIPELINED, pipeline_spec
+from nnxtron.config.layout import StackLayout
+from nnxtron.config.pipeline import UNPIPELINED, decoder_stacks, pipeline_spec
 
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 class BuiltStack:
     """One stack as the decoder builds it.
 
-    ``pattern_index`` is the position of the stack it comes from in ``pattern_stacks``
+    ``pattern_index`` is the position of the stack it comes from in ``decoder_stacks``
     (its parameters are initialised from that stack's key, so a partial pipeline builds
     the same weights as the unsplit stack) and ``first_block`` the index of its first
     block within that stack.
@@ -40,7 +41,7 @@ def built_stacks(cfg: Config) -> tuple[BuiltStack, ...]:
     """The decoder's stacks in layer order (see the module docstring)."""
     spec = pipeline_spec(cfg)
     built = []
-    for index, layout in enumerate(pattern_stacks(cfg)):
+    for index, layout in enumerate(decoder_stacks(cfg)):
         if spec is not None and layout.name == spec.stack and spec.blocks < layout.num_layers:
             built.append(BuiltStack(dataclasses.replace(layout, num_layers=spec.blocks), index))
             rest = dataclasses.replace(
@@ -53,13 +54,6 @@ def built_stacks(cfg: Config) -> tuple[BuiltStack, ...]:
         else:
             built.append(BuiltStack(layout, index))
     return tuple(built)
-
-
-def unsplit_stacks(cfg: Config) -> dict[str, tuple[str, int]]:
-    """Each built stack's unsplit stack and first block in it (``params.rename_stacks`` moves):
-    a partial pipeline's ``unpipelined_layers`` are the main stack from ``first_block`` on."""
-    names = [layout.name for layout in pattern_stacks(cfg)]
-    return {built.layout.name: (names[built.pattern_index], built.first_block) for built in built_stacks(cfg)}
 
 
 def layer_stacks(cfg: Config) -> tuple[StackLayout, ...]:

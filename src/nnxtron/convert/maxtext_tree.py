@@ -111,6 +111,12 @@ def entries(cfg: Config) -> Iterator[Entry]:
     for rule in mapping.top_rules(cfg):
         yield Entry(rule.maxtext, rule.nnxtron, rule)
     for stack in layer_stacks(cfg):
+        if stack.global_layers:  # MaxText's names (Gemma 2's local / global) follow each layer's kind
+            raise CheckpointError(
+                f"MaxText checkpoint conversion of the '{stack.name}' stack of one-layer blocks whose attention kind is "
+                "data (a pipeline whose stages whole cycles do not fill) is not supported; convert with the config "
+                "without the pipeline (ici_pipeline_parallelism=1), whose layers are the same"
+            )
         for position, kind in enumerate(stack.kinds):
             sub = "/".join(map(str, stack.sub_path(position)))
             sub = f"{sub}/" if sub else ""

@@ -22,13 +22,13 @@ import numpy as np
 from flax import nnx
 
 from nnxtron.config.schema import Config
-from nnxtron.config.stacks import layer_counts, unsplit_stacks
+from nnxtron.config.stacks import layer_counts, layer_stacks
 from nnxtron.errors import UserError
 from nnxtron.infer.cache import attach_caches
 from nnxtron.infer.sample import sampling as config_sampling
 from nnxtron.layers.kv_cache import CacheEntry
 from nnxtron.models.build import abstract_model
-from nnxtron.params import flatten, flatten_with_treedef, rename_stacks, unstack_layers
+from nnxtron.params import flatten, flatten_with_treedef, restack, unstack_layers
 
 MIN_BUCKET = 16
 
@@ -85,8 +85,9 @@ def unrolled(model: nnx.Module) -> nnx.Module:
         return nnx.clone(model)
     flat_cfg = cfg.model_copy(update={"scan_layers": False, "ici_pipeline_parallelism": 1, "dcn_pipeline_parallelism": 1})
     graphdef, abstract = nnx.split(abstract_model(flat_cfg))
-    # layer-list paths of the unsplit stacks (a partial pipeline's unpipelined_layers rejoin the main stack)
-    source = rename_stacks(unstack_layers(flatten(nnx.state(model)), layer_counts(cfg)), unsplit_stacks(cfg))
+    # layer-list paths of the unpipelined stacks (a partial pipeline's unpipelined_layers rejoin the main stack;
+    # a pipeline's one-layer blocks whose kind is data go back into their cycles)
+    source = restack(unstack_layers(flatten(nnx.state(model)), layer_counts(cfg)), layer_stacks(cfg), layer_stacks(flat_cfg))
     target, treedef = flatten_with_treedef(nnx.to_pure_dict(abstract))
     if source.keys() != target.keys():
         missing, extra = sorted(target.keys() - source.keys()), sorted(source.keys() - target.keys())

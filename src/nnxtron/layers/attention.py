@@ -31,8 +31,9 @@ from nnxtron.layers import matmul
 from nnxtron.layers.kv_cache import CacheSpec, TokenCache, cache_mask, cache_size
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm, l2_norm
-from nnxtron.layers.rope import RopeSpec, apply_rope
+from nnxtron.layers.rope import RopeSpec, apply_rope, apply_selected_rope
 from nnxtron.layers.splash import splash_attention
+from nnxtron.parallel.layer_kind import current_is_global
 from nnxtron.parallel.ring_attention import ContextParallel, ring_attention, sequence_axes, visible
 from nnxtron.parallel.sharding import constrain
 
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 QK_NORMS = ("none", "rms", "rms_zero_centered", "rms_projection", "l2")
 QUERY = ("activation_batch", "activation_length", "activation_heads", None)
 KEY_VALUE = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)  # gathered over the context axis
+# what a layer whose kind is data (``selected``) can run: a boolean mask built from a traced window
+SELECTED_IMPLEMENTATIONS = ("xla", "dot_product")
 RING_KEY_VALUE = ("activation_batch", "activation_length", "activation_kv_heads", None)  # sharded like the queries
 
 
@@ -416,12 +419,21 @@ class Attention(nnx.Module):
         sinks: bool = False,
         implementation: str = "xla",
         context: ContextParallel | None = None,
+        selected: bool = False,
+        sliding_rope: RopeSpec | None = None,
         dtype: jnp.dtype,
         weight_dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm={qk_norm!r} is not one of {QK_NORMS}")
+        if selected and (
+            implementation not in SELECTED_IMPLEMENTATIONS or chunk_size or (rope is None) != (sliding_rope is None)
+        ):
+            raise ValueError(
+                f"a selected layer needs a traced-mask implementation {SELECTED_IMPLEMENTATIONS} (got {implementation!r}), "
+                "no chunks, and a sliding RoPE exactly when it has a global one"
+            )
         if implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation={implementation!r} is not one of {ATTENTION_IMPLEMENTATIONS} (resolve attention=auto first)"
@@ -453,6 +465,8 @@ class Attention(nnx.Module):
         self.sliding_window = sliding_window
         self.chunk_size = chunk_size
         self.temperature_tuning = temperature_tuning
+        self.selected = selected
+        self.sliding_rope = sliding_rope
         self.implementation = implementation
         self.context = context or ContextParallel()
         self.dtype = dtype
@@ -469,7 +483,14 @@ class Attention(nnx.Module):
         elif self.qk_norm == "rms_projection":  # one statistic over all heads: [B, S, N * hd]
             q = self.query_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
             k = self.key_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
-        if self.rope is not None:
+        sliding_window = self.sliding_window
+        if self.selected:  # the kind is data: global (no window, self.rope) or sliding (the window, sliding_rope)
+            is_global = current_is_global()
+            sliding_window = jnp.where(is_global, 0, self.sliding_window)
+            if self.rope is not None:
+                q = apply_selected_rope(q, positions, self.rope, self.sliding_rope, is_global)
+                k = apply_selected_rope(k, positions, self.rope, self.sliding_rope, is_global)
+        elif self.rope is not None:
             q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
         if self.qk_norm == "l2":
             q, k = l2_norm(q, self.norm_eps), l2_norm(k, self.norm_eps)
@@ -478,9 +499,14 @@ class Attention(nnx.Module):
             factor = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale)) * scale + 1.0
             q = (q * factor[:, :, None, None]).astype(q.dtype)
         v = checkpoint_name(self.value(x), "value_proj")
-        window = dict(sliding_window=self.sliding_window, chunk_size=self.chunk_size, soft_cap=self.soft_cap)
+        window = dict(sliding_window=sliding_window, chunk_size=self.chunk_size, soft_cap=self.soft_cap)
         window["sinks"] = self.sinks[...] if hasattr(self, "sinks") else None
         if hasattr(self, "cache"):
+            if self.selected:
+                raise ConfigError(
+                    "a layer whose attention kind is data (a pipeline of one-layer sliding/global blocks) has no KV cache; "
+                    "decode with infer.decode.unrolled(model), which rebuilds the model's layers by kind"
+                )
             q, k, v = constrain(q, QUERY), constrain(k, KEY_VALUE), constrain(v, KEY_VALUE)
             out = attend_with_cache(self.cache, q, k, v, positions, segment_ids, scale=self.scale, dtype=self.dtype, **window)
             out = constrain(out, QUERY)
@@ -503,11 +529,21 @@ def gqa_attention(
     family's rules say so (``config/families.py``: ``attention_out_bias``). ``cfg.attention`` is
     resolved per layer for this backend (``auto`` is never ``cudnn`` on a chunked layer, nor on a
     soft-capped one). ``cls``: an ``Attention`` subclass to build (Qwen3-Next's gated attention).
+    ``kind.attention == "selected"`` (a one-layer block whose kind is data, ``config/layout.selected_stacks``):
+    the layer holds both kinds' window and RoPE and reads its kind per call (``parallel/layer_kind.py``);
+    it runs ``xla`` or ``dot_product`` (``auto`` is ``xla``; ``config/pipeline.py`` refuses the kernels by name).
     """
     head_dim = cfg.resolved_head_dim
     rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None
-    if rope is not None and kind.attention == "sliding" and cfg.sliding_window_pattern and cfg.local_rope_max_timescale:
-        rope = RopeSpec(head_dim=head_dim, theta=cfg.local_rope_max_timescale, interleave=cfg.rope_interleave)
+    sliding_rope = rope
+    if rope is not None and cfg.sliding_window_pattern and cfg.local_rope_max_timescale:
+        sliding_rope = RopeSpec(head_dim=head_dim, theta=cfg.local_rope_max_timescale, interleave=cfg.rope_interleave)
+    if kind.attention == "sliding":
+        rope = sliding_rope
+    selected = kind.attention == "selected"
+    implementation = configured_attention(cfg, chunked=kind.attention == "chunked")
+    if selected and implementation not in SELECTED_IMPLEMENTATIONS:  # an explicit kernel is refused by the config
+        implementation = "xla"  # attention=auto: the best that runs a traced window
     norm = qk_norm if cfg.use_qk_norm and (kind.rope or qk_norm != "l2") else "none"
     tuning = (
         (cfg.temperature_tuning_floor_scale, cfg.temperature_tuning_scale) if cfg.temperature_tuning and not kind.rope else None
@@ -518,7 +554,7 @@ def gqa_attention(
         cfg.base_num_kv_heads,
         head_dim,
         rope,
-        sliding_window=cfg.sliding_window_size if kind.attention == "sliding" else 0,
+        sliding_window=cfg.sliding_window_size if kind.attention in ("sliding", "selected") else 0,
         chunk_size=cfg.chunk_attn_window_size if kind.attention == "chunked" else 0,
         qk_norm=norm,
         norm_eps=cfg.normalization_layer_epsilon,
@@ -528,8 +564,10 @@ def gqa_attention(
         qkv_bias=cfg.attention_bias,
         out_bias=cfg.attention_bias and rules_for(cfg.decoder_block).attention_out_bias,
         sinks=cfg.attention_sink,
-        implementation=configured_attention(cfg, chunked=kind.attention == "chunked"),
+        implementation=implementation,
         context=ContextParallel.from_config(cfg),
+        selected=selected,
+        sliding_rope=sliding_rope if selected else None,
         dtype=jnp.dtype(cfg.dtype),
         weight_dtype=jnp.dtype(cfg.weight_dtype),
         rngs=rngs,

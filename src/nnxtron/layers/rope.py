@@ -170,15 +170,34 @@ def apply_rope(x: jax.Array, positions: jax.Array, spec: RopeSpec) -> jax.Array:
     """
     if spec.head_dim < x.shape[-1]:
         return jnp.concatenate([apply_rope(x[..., : spec.head_dim], positions, spec), x[..., spec.head_dim :]], axis=-1)
-    inv = jnp.asarray(inverse_frequencies(spec))
+    factor = attention_factor(spec)
+    return _rotate(
+        x, positions, jnp.asarray(inverse_frequencies(spec)), None if factor == 1.0 else jnp.float32(factor), spec.interleave
+    )
+
+
+def apply_selected_rope(x: jax.Array, positions: jax.Array, first: RopeSpec, second: RopeSpec, use_first: jax.Array) -> jax.Array:
+    """``apply_rope`` with ``first`` where the boolean scalar ``use_first`` (traced: a layer whose
+    kind is data, ``parallel/layer_kind.py``) holds, else ``second``: the frequencies and the
+    attention factor are selected, then one rotation runs (the same values as ``apply_rope`` of
+    the chosen spec). The specs must rotate the same dims the same way."""
+    if (first.head_dim, first.interleave) != (second.head_dim, second.interleave) or first.head_dim != x.shape[-1]:
+        raise ValueError(f"apply_selected_rope: {first} and {second} must both rotate all {x.shape[-1]} dims alike")
+    inv = jnp.where(use_first, jnp.asarray(inverse_frequencies(first)), jnp.asarray(inverse_frequencies(second)))
+    factors = attention_factor(first), attention_factor(second)
+    factor = None if factors == (1.0, 1.0) else jnp.where(use_first, jnp.float32(factors[0]), jnp.float32(factors[1]))
+    return _rotate(x, positions, inv.astype(jnp.float32), factor, first.interleave)
+
+
+def _rotate(x: jax.Array, positions: jax.Array, inv: jax.Array, factor: jax.Array | None, interleave: bool) -> jax.Array:
+    """``x`` rotated by the angles ``positions x inv`` (float32), cos/sin times ``factor`` when given."""
     angles = positions.astype(jnp.float32)[..., None] * inv  # [B, S, hd/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    factor = attention_factor(spec)
-    if factor != 1.0:
-        cos, sin = cos * jnp.float32(factor), sin * jnp.float32(factor)
+    if factor is not None:
+        cos, sin = cos * factor, sin * factor
     cos = cos.astype(x.dtype)[:, :, None, :]
     sin = sin.astype(x.dtype)[:, :, None, :]
-    if spec.interleave:
+    if interleave:
         even, odd = x[..., 0::2], x[..., 1::2]
         out = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
         return out.reshape(x.shape)

@@ -17,6 +17,7 @@ each layer (its blocks' own sites) and on the final-normed hidden states before 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -124,6 +125,7 @@ class Decoder(nnx.Module):
                     axis_name=layout.name,
                     pipeline=pipeline,
                     unroll=not cfg.scan_layers,
+                    global_layers=layout.global_layers,
                 )
             else:
                 stack = LayerStack(
@@ -135,12 +137,17 @@ class Decoder(nnx.Module):
                     axis_name=layout.name,
                     first_block=built.first_block,
                     unroll=not cfg.scan_layers,
+                    global_layers=layout.global_layers,
                 )
             setattr(self, layout.name, stack)
         self.stack_names = tuple(built.layout.name for built in stacks)
         self.stack_patterns = tuple(built.pattern_index for built in stacks)
         if cfg.mtp_num_layers:  # MTP blocks are of the last layer's kind
             last_kind = stacks[-1].layout.kinds[-1]
+            if stacks[-1].layout.global_layers:  # a stack of ``selected`` blocks: the last layer's own kind
+                last_kind = dataclasses.replace(
+                    last_kind, attention="global" if stacks[-1].layout.global_layers[-1] else "sliding"
+                )
             self.mtp = MultiTokenPrediction(cfg, lambda r: family.make_block(cfg, r, last_kind), jax.random.fold_in(k_head, 1))
         self.final_norm = family.make_final_norm(cfg)
         if not cfg.logits_via_embedding:

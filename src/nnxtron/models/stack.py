@@ -6,6 +6,7 @@ builds the block modules for it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import jax
 from flax import nnx
 
 from nnxtron.config.layout import LayerKind, StackLayout
+from nnxtron.errors import ConfigError
 from nnxtron.parallel.row_keys import Keys, fold, layer_keys
 from nnxtron.parallel.scan import sum_aux
 
@@ -39,7 +41,29 @@ class CycleBlock(nnx.Module):
 def make_stack_block(
     make_layer: Callable[[nnx.Rngs, LayerKind], nnx.Module], layout: StackLayout
 ) -> Callable[[nnx.Rngs], nnx.Module]:
-    """The block factory of a stack: the layer itself, or a ``CycleBlock`` of its kinds."""
+    """The block factory of a stack: the layer itself, or a ``CycleBlock`` of its kinds. A
+    ``selected`` layer (its kind is data: ``config/layout.selected_stacks``) must hold the
+    same variables as the sliding and the global layer it stands for — checked here (abstractly),
+    never assumed."""
     if layout.layers_per_block == 1:
+        if layout.kinds[0].attention == "selected":
+            check_selectable(make_layer, layout.kinds[0])
         return lambda rngs: make_layer(rngs, layout.kinds[0])
     return lambda rngs: CycleBlock(make_layer, layout.kinds, rngs)
+
+
+def check_selectable(make_layer: Callable[[nnx.Rngs, LayerKind], nnx.Module], kind: LayerKind) -> None:
+    """Raise unless the layers of ``kind`` with attention ``selected``, ``sliding`` and ``global``
+    have the same variables (paths, shapes, dtypes)."""
+
+    def variables(attention: str) -> dict:
+        layer = nnx.eval_shape(lambda: make_layer(nnx.Rngs(0), dataclasses.replace(kind, attention=attention)))
+        return {path: (value.shape, value.dtype) for path, value in nnx.to_flat_state(nnx.state(layer))}
+
+    selected = variables("selected")
+    for attention in ("sliding", "global"):
+        if variables(attention) != selected:
+            raise ConfigError(
+                f"the {attention} layer's variables differ from the one-layer block whose kind is data "
+                "(config/layout.selected_stacks); this family cannot pipeline layers with the kind as data"
+            )

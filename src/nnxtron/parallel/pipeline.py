@@ -48,6 +48,7 @@ from jax.sharding import Mesh
 
 from nnxtron.config.pipeline import PipelineSpec
 from nnxtron.errors import ConfigError
+from nnxtron.parallel.layer_kind import block_flags
 from nnxtron.parallel.microbatch import merge_microbatches, split_microbatches
 from nnxtron.parallel.pipeline_schedule import (
     STAGE,
@@ -110,14 +111,25 @@ class PipelinedStack(LayerStack):
         pipeline: PipelineSpec,
         unroll: bool = False,
         sequential_without_mesh: bool = True,
+        global_layers: tuple[bool, ...] = (),
     ):
         """``unroll``: each stage applies its blocks in a Python loop (``scan_layers=false``),
         not a scan; the weights stay stacked either way (the stage axis shards them).
         ``sequential_without_mesh``: with no active mesh, apply the blocks in order (True) or
-        refuse (False); see the class docstring."""
+        refuse (False); see the class docstring. ``global_layers``: a stack of ``selected`` blocks'
+        kinds (``LayerStack``), read by each stage for the blocks it applies."""
         if num_layers != pipeline.blocks:
             raise ValueError(f"the pipeline schedules {pipeline.blocks} blocks but the stack has {num_layers}")
-        super().__init__(make_block, num_layers, key=key, scan=True, remat=remat, axis_name=axis_name, unroll=unroll)
+        super().__init__(
+            make_block,
+            num_layers,
+            key=key,
+            scan=True,
+            remat=remat,
+            axis_name=axis_name,
+            unroll=unroll,
+            global_layers=global_layers,
+        )
         self.pipeline = pipeline
         self.sequential_without_mesh = sequential_without_mesh
 
@@ -139,7 +151,19 @@ class PipelinedStack(LayerStack):
             raise ValueError(f"the mesh has {stages} '{STAGE}' devices but the pipeline has {self.pipeline.stages} stages")
         graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
         y, aux, new_rest = run_pipeline(
-            graphdef, params, rest, x, args, self.pipeline, self.remat, self.axis_name, mesh, rules, dropout_keys, self.unroll
+            graphdef,
+            params,
+            rest,
+            x,
+            args,
+            self.pipeline,
+            self.remat,
+            self.axis_name,
+            mesh,
+            rules,
+            dropout_keys,
+            self.unroll,
+            self.global_layers,
         )
         nnx.update(self.layers, new_rest)
         return y, aux
@@ -155,6 +179,7 @@ def _indexed_stack(
     axis_name: str,
     dropout_keys: Keys | None,
     block_ids: jax.Array | None,
+    flags: jax.Array | None = None,
 ) -> tuple[jax.Array, Aux, nnx.State]:
     """``apply_stacked`` (scanned, ``remat`` per block) with the parameters read by index inside
     the scan body instead of scanned over as ``xs``.
@@ -164,25 +189,25 @@ def _indexed_stack(
     pipeline iteration. Indexed, the weights stay ``[stages, lps, ...]``, loop-invariant (so
     a per-block checkpoint keeps the index, not a copy of the block's weights), and their
     gradient is written into its slice of one accumulator. Non-trainable state is small and
-    still scanned (it is also an output)."""
+    still scanned (it is also an output), and so are the ``selected`` blocks' kinds ``flags``."""
     lps = jax.tree.leaves(params)[0].shape[0]
 
-    def layer(p: nnx.State, j: jax.Array, r: nnx.State, h: jax.Array, keys: Keys | None) -> tuple:
+    def layer(p: nnx.State, j: jax.Array, r: nnx.State, h: jax.Array, keys: Keys | None, flag: jax.Array | None) -> tuple:
         w = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, j, 0, keepdims=False), p)
         state = nnx.merge_state(remove_stack_axis(w, axis_name), remove_stack_axis(r, axis_name))
-        return _apply_layer(graphdef, state, h, args, keys)
+        return _apply_layer(graphdef, state, h, args, keys, flag)
 
     policy = jax_policy(remat)
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
     def body(h: jax.Array, xs: tuple) -> tuple:
-        j, r, block_id = xs
+        j, r, block_id, flag = xs
         keys = None if block_id is None else fold(dropout_keys, block_id)
-        y, aux, new_rest = layer(params, j, r, h, keys)
+        y, aux, new_rest = layer(params, j, r, h, keys, flag)
         return y, (aux, new_rest)
 
-    y, (aux, new_rest) = jax.lax.scan(body, x, (jnp.arange(lps), rest, block_ids))
+    y, (aux, new_rest) = jax.lax.scan(body, x, (jnp.arange(lps), rest, block_ids, flags))
     return y, {name: jnp.sum(value, axis=0) for name, value in aux.items()}, add_stack_axis(new_rest, axis_name)
 
 
@@ -213,13 +238,22 @@ class Carry(NamedTuple):
 StageStep = Callable[..., tuple[jax.Array, Aux, nnx.State]]
 
 
-def stage_step(graphdef: nnx.GraphDef, spec: PipelineSpec, remat: RematSpec, axis_name: str, unroll: bool) -> StageStep:
-    """All stages' work in one iteration, ``(weights, state, h, args, choice, repeat_ids, keys)
-    -> (y, aux, new state)``, each ``[S, ...]``: every stage applies its ``lps`` blocks to its
+def stage_step(
+    graphdef: nnx.GraphDef,
+    spec: PipelineSpec,
+    remat: RematSpec,
+    axis_name: str,
+    unroll: bool,
+    global_layers: tuple[bool, ...] = (),
+) -> StageStep:
+    """All stages' work in one iteration, ``(weights, state, h, args, choice, repeat_ids, keys,
+    first) -> (y, aux, new state)``, each ``[S, ...]``: every stage applies its ``lps`` blocks to its
     activations ``h`` at once (``jax.vmap`` over the stage axis with ``spmd_axis_name``), on the
     weights ``pipeline_weights.pick(weights, choice)`` and the state of its repeat.
 
-    ``keys``: () or (each stage's dropout keys, each stage's first block index). ``unroll``:
+    ``keys``: each stage's dropout keys, or None; ``first``: each stage's first block index (its
+    blocks' dropout keys fold it in; a stack of ``selected`` blocks reads their kinds from
+    ``global_layers`` by it: ``parallel/layer_kind.py``). ``unroll``:
     the blocks in a Python loop (``scan_layers=false``; ``scan_layers_per_stage=false`` too),
     else ``_indexed_stack``. Per-iteration
     remat wraps this step only: the checkpoint keeps its inputs (activations, repeat ids, the
@@ -229,11 +263,14 @@ def stage_step(graphdef: nnx.GraphDef, spec: PipelineSpec, remat: RematSpec, axi
     lps = spec.layers_per_stage
     unroll = unroll or not spec.scan_stage_layers  # scan_layers=false, or scan_layers_per_stage=false
 
-    def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple, keys: Keys | None, first: jax.Array | None) -> tuple:
-        ids = None if keys is None else first + jnp.arange(lps, dtype=jnp.int32)
+    def run_stage(p: nnx.State, r: nnx.State, h: jax.Array, a: tuple, keys: Keys | None, first: jax.Array) -> tuple:
+        blocks = first + jnp.arange(lps, dtype=jnp.int32)
+        ids = None if keys is None else blocks
+        flags = block_flags(global_layers, blocks)
         if unroll:
-            return apply_stacked(graphdef, nnx.merge_state(p, r), h, a, layer_remat, axis_name, keys, ids, unroll=unroll)
-        return _indexed_stack(graphdef, p, r, h, a, layer_remat, axis_name, keys, ids)
+            state = nnx.merge_state(p, r)
+            return apply_stacked(graphdef, state, h, a, layer_remat, axis_name, keys, ids, unroll=unroll, flags=flags)
+        return _indexed_stack(graphdef, p, r, h, a, layer_remat, axis_name, keys, ids, flags)
 
     run_stages = jax.vmap(run_stage, spmd_axis_name=STAGE)
 
@@ -244,9 +281,10 @@ def stage_step(graphdef: nnx.GraphDef, spec: PipelineSpec, remat: RematSpec, axi
         a: tuple,
         choice: jax.Array | None,
         repeat_ids: jax.Array | None,
-        keys: tuple,
+        keys: Keys | None,
+        first: jax.Array,
     ) -> tuple:
-        return run_stages(pick(weights, choice), for_stages(state, repeat_ids), h, a, *(keys or (None, None)))
+        return run_stages(pick(weights, choice), for_stages(state, repeat_ids), h, a, keys, first)
 
     policy = jax_policy(remat) if spec.remat_iterations else None
     if policy is not None:
@@ -273,9 +311,9 @@ class _Run:
             ids = jnp.zeros(stages, jnp.int32)
             by_repeat = ids if self.spec.circular else None
             args = tuple(jnp.take(m, ids, axis=0) for m in micro.args)
-            keys = () if micro.keys is None else (jnp.take(micro.keys, ids, axis=0), ids)
+            keys = None if micro.keys is None else jnp.take(micro.keys, ids, axis=0)
             weights = feed.round(jnp.int32(0), feed.at(0))
-            return self.step(weights.weights, state, zeros, args, weights.choice(ids, by_repeat), by_repeat, keys)[1]
+            return self.step(weights.weights, state, zeros, args, weights.choice(ids, by_repeat), by_repeat, keys, ids)[1]
 
         buffer = self.placement.buffer(jnp.broadcast_to(micro.x[None], (stages, *micro.x.shape)))
         aux_sum = {name: jnp.zeros((), jnp.float32) for name in jax.eval_shape(first_aux)}
@@ -288,13 +326,12 @@ class _Run:
         slots = self.schedule.slots(t)
         h = place(stage_activations(carry.buffer, carry.shift, slots, self.schedule))
         a = tuple(place(jnp.take(m, slots.micro_ids, axis=0)) for m in self.micro.args)
-        keys = ()
-        if self.micro.keys is not None:
-            keys = (place(jnp.take(self.micro.keys, slots.micro_ids, axis=0)), self.schedule.first_blocks(slots.repeat_ids))
+        keys = None if self.micro.keys is None else place(jnp.take(self.micro.keys, slots.micro_ids, axis=0))
+        first = self.schedule.first_blocks(slots.repeat_ids)
         by_repeat = slots.repeat_ids if spec.circular else None
         choice = weights.choice(slots.repeat_ids, by_repeat)
         h, a, state_in = weights.saved_inputs((h, a, carry.state))
-        y, aux, new_state = self.step(weights.weights, state_in, h, a, choice, by_repeat, keys)
+        y, aux, new_state = self.step(weights.weights, state_in, h, a, choice, by_repeat, keys, first)
         y = place(y)
         state = write_back(carry.state, slots.repeat_ids, new_state, slots.valid)
         aux_sum = add_valid(carry.aux_sum, aux, slots.valid)
@@ -356,6 +393,7 @@ def run_pipeline(
     rules: Rules,
     dropout_keys: Keys | None = None,
     unroll: bool = False,
+    global_layers: tuple[bool, ...] = (),
 ) -> tuple[jax.Array, Aux, nnx.State]:
     """Apply the stacked blocks (``params`` + ``rest``, leading axis ``axis_name``) to
     ``x [B, ...]`` by the schedule ``spec``; ``args`` are per-row arrays ``[B, ...]``
@@ -364,7 +402,8 @@ def run_pipeline(
     in its stack index ``(repeat * stages + stage) * lps + j``, as the unpipelined stack does.
 
     ``unroll``: each stage applies its ``layers_per_stage`` blocks in a Python loop (the
-    unscanned stage body of ``scan_layers=false``) instead of a scan.
+    unscanned stage body of ``scan_layers=false``) instead of a scan. ``global_layers``: the
+    kinds of a stack of ``selected`` blocks (``parallel/layer_kind.py``), read per block.
 
     Returns the output ``[B, ...]``, the aux losses (mean over microbatches of their sum
     over blocks) and the new stacked non-trainable state."""
@@ -373,7 +412,13 @@ def run_pipeline(
         micro = Microbatches.split(x, args, dropout_keys, spec.microbatches)
         feed = stage_weights(params, spec, mesh, inner)
         state = to_stages(rest, spec, mesh, inner, drop_fsdp=False)
-        run = _Run(spec, Schedule(spec), Placement(mesh, inner), micro, stage_step(graphdef, spec, remat, axis_name, unroll))
+        run = _Run(
+            spec,
+            Schedule(spec),
+            Placement(mesh, inner),
+            micro,
+            stage_step(graphdef, spec, remat, axis_name, unroll, global_layers),
+        )
         carry = run.rounds(run.start(state, feed), feed)
         y = merge_microbatches(carry.buffer[0])
     aux = {name: value / spec.microbatches for name, value in carry.aux_sum.items()}

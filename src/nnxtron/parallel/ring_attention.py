@@ -74,10 +74,13 @@ class ContextParallel:
 
 def visible(q_idx: jax.Array, k_idx: jax.Array, sliding_window: int = 0, chunk_size: int = 0) -> jax.Array:
     """Boolean ``[Sq, Sk]``: key (global token index ``t``) is visible to query ``s`` iff
-    ``t <= s``, with a window W > 0 ``s - t < W``, with chunks of C > 0 ``s // C == t // C``."""
+    ``t <= s``, with a window W > 0 ``s - t < W``, with chunks of C > 0 ``s // C == t // C``.
+    ``sliding_window`` may be a traced scalar (a ``selected`` layer's, ``parallel/layer_kind.py``)."""
     q, k = q_idx[:, None], k_idx[None, :]
     mask = k <= q
-    if sliding_window > 0:
+    if isinstance(sliding_window, jax.Array):  # traced (a layer whose kind is data): 0 = no window
+        mask = mask & ((sliding_window <= 0) | (q - k < sliding_window))
+    elif sliding_window > 0:
         mask = mask & (q - k < sliding_window)
     if chunk_size > 0:
         mask = mask & (q // chunk_size == k // chunk_size)

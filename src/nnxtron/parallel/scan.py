@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxtron.parallel.layer_kind import block_flags, selected_layer
 from nnxtron.parallel.remat import RematSpec, jax_policy
 from nnxtron.parallel.row_keys import Keys, fold, layer_keys
 from nnxtron.parallel.sharding import SHARDING_KEY
@@ -99,12 +100,18 @@ Aux = dict[str, jax.Array]
 
 
 def _apply_layer(
-    graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, args: tuple, dropout_keys: Keys | None = None
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    x: jax.Array,
+    args: tuple,
+    dropout_keys: Keys | None = None,
+    is_global: jax.Array | None = None,
 ) -> tuple[jax.Array, Aux, nnx.State]:
     """Pure application of one layer: its output, aux dict and non-parameter state.
-    ``dropout_keys``: the layer's per-row keys (``layers.dropout``); None = no dropout."""
+    ``dropout_keys``: the layer's per-row keys (``layers.dropout``); None = no dropout.
+    ``is_global``: a ``selected`` block's kind (``parallel/layer_kind.py``); None for the others."""
     layer = nnx.merge(graphdef, state)
-    with layer_keys(dropout_keys):  # LoRA's adapter dropout reads them (layers/lora.py)
+    with layer_keys(dropout_keys), selected_layer(is_global):  # LoRA's adapter dropout reads the keys (layers/lora.py)
         out = layer(x, *args) if dropout_keys is None else layer(x, *args, dropout_keys=dropout_keys)
     y, aux = out if isinstance(out, tuple) else (out, {})
     return y, {name: jnp.asarray(value, jnp.float32) for name, value in aux.items()}, nnx.state(layer, nnx.Not(nnx.Param))
@@ -142,10 +149,13 @@ class LayerStack(nnx.Module):
         axis_name: str = STACK_AXIS,
         first_block: int = 0,
         unroll: bool = False,
+        global_layers: tuple[bool, ...] = (),
     ):
         """Block ``i`` is built from ``fold_in(key, first_block + i)``: a stack that continues
         another (the blocks after a partial pipeline) gets the weights it would have had there.
-        ``unroll`` (with ``scan``): apply the stacked blocks in a Python loop, not a scan."""
+        ``unroll`` (with ``scan``): apply the stacked blocks in a Python loop, not a scan.
+        ``global_layers``: for a stack of ``selected`` blocks, each block's kind by its index in
+        the unsplit stack (``StackLayout.global_layers``), handed to block ``i`` as data."""
         jax_policy(remat)  # validate the name early
         if not is_stack_axis(axis_name):
             raise ValueError(f"stack axis name '{axis_name}' must be 'layers' or end with '_layers'")
@@ -155,6 +165,7 @@ class LayerStack(nnx.Module):
         self.scan = scan
         self.unroll = unroll
         self.remat = remat
+        self.global_layers = tuple(global_layers)
         keys = jnp.stack([jax.random.fold_in(key, first_block + i) for i in range(num_layers)])
         if scan:
             graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_block(nnx.Rngs(0))))
@@ -179,14 +190,16 @@ class LayerStack(nnx.Module):
             auxes = []
             for i, layer in enumerate(self.layers):
                 graphdef, state = nnx.split(layer)
-                x, aux, rest = apply(graphdef, state, x, args, fold(dropout_keys, self.first_block + i))
+                flag = self.global_layers[self.first_block + i] if self.global_layers else None
+                x, aux, rest = apply(graphdef, state, x, args, fold(dropout_keys, self.first_block + i), flag)
                 nnx.update(layer, rest)
                 auxes.append(aux)
             return x, sum_aux(*auxes)
         graphdef, state = nnx.split(self.layers)
         ids = None if dropout_keys is None else self.block_ids()
+        flags = block_flags(self.global_layers, self.block_ids())
         x, aux, new_rest = apply_stacked(
-            graphdef, state, x, args, self.remat, self.axis_name, dropout_keys, ids, unroll=self.unroll
+            graphdef, state, x, args, self.remat, self.axis_name, dropout_keys, ids, unroll=self.unroll, flags=flags
         )
         nnx.update(self.layers, new_rest)
         return x, aux
@@ -203,19 +216,21 @@ def apply_stacked(
     block_ids: jax.Array | None = None,
     *,
     unroll: bool = False,
+    flags: jax.Array | None = None,
 ) -> tuple[jax.Array, Aux, nnx.State]:
     """Scan the stacked blocks in ``state`` (leading axis ``axis_name``) over ``x``, each
     wrapped in ``remat``; ``unroll``: the same body in a Python loop over the blocks (each
     block a separate piece of the program, as ``scan_layers=false`` builds it). With
     ``dropout_keys`` (per-row keys) block ``i`` draws its masks from them folded with
     ``block_ids[i]`` (its index in the unsplit stack). Returns the output, the aux entries
-    summed over the blocks and the new stacked non-parameter state."""
+    summed over the blocks and the new stacked non-parameter state. ``flags [P]``: each
+    ``selected`` block's kind (``parallel/layer_kind.py``), scanned with its weights."""
     apply = _with_remat(_apply_layer, remat, in_scan=not unroll)
 
     def body(carry, xs):
-        layer_state, block_id = xs
+        layer_state, block_id, flag = xs
         keys = None if block_id is None else fold(dropout_keys, block_id)
-        y, aux, rest = apply(graphdef, remove_stack_axis(layer_state, axis_name), carry, args, keys)
+        y, aux, rest = apply(graphdef, remove_stack_axis(layer_state, axis_name), carry, args, keys, flag)
         return y, (aux, rest)
 
     if (dropout_keys is None) != (block_ids is None):
@@ -223,9 +238,9 @@ def apply_stacked(
     if unroll:
         outputs = []
         for i in range(jax.tree.leaves(state)[0].shape[0]):
-            x, out = body(x, jax.tree.map(lambda a, i=i: a[i], (state, block_ids)))
+            x, out = body(x, jax.tree.map(lambda a, i=i: a[i], (state, block_ids, flags)))
             outputs.append(out)
         stacked_aux, stacked_rest = jax.tree.map(lambda *parts: jnp.stack(parts), *outputs)
     else:
-        x, (stacked_aux, stacked_rest) = jax.lax.scan(body, x, (state, block_ids))
+        x, (stacked_aux, stacked_rest) = jax.lax.scan(body, x, (state, block_ids, flags))
     return x, {name: jnp.sum(value, axis=0) for name, value in stacked_aux.items()}, add_stack_axis(stacked_rest, axis_name)

@@ -18,11 +18,20 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nnxtron.config.pipeline import UNPIPELINED
-from nnxtron.config.stacks import layer_counts
+from nnxtron.config.schema import Config
+from nnxtron.config.stacks import layer_counts, layer_stacks
 from nnxtron.parallel.microbatch import merge_microbatches
 from nnxtron.parallel.row_keys import row_keys
 from nnxtron.parallel.sharding import activate, logical_to_spec, state_shardings
-from nnxtron.params import layer_list_layout, rename_stacks
+from nnxtron.params import (
+    convert_layers,
+    flatten,
+    flatten_with_treedef,
+    layer_list_layout,
+    rename_stacks,
+    restack,
+    unstack_layers,
+)
 from nnxtron.train.step import compute_gradients
 
 
@@ -139,6 +148,34 @@ def with_tail_stack_merged(result: GradResult, first_block: int) -> GradResult:
     return GradResult(
         result.loss, result.input_grad, rename_stacks(result.param_grads, moves), result.aux, rename_stacks(result.rest, moves)
     )
+
+
+def with_layers_of(result: GradResult, source: Config, target: Config) -> GradResult:
+    """``result`` (of a model of ``source``) with its layers named as a model of ``target`` names
+    them (``params.restack``): a pipeline's one-layer blocks whose kind is data compared with
+    the sequential model's cycles."""
+    stacks = layer_stacks(source), layer_stacks(target)
+    return GradResult(
+        result.loss, result.input_grad, restack(result.param_grads, *stacks), result.aux, restack(result.rest, *stacks)
+    )
+
+
+def copy_weights(source: nnx.Module, target: nnx.Module) -> None:
+    """Set every variable of the decoder ``target`` to ``source``'s value for the same model
+    layer (their configs may lay the layers out differently: ``params.restack``)."""
+    src, dst = source.config, target.config
+    flat = restack(unstack_layers(flatten(nnx.state(source)), layer_counts(src)), layer_stacks(src), layer_stacks(dst))
+    if dst.stacked_layers:
+        flat = convert_layers(flat, layer_counts(dst), scanned=True, stack=jnp.stack)
+    pure, treedef = flatten_with_treedef(nnx.to_pure_dict(nnx.state(target)))
+    if flat.keys() != pure.keys():
+        raise ValueError(
+            f"copy_weights: missing {sorted(pure.keys() - flat.keys())[:3]}, extra {sorted(flat.keys() - pure.keys())[:3]}"
+        )
+    for key, value in pure.items():
+        if flat[key].shape != value.shape:
+            raise ValueError(f"copy_weights: {key} has shape {flat[key].shape}, the target {value.shape}")
+    nnx.update(target, nnx.State(jax.tree_util.tree_unflatten(treedef, [jnp.asarray(flat[key]) for key in pure])))
 
 
 def _norm(x: np.ndarray) -> float:
