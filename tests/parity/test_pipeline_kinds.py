@@ -61,6 +61,22 @@ def test_selected_kind_pipeline_equals_the_sequential_cycles(case):
     assert_grad_parity(with_layers_of(result, cfg, reference_cfg), reference, **BOUNDS)
 
 
+def test_olmo3_one_cycle_split_across_two_stages():
+    """OLMo 3's 4-layer tiny model is one (sliding x 3, global) cycle with whole-projection query/key norms: on 2
+    stages its layers run as one-layer blocks of kind ``selected`` (2 stages x 2 repeats) = the sequential cycle."""
+    overrides = dict(remat_policy="none")
+    cfg = tiny_config("olmo3-tiny", **overrides, **PP2_FSDP2)
+    spec = pipeline_spec(cfg)
+    assert (spec.stages, spec.repeats, spec.layers_per_stage, spec.layers_per_block) == (2, 2, 1, 1)
+    assert layer_stacks(cfg)[0].global_layers == (False, False, False, True)
+    reference_cfg = tiny_config("olmo3-tiny", **overrides, gradient_accumulation_steps=1, ici_fsdp_parallelism=4)
+    model = build_model(cfg)
+    copy_weights(build_model(reference_cfg), model)
+    result = loss_and_grads(model, _batch(cfg), mesh=make_mesh(cfg, jax.devices()[:4]))
+    reference = _sequential("olmo3-tiny", tuple(sorted(overrides.items())), 1, 4)
+    assert_grad_parity(with_layers_of(result, cfg, reference_cfg), reference, **BOUNDS)
+
+
 def test_the_decoding_copy_of_a_selected_kind_pipeline_is_the_sequential_model():
     """Decoding runs ``infer.decode.unrolled``: the pipeline's one-layer blocks go back into the
     cycles of the unpipelined layout (``params.restack``), the same arrays as the sequential model's."""
