@@ -1,8 +1,8 @@
 """MaxText checkpoints in and out (``convert/maxtext.py``), on checkpoints MaxText 0.2.5 wrote.
 
 The assets (tests/assets/maxtext/checkpoints/README.md says how each was made) hold tiny
-Llama 2, Mistral, Mixtral, DeepSeek-V3 (with MTP), Gemma, Gemma 2, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, OLMo 3, GPT-3 and Llama 4
-models and MaxText's toy blocks simple / simple_mlp (no HF counterpart: these logits are their reference),
+Llama 2, Mistral, Mixtral, DeepSeek-V3 (with MTP), Gemma, Gemma 2, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, OLMo 3,
+GPT-3, GPT-OSS, Llama 4 and DeepSeek-V4 models and MaxText's toy blocks simple / simple_mlp (no HF counterpart: these logits are their reference),
 scanned and unscanned, and MaxText's logits on fixed tokens from each (DeepSeek: MaxText's eager forward fails on CPU,
 so its logits are checked on the reference runs' initial checkpoints, tests/assets/maxtext/reference).
 """
@@ -65,8 +65,7 @@ def logits(name: str, **extra: str) -> np.ndarray:
 
 
 def test_every_family_and_layout_has_an_asset():
-    """Each family with a MaxText map has a checkpoint MaxText wrote, scanned and unscanned; the families without
-    one are named here."""
+    """Every family has a MaxText map and a checkpoint MaxText wrote, scanned and unscanned."""
     from nnxtron.models.registry import FAMILIES
 
     families = {n.rsplit("_", 1)[0] for n in NAMES}
@@ -74,9 +73,7 @@ def test_every_family_and_layout_has_an_asset():
     assert all(f"{f}_{s}" in NAMES for f in families for s in ("scanned", "unscanned"))
     covered = {config(f"{f}_scanned").decoder_block for f in families}
     assert covered == {name for name, family in FAMILIES.items() if family.maxtext is not None}
-    # the families without a MaxText map, each named (docs/families.md says why): Qwen3-Next's MaxText scanned tree
-    # groups its layers as decoder/layers/{local_layers, global_layer} with a nested layer axis, not converted yet
-    assert set(FAMILIES) - covered == {"qwen3_next"}
+    assert covered == set(FAMILIES)  # none is missing
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -197,7 +194,7 @@ def test_a_maxtext_model_config_that_sets_normalize_embedding_logits_wins_over_b
     assert load_config(MAXTEXT_BASE, [f"model_name={model}", *overridden]).normalize_embedding_logits
 
 
-@pytest.mark.parametrize("family", ["llama2", "deepseek3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama2", "deepseek3", "gemma3", "qwen3_next"])
 def test_scanned_and_unscanned_layouts_hold_the_same_weights(family):
     name = f"{family}_scanned"
     stored = read_maxtext_checkpoint(ASSETS / name)
