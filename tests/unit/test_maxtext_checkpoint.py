@@ -308,6 +308,8 @@ def _copy(name: str, tmp_path: Path) -> Path:
         ("mixtral_scanned", {"num_experts": "1", "num_experts_per_tok": "1"}, "lacks"),  # another model (names)
         ("llama2_unscanned", {"base_num_decoder_layers": "1"}, "does not use"),
         ("deepseek3_unscanned", {"mtp_num_layers": "0"}, "does not use"),
+        ("qwen3_next_unscanned", {"gdn_value_head_dim": "8"}, "has shape"),  # a flat DeltaNet kernel of other heads
+        ("qwen3_next_scanned", {"base_num_decoder_layers": "8"}, "lacks"),
     ],
 )
 def test_a_checkpoint_of_another_model_is_refused(name, extra, fragment):

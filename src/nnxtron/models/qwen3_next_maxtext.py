@@ -77,6 +77,18 @@ def _heads(cfg: Config) -> dict[str, tuple[int, ...]]:
 CONV = "/attention/conv1d/kernel"
 
 
+def _split(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """MaxText's 2-D kernel as ``shape`` (``[D, Hk, -1]``: the output axis split; ``[H, d, D]``: the input axis), or
+    None where it does not hold that."""
+    if value.ndim != 2:
+        return None
+    if shape[-1] == -1:
+        fits = value.shape[0] == shape[0] and value.shape[1] % shape[1] == 0
+    else:
+        fits = value.shape == (shape[0] * shape[1], shape[2])
+    return value.reshape(shape) if fits else None
+
+
 def from_tree(flat: dict, cfg: Config) -> dict:
     """MaxText's unscanned arrays -> nnxtron's layouts (heads split, the conv kernel ``[C, 1, K]``)."""
     out = dict(flat)
@@ -84,13 +96,13 @@ def from_tree(flat: dict, cfg: Config) -> dict:
     for key, value in flat.items():
         suffix = next((s for s in shapes if key.endswith(s)), None)
         if suffix is not None:
-            shape = shapes[suffix]
-            if value.ndim != 2 or value.size % int(np.prod([d for d in shape if d > 0])):
+            split = _split(value, shapes[suffix])
+            if split is None:
                 raise CheckpointError(
-                    f"MaxText array '{key}' has shape {list(value.shape)}, model 'qwen3_next' expects a 2-D kernel of "
-                    f"{[d if d > 0 else '*' for d in shape]}; give the model settings the checkpoint was written with"
+                    f"MaxText array '{key}' has shape {list(value.shape)}, model 'qwen3_next' expects a 2-D kernel holding "
+                    f"{[d if d > 0 else '*' for d in shapes[suffix]]}; give the model settings the checkpoint was written with"
                 )
-            out[key] = value.reshape(shape)
+            out[key] = split
         elif key.endswith(CONV):
             if value.ndim != 3:
                 raise CheckpointError(f"MaxText array '{key}' has shape {list(value.shape)}, not [K, 1, C]")
