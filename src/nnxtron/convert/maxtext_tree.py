@@ -185,6 +185,7 @@ def _apply(value: np.ndarray, convention: str, cfg: Config, forward: bool) -> np
 _STATE = f"(?:{BIAS_COLLECTION}/)?"
 _SCANNED = re.compile(rf"^({_STATE})decoder/(layers|dense_layers|moe_layers|scanned_blocks)/(.*)$")
 _REMAINDER = re.compile(rf"^({_STATE})decoder/layers_remainder/layers_(\d+)/(.*)$")
+_OWN_REMAINDER = re.compile(r"^decoder/layers_remainder/local_layers/")  # Qwen3-Next's remainder block
 _UNSCANNED = re.compile(rf"^({_STATE})decoder/(layers|dense_layers|moe_layers)_(\d+)/(.*)$")
 
 
@@ -207,11 +208,13 @@ def _prefix(cfg: Config) -> tuple[int, str]:
 
 
 def is_scanned(flat: dict[str, np.ndarray]) -> bool:
-    return any(_SCANNED.match(k) or _REMAINDER.match(k) for k in flat)
+    return any(_SCANNED.match(k) or _REMAINDER.match(k) or _OWN_REMAINDER.match(k) for k in flat)
 
 
 def unscan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
     """A scanned MaxText tree under its unscanned names (one array per layer)."""
+    if (own := maxtext_map(cfg).unscan) is not None:
+        return own(flat, cfg)
     cycle, blocked = _cycle(cfg)
     prefix, _ = _prefix(cfg)
     blocks = (cfg.base_num_decoder_layers - prefix) // cycle
@@ -247,6 +250,8 @@ def unscan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
 
 def scan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
     """The inverse of ``unscan``: layers stacked on ``PARAM_SCAN_AXIS``."""
+    if (own := maxtext_map(cfg).scan) is not None:
+        return own(flat, cfg)
     cycle, blocked = _cycle(cfg)
     prefix, scan_group = _prefix(cfg)
     blocks = (cfg.base_num_decoder_layers - prefix) // cycle

@@ -74,6 +74,10 @@ class MaxTextMap:
     # arrays that nnxtron joins, splits or lays out otherwise), and back; None: the names as stored
     from_tree: Callable[[dict, Config], dict] | None = None
     to_tree: Callable[[dict, Config], dict] | None = None
+    # a family whose scanned tree is not blocks of ``layers_{j}`` (Qwen3-Next: ``layers/{local_layers,
+    # global_layer}`` with nested layer axes): its own scanned tree -> unscanned names, and back
+    unscan: Callable[[dict, Config], dict] | None = None
+    scan: Callable[[dict, Config], dict] | None = None
 
     def cycle(self, cfg: Config) -> int:
         """The layers of one scanned block of ``cfg``'s model."""

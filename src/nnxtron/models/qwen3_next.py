@@ -38,6 +38,7 @@ from nnxtron.models.gemma3 import gemma_norm
 from nnxtron.models.hf_common import GQA_WEIGHTS, NORM_WEIGHTS, QK_NORM_WEIGHTS, gated_mlp_weights, routed_expert_weights
 from nnxtron.models.prenorm import PreNormBlock, pre_norm_family
 from nnxtron.models.qwen3_next_hf import config_from_hf, config_to_hf
+from nnxtron.models.qwen3_next_maxtext import MAXTEXT
 
 
 class GatedAttention(Attention):
@@ -115,6 +116,7 @@ FAMILIES = (
         config_to_hf,
         make_block=Qwen3NextBlock,
         make_final_norm=gemma_norm,
+        maxtext=MAXTEXT,
         goldens=(Golden("qwen3_next", "qwen3_next"),),
         # the input cotangent of this tiny random model is ill-conditioned (the recurrence through L2-normalised
         # keys amplifies float32 reordering): against the unrolled one-device run, with the loss equal to 1 ulp,
