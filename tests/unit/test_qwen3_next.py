@@ -17,6 +17,7 @@ from nnxtron.infer.decode import unrolled
 from nnxtron.infer.paging import Paging
 from nnxtron.layers.gated_deltanet import causal_conv, chunked_gated_delta_rule, gated_delta_rule
 from nnxtron.models.build import build_model
+from tests.conftest import sub_jaxprs
 from tests.helpers import tiny_config
 
 MODEL = "qwen3-next-tiny"
@@ -171,3 +172,24 @@ def test_the_chunked_backward_keeps_a_state_per_chunk_not_per_token():
 
     per_token, per_chunk = temporaries(gated_delta_rule), temporaries(chunked_gated_delta_rule)
     assert per_token > 512 * 4 * 32 * 32 * 4 and per_chunk < per_token / 3, (per_token, per_chunk)
+
+
+def test_the_chunked_delta_rule_multiplies_at_highest_precision():
+    """Every product of the chunked rule, forward and backward, asks for ``Precision.HIGHEST``: at a TPU's default
+    (bfloat16 passes) its output was 5e-3 off the token-by-token rule, at highest 2.2e-6
+    (benchmarks/results/delta_rule-TPU_v5_lite.json). On CPU both are exact float32, so only the program shows it."""
+    x, g, beta = jnp.ones((1, 16, 2, 4)), jnp.full((1, 16, 2), -0.1), jnp.full((1, 16, 2), 0.5)
+    restart = jnp.zeros((1, 16), bool)
+    grad = jax.grad(lambda q: jnp.sum(chunked_gated_delta_rule(q, x, x, g, beta, restart, chunk_size=8)[0]))
+    precisions = []
+
+    def walk(jaxpr) -> None:
+        for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+            if eqn.primitive.name == "dot_general":
+                precisions.append(eqn.params["precision"])
+            for sub in sub_jaxprs(eqn):
+                walk(sub)
+
+    walk(jax.make_jaxpr(grad)(x))
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert len(precisions) >= 8 and all(p == highest for p in precisions), precisions
