@@ -175,7 +175,7 @@ def test_maxtexts_qwen3_next_keys_give_the_preset():
             "rope_max_timescale")  # fmt: skip
     assert {k: getattr(cfg, k) for k in keys} == {k: getattr(preset, k) for k in keys}
     for key, value in (("gdn_num_key_heads", 8), ("partial_rotary_factor", 0.5)):
-        with pytest.raises(ConfigError, match=f"{key} is read by decoder_block=qwen3_next only"):
+        with pytest.raises(ConfigError, match=f"{key} is read by decoder_block=qwen3_next/qwen3_5 only"):
             load_config(BASE, [f"{key}={value}"])
     with pytest.raises(ConfigError, match="use_qk_norm_in_gdn=False is refused"):
         load_config(BASE, [*QWEN3_NEXT_80B, "use_qk_norm_in_gdn=false"])
