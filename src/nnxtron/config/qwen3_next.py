@@ -1,5 +1,5 @@
-"""Qwen3-Next's config rule, shared by Qwen3.5's text decoder (``models/qwen3_next.py``, ``models/qwen3_5.py`` hold their blocks and maps): layers alternate Gated
-DeltaNet linear attention (``layers/gated_deltanet.py``; the ``gdn_*`` keys, MaxText's names) and gated full
+"""Qwen3-Next's config rule, shared by Qwen3.5's text decoder (``models/qwen3_next.py``, ``models/qwen3_5.py``
+hold their blocks and maps): layers alternate Gated DeltaNet linear attention (``layers/gated_deltanet.py``; the ``gdn_*`` keys, MaxText's names) and gated full
 attention: layer ``i`` is full attention iff ``(i + 1) % inhomogeneous_layer_cycle_interval == 0``
 (MaxText's ``Qwen3NextDecoderLayer`` rule, HF's ``full_attention_interval``; one cycle is one scanned block).
 Full attention has zero-centred q/k RMSNorms, partial RoPE (``partial_rotary_factor``) and a sigmoid output
