@@ -47,6 +47,7 @@ Cases:
                  experts with biases and the interleaved ``gate_up_proj`` (saved fused: no fused.safetensors).
 * ``qwen3_next`` -- Qwen3NextForCausalLM: Gated DeltaNet / gated full attention / DeltaNet (3 layers), partial RoPE,
                  4 experts top-2 + a sigmoid-gated shared expert, zero-centred norms (HF's torch delta-rule fallback).
+* ``qwen3_5`` -- Qwen3_5MoeForCausalLM: ``qwen3_next``'s case with Qwen3.5's split DeltaNet projections.
 * ``olmo3``   -- Olmo3ForCausalLM: 3 sliding : 1 global (4 layers), window 8, norms on the sublayer
                  outputs, whole-projection q/k norms, per-layer-type RoPE (default / YaRN x8), untied.
 * ``llama4``  -- Llama4ForCausalLM: chunked attention (8), NoPE layer 3 with temperature tuning,
@@ -76,7 +77,7 @@ be bit-identical to the stored ones (for MoE cases also after loading
 
 Code layout: ``scripts/goldens/harness.py`` (shared constants, model building, file writing, common
 checks) and one module per family (``goldens/llama.py``, ``qwen2.py``, ``mixtral_qwen3.py``, ``deepseek3.py``,
-``gemma.py``, ``gemma2.py``, ``gemma3.py``, ``olmo3.py``, ``gpt_oss.py``, ``qwen3_next.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks.
+``gemma.py``, ``gemma2.py``, ``gemma3.py``, ``olmo3.py``, ``gpt_oss.py``, ``qwen3_next.py``, ``qwen3_5.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks.
 Which cases exist is the family registry's: each family's record declares its goldens
 (``Golden(name, generator)`` in ``goldens=``, ``nnxtron/models/family.py``) and ``goldens/__init__.py``
 collects them in the registry's order; nothing in this script or the shared modules names a family.

@@ -188,6 +188,7 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/models/gpt_oss.py", "layer_weights", "*"): CONVERSION,
     ("src/nnxtron/models/gpt_oss.py", "maxtext_layer_rules", "*"): CONVERSION,
     ("src/nnxtron/models/gpt_oss_hf.py", "config_to_hf", "*"): CONVERSION,
+    ("src/nnxtron/models/qwen3_5_hf.py", "config_to_hf", "*"): CONVERSION,
     ("src/nnxtron/models/qwen3_next_hf.py", "config_to_hf", "*"): CONVERSION,
     ("src/nnxtron/models/qwen3_next_maxtext.py", "_heads", "*"): CONVERSION,
     ("src/nnxtron/models/qwen3_next_maxtext.py", "scan", "*"): CONVERSION,

@@ -270,10 +270,10 @@ def test_temperature_tuning_starts_at_position_7(goldens) -> None:
     assert diff[7:].min() > 10 * TOL
 
 
-@pytest.mark.parametrize("case, model_type", [("gemma3", "gemma3"), ("llama4", "llama4")])
+@pytest.mark.parametrize("case, model_type", [("gemma3", "gemma3"), ("llama4", "llama4"), ("qwen3_5", "qwen3_5_moe")])
 @pytest.mark.parametrize("prefix", ["language_model.", "model.language_model."])
 def test_multimodal_wrapper_loads_its_text_decoder(goldens, tmp_path: Path, case: str, model_type: str, prefix: str) -> None:
-    """Hub Gemma 3 (4B+) and Llama 4 checkpoints are ``*ForConditionalGeneration``: the text
+    """Hub Gemma 3 (4B+), Llama 4 and Qwen3.5 checkpoints are ``*ForConditionalGeneration``: the text
     config sits in ``text_config`` and the text keys carry ``language_model.`` (what
     transformers 5.24 ``save_pretrained`` writes, checked with a tiny model) or the in-memory
     ``model.language_model.`` prefix; vision weights are present and not imported."""
@@ -289,9 +289,13 @@ def test_multimodal_wrapper_loads_its_text_decoder(goldens, tmp_path: Path, case
         renamed = {prefix + key: value for key, value in weights.items()}
     else:
         renamed = {(prefix + key[len("model.") :] if key.startswith("model.") else key): value for key, value in weights.items()}
-    vision = "vision_tower." if case == "gemma3" else "vision_model."
-    renamed[vision + "patch_embedding.weight"] = np.ones((8, 3), np.float32)
-    renamed["multi_modal_projector.linear_1.weight"] = np.ones((4, 8), np.float32)
+    others = {  # the wrapper's weights that are not the text decoder's (Qwen3.5: its vision tower and MTP layer)
+        "gemma3": ("vision_tower.patch_embedding.weight", "multi_modal_projector.linear_1.weight"),
+        "llama4": ("vision_model.patch_embedding.weight", "multi_modal_projector.linear_1.weight"),
+        "qwen3_5": ("model.visual.patch_embed.proj.weight", "mtp.fc.weight"),
+    }[case]
+    for key in others:
+        renamed[key] = np.ones((8, 3), np.float32)
     save_file(renamed, str(tmp_path / "model.safetensors"))
     diff = float(_abs_diff(goldens[case], case, tmp_path).max())
     assert diff <= TOL, f"{case} {prefix}: {diff:.3g}"

@@ -118,6 +118,13 @@ CASES = {
         PP2_FSDP2,
         4,
     ),
+    # Qwen3.5: the same cycles with HF Qwen3.5's split DeltaNet projections
+    "qwen3_5_cycles_in_stages": (
+        "qwen3.5-tiny",
+        dict(base_num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2, remat_policy="none"),
+        PP2_FSDP2,
+        4,
+    ),
     # MaxText's toy blocks, which MaxText's own pipeline tests run: one matmul a layer, no residual (4 stages, gpipe)
     "simple_gpipe_4_stages": (
         "simple-tiny",

@@ -501,6 +501,8 @@ for _key, _flag in {
     "base_num_query_heads": F(8, family=Q3N),
 }.items():
     MORE.setdefault(_key, {})["qwen3_next"] = _flag
+# Qwen3.5: Qwen3-Next's layers, but its Gated DeltaNet's split input projections (their widths read base_emb_dim)
+MORE.setdefault("base_emb_dim", {})["qwen3_5"] = F(64, family="qwen3.5-tiny")
 for _key, _cases in READ_SITE_CASES.items():
     assert not set(_cases) & set(MORE.get(_key, {})), f"{_key}: a label of READ_SITE_CASES is already in MORE"
     MORE.setdefault(_key, {}).update(_cases)
@@ -556,6 +558,7 @@ FAMILIES.setdefault("gemma-tiny", {})
 FAMILIES.setdefault("olmo3-tiny", {})
 FAMILIES.setdefault("gpt-oss-tiny", {})
 FAMILIES.setdefault("qwen3-next-tiny", {})
+FAMILIES.setdefault("qwen3.5-tiny", {})
 FAMILIES.setdefault("qwen3-tiny", {})
 FAMILIES.setdefault("qwen3-moe-tiny", {})
 FAMILIES.setdefault("simple_mlp-tiny", {})

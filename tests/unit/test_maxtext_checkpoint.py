@@ -80,7 +80,9 @@ def test_every_family_and_layout_has_an_asset():
     assert all(f"{f}_{s}" in NAMES for f in families for s in ("scanned", "unscanned"))
     covered = {config(f"{f}_scanned").decoder_block for f in families}
     assert covered == {name for name, family in FAMILIES.items() if family.maxtext is not None}
-    assert covered == set(FAMILIES)  # none is missing
+    # the families without a MaxText map, each named (docs/families.md says why): Qwen3.5's (MaxText's
+    # Qwen3_5ScannableBlock, Qwen3-Next's tree with HF Qwen3.5's split DeltaNet projections) is not converted yet
+    assert set(FAMILIES) - covered == {"qwen3_5"}
 
 
 @pytest.mark.parametrize("name", NAMES)

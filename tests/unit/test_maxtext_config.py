@@ -175,10 +175,44 @@ def test_maxtexts_qwen3_next_keys_give_the_preset():
             "rope_max_timescale")  # fmt: skip
     assert {k: getattr(cfg, k) for k in keys} == {k: getattr(preset, k) for k in keys}
     for key, value in (("gdn_num_key_heads", 8), ("partial_rotary_factor", 0.5)):
-        with pytest.raises(ConfigError, match=f"{key} is read by decoder_block=qwen3_next only"):
+        with pytest.raises(ConfigError, match=f"{key} is read by decoder_block=qwen3_next/qwen3_5 only"):
             load_config(BASE, [f"{key}={value}"])
     with pytest.raises(ConfigError, match="use_qk_norm_in_gdn=False is refused"):
         load_config(BASE, [*QWEN3_NEXT_80B, "use_qk_norm_in_gdn=false"])
+
+
+# MaxText 0.2.5's configs/models/qwen3.5-35b-a3b.yml (its keys; the vision encoder's are read only with
+# use_multimodal=true, mrope_section only with use_mrope=true). Left out: use_mrope=true (refused below) and
+# vision_encoder_block, which MaxText's base.yml does not hold (types.py only), so the key table does not know it
+QWEN3_5_35B_TEXT = [
+    "decoder_block=qwen3_5", "base_emb_dim=2048", "base_num_decoder_layers=40", "base_num_query_heads=16",
+    "base_num_kv_heads=2", "head_dim=256", "vocab_size=248320", "normalization_layer_epsilon=1.0e-6", "base_mlp_dim=512",
+    "base_moe_mlp_dim=512", "num_experts=256", "shared_experts=1", "num_experts_per_tok=8", "norm_topk_prob=true",
+    "inhomogeneous_layer_cycle_interval=4", "gdn_conv_kernel_dim=4", "gdn_key_head_dim=128", "gdn_value_head_dim=128",
+    "gdn_num_key_heads=16", "gdn_num_value_heads=32", "gdn_chunk_size=64", "rope_max_timescale=10000000",
+    "partial_rotary_factor=0.25", "enable_dropout=false", "image_size_for_vit=768",
+    "hidden_size_for_vit=1152", "intermediate_size_for_vit=4304", "num_attention_heads_for_vit=16",
+    "num_hidden_layers_for_vit=27", "num_channels_for_vit=3", "patch_size_for_vit=16", "temporal_patch_size_for_vit=2",
+    "spatial_merge_size_for_vit=2", "out_hidden_size_for_vit=2048", "num_position_embeddings_for_vit=2304",
+    "deepstack_visual_indexes_for_vit=[]", "rope_theta_for_vit=10000", "mrope_section=[11,11,10]",
+]  # fmt: skip
+
+
+def test_maxtexts_qwen3_5_keys_give_the_preset():
+    """MaxText's qwen3.5-35b-a3b keys load as nnxtron's preset (decoder_block=qwen3_5 accepted, its q/k norms set by
+    the block), the vision encoder's keys unread without use_multimodal; the file's use_mrope=true (multimodal RoPE)
+    and use_multimodal=true are refused by name: nnxtron has the text decoder only."""
+    cfg, preset = load_config(BASE, QWEN3_5_35B_TEXT), load_config(None, ["model_name=qwen3.5-35b-a3b"])
+    keys = ("decoder_block", "use_qk_norm", "partial_rotary_factor", "inhomogeneous_layer_cycle_interval", "shared_experts",
+            "gdn_conv_kernel_dim", "gdn_key_head_dim", "gdn_value_head_dim", "gdn_num_key_heads", "gdn_num_value_heads",
+            "base_moe_mlp_dim", "base_mlp_dim", "num_experts", "num_experts_per_tok", "norm_topk_prob", "routed_score_func",
+            "head_dim", "rope_max_timescale", "vocab_size", "base_num_decoder_layers", "base_emb_dim")  # fmt: skip
+    assert {k: getattr(cfg, k) for k in keys} == {k: getattr(preset, k) for k in keys}
+    assert cfg.decoder_block == "qwen3_5" and cfg.use_qk_norm
+    with pytest.raises(ConfigError, match="MaxText key use_mrope=True is refused: nnxtron has no multimodal RoPE"):
+        load_config(BASE, [*QWEN3_5_35B_TEXT, "use_mrope=true"])
+    with pytest.raises(ConfigError, match="MaxText key use_multimodal=True is refused: nnxtron has no multimodal encoders"):
+        load_config(BASE, [*QWEN3_5_35B_TEXT, "use_multimodal=true"])
 
 
 def test_reference_command_resolves():

@@ -76,12 +76,20 @@ def test_deepseek4_keeps_hyper_connections_and_routers_unquantized():
     assert not [path for path in ops if re.search(r"_hc|router|hyper_head", path)]
 
 
-def test_qwen3_next_quantizes_its_projections_not_its_recurrence():
-    """Every weight matmul of the Gated DeltaNet (in_proj_qkvz, in_proj_ba, out), the gated attention and the MoE
-    (grouped experts, shared expert and its gate) is quantized; the delta rule's products of activations (state,
-    keys, queries, the chunk's triangular system) and the elementwise conv are not: no op at the mixer's own path."""
-    ops = quant.quantized_structure(quantized("qwen3-next-tiny")).ops
-    deltanet = {f"attention/{p}" for p in ("in_proj_qkvz", "in_proj_ba", "out")}
+@pytest.mark.parametrize(
+    "model, projections",
+    [
+        ("qwen3-next-tiny", ("in_proj_qkvz", "in_proj_ba")),
+        ("qwen3.5-tiny", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+    ],
+)
+def test_qwen3_next_quantizes_its_projections_not_its_recurrence(model, projections):
+    """Every weight matmul of the Gated DeltaNet (Qwen3-Next's fused input projections or Qwen3.5's split ones, out),
+    the gated attention and the MoE (grouped experts, shared expert and its gate) is quantized; the delta rule's
+    products of activations (state, keys, queries, the chunk's triangular system) and the elementwise conv are not:
+    no op at the mixer's own path."""
+    ops = quant.quantized_structure(quantized(model)).ops
+    deltanet = {f"attention/{p}" for p in (*projections, "out")}
     attention = {f"attention/{p}" for p in ("query", "key", "value", "out")}
     moe = {"mlp", *(f"mlp/shared/{p}" for p in ("wi_0", "wi_1", "wo")), "mlp/shared_gate"}
     expected = {f"layers/layers/cycle/0/{p}" for p in deltanet | moe} | {f"layers/layers/cycle/1/{p}" for p in attention | moe}

@@ -82,9 +82,9 @@ def test_unsupported_combinations_are_refused_by_name(overrides, match):
 
 
 def test_its_keys_are_refused_on_other_families():
-    with pytest.raises(ConfigError, match="gdn_conv_kernel_dim is read by decoder_block=qwen3_next only"):
+    with pytest.raises(ConfigError, match="gdn_conv_kernel_dim is read by decoder_block=qwen3_next/qwen3_5 only"):
         tiny_config("qwen3-tiny", gdn_conv_kernel_dim=2)
-    with pytest.raises(ConfigError, match="partial_rotary_factor is read by decoder_block=qwen3_next only"):
+    with pytest.raises(ConfigError, match="partial_rotary_factor is read by decoder_block=qwen3_next/qwen3_5 only"):
         tiny_config("qwen3-tiny", partial_rotary_factor=0.5)
 
 

@@ -63,7 +63,15 @@ class FamilyRules:
 
 
 PLAIN = FamilyRules()
-_FOLDED = FamilyRules(maxtext_query_folded=True)  # MaxText's plain Attention, without query_pre_attn_scalar
+_FOLDED = FamilyRules(maxtext_query_folded=True)
+_QWEN3_NEXT = FamilyRules(
+    check=qwen3_next.check,
+    own_keys=qwen3_next.OPTIONS_OFF,
+    layer_attention=qwen3_next.layer_attention,
+    layer_period=qwen3_next.period,
+    maxtext_block_values={"use_qk_norm": True},  # MaxText's Qwen3-Next / Qwen3.5 attention always has its q/k norms
+    query_gate=True,
+)  # MaxText's plain Attention, without query_pre_attn_scalar
 RULES: dict[str, FamilyRules] = {
     "llama2": _FOLDED,
     "mistral": _FOLDED,
@@ -83,14 +91,8 @@ RULES: dict[str, FamilyRules] = {
         own_values={"mlp_activations": gpt_oss.ACTIVATIONS},
         maxtext_layer_pattern=gpt_oss.PATTERN,
     ),
-    "qwen3_next": FamilyRules(
-        check=qwen3_next.check,
-        own_keys=qwen3_next.OPTIONS_OFF,
-        layer_attention=qwen3_next.layer_attention,
-        layer_period=qwen3_next.period,
-        maxtext_block_values={"use_qk_norm": True},  # MaxText's Qwen3-Next attention always has its q/k norms
-        query_gate=True,
-    ),
+    "qwen3_next": _QWEN3_NEXT,
+    "qwen3_5": _QWEN3_NEXT,  # Qwen3.5's text decoder: Qwen3-Next's layers (MaxText's Qwen3_5DecoderLayer reuses them)
     "gpt3": FamilyRules(check=gpt3.check, own_values={"mlp_activations": ("gelu",)}),  # one activation: a plain MLP
     "simple": FamilyRules(check=simple.check, decodes=False),  # MaxText's toy blocks: no experts, no attention
     "simple_mlp": FamilyRules(check=simple.check, decodes=False),

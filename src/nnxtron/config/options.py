@@ -31,6 +31,7 @@ DECODER_BLOCKS = (
     "olmo3",
     "gpt_oss",
     "qwen3_next",
+    "qwen3_5",  # Qwen3.5 text decoder (MoE): Qwen3-Next's computation, HF's split DeltaNet projections
     "simple",  # MaxText's toy blocks (models/simple.py): no HF counterpart
     "simple_mlp",
 )

@@ -155,14 +155,14 @@ class Config(BaseModel):
     )  # leading MoE layers routed by the non-trainable token->expert table
     mlp_activations_limit: Model[float] = Field(ge=0)  # SwiGLU clamp (HF swiglu_limit): gate <= L, |up| <= L; 0 = off
     mlp_bias: Model[bool]  # routed experts' gate, up and down projections have biases (gpt_oss only)
-    # --- Qwen3-Next (decoder_block=qwen3_next; rules in config/qwen3_next.py): its Gated DeltaNet layers ---
+    # --- Qwen3-Next and Qwen3.5 (decoder_block=qwen3_next, qwen3_5; rules in config/qwen3_next.py): Gated DeltaNet ---
     gdn_conv_kernel_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # causal depthwise conv over q/k/v (HF linear_conv_kernel_dim)
     gdn_key_head_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # query/key head width (HF linear_key_head_dim)
     gdn_value_head_dim: Model[int] = Field(gt=0, le=MAX_SIZE)  # value head width (HF linear_value_head_dim)
     gdn_num_key_heads: Model[int] = Field(gt=0, le=MAX_COUNT)  # query/key heads (HF linear_num_key_heads)
     gdn_num_value_heads: Model[int] = Field(gt=0, le=MAX_COUNT)  # value heads, a multiple of the key heads
     gdn_chunk_size: Model[int] = Field(gt=0, le=MAX_SIZE)  # tokens the delta rule takes at a time (the same function)
-    partial_rotary_factor: Model[float] = Field(gt=0, le=1)  # RoPE on the first head_dim x this dims (qwen3_next only)
+    partial_rotary_factor: Model[float] = Field(gt=0, le=1)  # RoPE on the first head_dim x this dims (qwen3_next, qwen3_5 only)
 
     # --- mixture of experts -------------------------------------------------------
     num_experts: Model[int] = Field(gt=0, le=MAX_COUNT)  # 1 = dense MLP layers

@@ -1,4 +1,4 @@
-"""Gated DeltaNet linear attention (Qwen3-Next's ``linear_attention`` layers; HF ``Qwen3NextGatedDeltaNet``).
+"""Gated DeltaNet linear attention (Qwen3-Next's and Qwen3.5's ``linear_attention`` layers; HF ``Qwen3NextGatedDeltaNet``).
 
 Per token ``t`` and value head ``h`` (its query/key head ``h // (Hv / Hk)``)::
 
@@ -17,7 +17,9 @@ the state restarts and the convolution sees no token of another segment where ``
 conv inputs (by position) and the recurrent state (``cache_spec``); padding tokens leave both alone.
 
 Weights keep HF's layout: ``in_proj_qkvz`` ``[D, Hk, 2 dk + 2 (Hv/Hk) dv]`` and ``in_proj_ba``
-``[D, Hk, 2 Hv/Hk]`` (HF's ``view`` per key head), ``conv [C, 1, K]`` (HF ``conv1d.weight``, C = 2 Hk dk + Hv dv),
+``[D, Hk, 2 Hv/Hk]`` (HF's ``view`` per key head); with ``fused_projections=False`` (HF ``Qwen3_5GatedDeltaNet``,
+the same function) ``in_proj_qkv [D, C]`` (all q heads, all k, all v), ``in_proj_z [D, Hv, dv]``, ``in_proj_b``
+and ``in_proj_a [D, Hv]`` instead; ``conv [C, 1, K]`` (HF ``conv1d.weight``, C = 2 Hk dk + Hv dv),
 ``dt_bias [Hv]``, ``A_log [Hv]``, ``norm/scale [dv]``, ``out [Hv, dv, D]``.
 """
 
@@ -208,16 +210,25 @@ class GatedRMSNorm(nnx.Module):
 class GatedDeltaNet(nnx.Module):
     """One Gated DeltaNet token mixer: ``x [B, S, D]`` -> ``[B, S, D]`` (see the module docstring)."""
 
-    def __init__(self, cfg: Config, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, rngs: nnx.Rngs, fused_projections: bool = True):
         dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
         self.key_heads, self.value_heads = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads
         self.key_dim, self.value_dim = cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
         group = self.value_heads // self.key_heads
         kw = dict(dtype=dtype, weight_dtype=weight_dtype, rngs=rngs)
-        width = 2 * self.key_dim + 2 * group * self.value_dim
-        self.in_proj_qkvz = Linear([cfg.base_emb_dim], [self.key_heads, width], ("embed", "kv_heads", None), **kw)
-        self.in_proj_ba = Linear([cfg.base_emb_dim], [self.key_heads, 2 * group], ("embed", "kv_heads", None), **kw)
         channels = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+        self.fused = fused_projections
+        if fused_projections:  # Qwen3-Next: per key head, [q, k, v..., z...] and [b..., a...]
+            width = 2 * self.key_dim + 2 * group * self.value_dim
+            self.in_proj_qkvz = Linear([cfg.base_emb_dim], [self.key_heads, width], ("embed", "kv_heads", None), **kw)
+            self.in_proj_ba = Linear([cfg.base_emb_dim], [self.key_heads, 2 * group], ("embed", "kv_heads", None), **kw)
+        else:  # Qwen3.5: HF's separate projections; qkv is the conv's channel order (all q, all k, all v)
+            self.in_proj_qkv = Linear([cfg.base_emb_dim], [channels], ("embed", None), **kw)
+            self.in_proj_z = Linear(
+                [cfg.base_emb_dim], [self.value_heads, self.value_dim], ("embed", "q_heads", "head_dim"), **kw
+            )
+            self.in_proj_b = Linear([cfg.base_emb_dim], [self.value_heads], ("embed", None), **kw)
+            self.in_proj_a = Linear([cfg.base_emb_dim], [self.value_heads], ("embed", None), **kw)
         size = self.conv_size = cfg.gdn_conv_kernel_dim
         self.chunk_size = cfg.gdn_chunk_size
         conv = jax.random.uniform(rngs.params(), (channels, 1, size), jnp.float32, -(size**-0.5), size**-0.5)
@@ -229,8 +240,12 @@ class GatedDeltaNet(nnx.Module):
         self.out = Linear([self.value_heads, self.value_dim], [cfg.base_emb_dim], ("q_heads", "head_dim", "embed"), **kw)
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """``x [B, S, D]`` -> the conv's input ``[B, S, C]`` (all q, all k, all v), ``z [B, S, Hv, dv]`` and ``b, a
+        [B, S, Hv]``: from Qwen3-Next's fused per-key-head projections, or Qwen3.5's separate ones."""
         batch, seq, _ = x.shape
+        if not self.fused:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         dk, dv, group = self.key_dim, self.value_dim, self.value_heads // self.key_heads
         qkvz = self.in_proj_qkvz(x)  # [B, S, Hk, 2 dk + 2 group dv]
         q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
@@ -240,6 +255,12 @@ class GatedDeltaNet(nnx.Module):
         b = ba[..., :group].reshape(batch, seq, self.value_heads)
         a = ba[..., group:].reshape(batch, seq, self.value_heads)
         mixed = jnp.concatenate([q.reshape(batch, seq, -1), k.reshape(batch, seq, -1), v.reshape(batch, seq, -1)], -1)
+        return mixed, z, b, a
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        batch, seq, _ = x.shape
+        dk, dv, group = self.key_dim, self.value_dim, self.value_heads // self.key_heads
+        mixed, z, b, a = self.project(x)
         kernel = self.conv[...][:, 0, :]
         if hasattr(self, "cache"):  # decoding: the last K - 1 inputs come from the cache
             past, k_positions = self.cache["conv"].extend({"x": mixed}, positions, segment_ids != 0)

@@ -69,10 +69,11 @@ class GatedAttention(Attention):
         return self.out(out * jax.nn.sigmoid(gate).astype(out.dtype))
 
 
-def make_mixer(cfg: Config, rngs: nnx.Rngs, kind: LayerKind) -> nnx.Module:
-    """The layer's token mixer: Gated DeltaNet on ``linear`` layers, gated attention on ``global`` ones."""
+def make_mixer(cfg: Config, rngs: nnx.Rngs, kind: LayerKind, fused_projections: bool = True) -> nnx.Module:
+    """The layer's token mixer: Gated DeltaNet on ``linear`` layers (its projections fused as Qwen3-Next's, or
+    split as Qwen3.5's: ``layers/gated_deltanet.py``), gated attention on ``global`` ones."""
     if kind.attention == "linear":
-        return GatedDeltaNet(cfg, rngs)
+        return GatedDeltaNet(cfg, rngs, fused_projections)
     attention = gqa_attention(cfg, rngs, kind, qk_norm="rms_zero_centered", cls=GatedAttention)
     attention.rope = RopeSpec.from_config(cfg, rotary_dim(cfg))
     return attention

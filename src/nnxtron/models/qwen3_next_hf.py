@@ -27,7 +27,7 @@ def hf_layer_types(layers: int, interval: int) -> list[str]:
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
 
 
-def _interval(hf: dict[str, Any]) -> int:
+def _interval(hf: dict[str, Any], decoder_block: str) -> int:
     """The full-attention interval of HF ``layer_types`` (or ``full_attention_interval``); other patterns raise."""
     layers = int(hf["num_hidden_layers"])
     types = hf.get("layer_types")
@@ -38,13 +38,14 @@ def _interval(hf: dict[str, Any]) -> int:
     if list(types) != hf_layer_types(layers, interval):
         raise ConfigError(
             f"HF layer_types {types} is not one full-attention layer every N layers (the last of each N); "
-            "decoder_block qwen3_next supports only that pattern"
+            f"decoder_block {decoder_block} supports only that pattern"
         )
     return interval
 
 
-def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """nnxtron config values for an HF ``qwen3_next`` ``config.json``."""
+def config_from_hf(hf: dict[str, Any], decoder_block: str = "qwen3_next") -> dict[str, Any]:
+    """nnxtron config values for an HF ``qwen3_next`` ``config.json`` (or, as ``decoder_block``, a config of the same
+    keys: ``models/qwen3_5_hf.py``)."""
     if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) != 1:
         raise ConfigError("HF qwen3_next with dense layers (mlp_only_layers, decoder_sparse_step > 1) is not supported")
     moe, shared = int(hf["moe_intermediate_size"]), int(hf["shared_expert_intermediate_size"])
@@ -53,13 +54,13 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             f"HF shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size={moe}; nnxtron's "
             "shared expert is shared_experts x base_moe_mlp_dim wide"
         )
-    values = common_config_from_hf(hf, "qwen3_next")
+    values = common_config_from_hf(hf, decoder_block)
     rope = hf.get("rope_parameters") or {}
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", HF_PARTIAL_ROTARY))
     values.update(
         use_qk_norm=True,
         sliding_window_size=0,
-        inhomogeneous_layer_cycle_interval=_interval(hf),
+        inhomogeneous_layer_cycle_interval=_interval(hf, decoder_block),
         partial_rotary_factor=float(partial),
         num_experts=int(hf["num_experts"]),
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
@@ -72,14 +73,15 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def config_to_hf(cfg: Config) -> dict[str, Any]:
-    """The HF ``config.json`` of a qwen3_next config (``config/qwen3_next.py`` has already checked its rules)."""
-    check_exportable(cfg, "qwen3_next", moe=True, qk_norm=True)
+def config_to_hf(cfg: Config, model_type: str = "qwen3_next", architecture: str = "Qwen3NextForCausalLM") -> dict[str, Any]:
+    """The HF ``config.json`` of a qwen3_next config (``config/qwen3_next.py`` has already checked its rules), or
+    of Qwen3.5's with its ``model_type`` and ``architecture`` (``models/qwen3_5_hf.py`` drops the keys it lacks)."""
+    check_exportable(cfg, model_type, moe=True, qk_norm=True)
     if cfg.rope_interleave or cfg.capacity_factor > 0 or cfg.routed_scaling_factor != 1.0:
-        raise ConfigError("HF Qwen3-Next needs rope_interleave=false, capacity_factor=-1 and routed_scaling_factor=1")
+        raise ConfigError(f"HF {architecture} needs rope_interleave=false, capacity_factor=-1 and routed_scaling_factor=1")
     if cfg.logits_via_embedding and cfg.normalize_embedding_logits:
-        raise ConfigError("HF Qwen3-Next's tied head is x @ E^T; export needs normalize_embedding_logits=false")
-    hf = common_config_to_hf(cfg, "qwen3_next", "Qwen3NextForCausalLM")
+        raise ConfigError(f"HF {architecture}'s tied head is x @ E^T; export needs normalize_embedding_logits=false")
+    hf = common_config_to_hf(cfg, model_type, architecture)
     hf["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
     hf.update(
         num_experts=cfg.num_experts,

@@ -23,6 +23,7 @@ from nnxtron.models import (
     olmo3,
     qwen2,
     qwen3,
+    qwen3_5,
     qwen3_next,
     simple,
 )
@@ -43,6 +44,7 @@ _MODULES = (
     olmo3,
     gpt_oss,
     qwen3_next,
+    qwen3_5,
     simple,
 )
 FAMILIES: dict[str, Family] = {family.name: family for module in _MODULES for family in module.FAMILIES}
