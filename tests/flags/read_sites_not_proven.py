@@ -231,6 +231,12 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/tools/bench.py", "run_bench", "*"): REPORT,
     ("src/nnxtron/tools/bench.py", "run_decode_bench", "*"): REPORT,
     ("src/nnxtron/tools/decode_timing.py", "time_decoding", "vocab_size"): REPORT,
+    ("src/nnxtron/tools/parity.py", "copy_weights", "*"): TEST_HELPER,
+    ("src/nnxtron/layers/rope.py", "apply_selected_rope", "head_dim"): VALIDATION,  # both specs rotate all dims alike
+    ("src/nnxtron/layers/rope.py", "apply_selected_rope", "qk_rope_head_dim"): VALIDATION,
+    ("src/nnxtron/layers/rope.py", "apply_selected_rope", "base_emb_dim"): VALIDATION,  # head_dim's defaults
+    ("src/nnxtron/layers/rope.py", "apply_selected_rope", "base_num_query_heads"): VALIDATION,
+    ("src/nnxtron/config/pipeline.py", "selects_kinds", "dcn_pipeline_parallelism"): EQUIVALENT,  # cycles or kinds as data
     ("src/nnxtron/tools/parity.py", "loss_and_grads", "logical_axis_rules"): TEST_HELPER,
     ("src/nnxtron/tools/parity.py", "loss_and_grads.run", "init_weights_seed"): TEST_HELPER,
     ("src/nnxtron/tools/plan.py", "_param_counts", "*"): REPORT,

@@ -408,6 +408,7 @@ READ_SITE_CASES: dict[str, dict[str, Flag]] = {
         "selected_kinds": F(2, family="gemma3-tiny", base=SELECTED_PIPE),
     },
     "pipeline_parallel_layers": {"selected_kinds": F(2, family="gemma3-tiny", base=SELECTED_PIPE)},  # 2 of 4, 2 after
+    "rope_interleave": {"selected_kinds": F(True, family="gemma3-tiny", base=SELECTED_PIPE)},  # the per-layer RoPE choice
     "ici_pipeline_parallelism": {
         "selected_kinds": F(2, family="gemma3-tiny", base={"per_device_batch_size": 2}),  # 1 whole cycle for 2 stages
         "moe": F(2, family="mixtral-tiny", base=MOE_PIPE),  # the router's auxiliary losses, a mean over microbatches
