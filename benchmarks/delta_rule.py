@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=None, help="JSON result file (default benchmarks/results/delta_rule-<chip>.json; '-' = none)")
+    parser.add_argument(
+        "--out", default=None, help="JSON result file (default benchmarks/results/delta_rule-<chip>.json; '-' = none)"
+    )
     args = parser.parse_args(argv)
     import jax
 
