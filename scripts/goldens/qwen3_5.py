@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-from goldens.harness import Case, Run, logits, variant
+from goldens.harness import Case, Run
 from goldens.mixtral_qwen3 import softmax_router_check
 from goldens.qwen3_next import CASES as QWEN3_NEXT_CASES
-from goldens.qwen3_next import GATE_STD, QWEN3_NEXT_SEED, _randomize
+from goldens.qwen3_next import GATE_STD, QWEN3_NEXT_SEED, _randomize, zeroing_moves_the_logits
 
 NEXT = QWEN3_NEXT_CASES[0]
 # Qwen3_5MoeTextConfig has no intermediate_size, norm_topk_prob (always true) or decoder_sparse_step; its
@@ -30,29 +30,18 @@ def _effects(run: Run) -> None:
     assert run.model.config.layer_types == KWARGS["layer_types"]
     state = run.model.state_dict()
     assert not any("in_proj_qkvz" in key or "in_proj_ba" in key for key in state)
-    for suffix in (
-        "in_proj_z.weight",
-        "in_proj_b.weight",
-        "in_proj_a.weight",
-        "conv1d.weight",
-        "A_log",
-        "dt_bias",
-        "linear_attn.norm.weight",
-        "shared_expert_gate.weight",
-    ):
-        zeroed = {key: torch.zeros_like(v) if key.endswith(suffix) else v for key, v in state.items()}
-        diff = float((logits(variant(run, state_dict=zeroed), run.input_ids) - run.logits).abs().max())
-        print(f"  max|logits - logits({suffix} = 0)| = {diff:.3e}")
-        assert diff > 1e-3, f"{suffix} has no visible effect"
-    ungated = dict(state)
-    for key, v in state.items():  # the attention output gate's rows of q_proj -> 0: sigmoid -> 1/2
-        if key.endswith("self_attn.q_proj.weight"):
-            heads = v.reshape(run.model.config.num_attention_heads, 2, -1, v.shape[-1]).clone()
-            heads[:, 1] = 0.0
-            ungated[key] = heads.reshape(v.shape)
-    diff = float((logits(variant(run, state_dict=ungated), run.input_ids) - run.logits).abs().max())
-    print(f"  max|logits - logits(attention gate rows = 0)| = {diff:.3e}")
-    assert diff > 1e-3
+    zeroing_moves_the_logits(
+        run,
+        (
+            "in_proj_z.weight",
+            "in_proj_b.weight",
+            "in_proj_a.weight",
+            "conv1d.weight",
+            "A_log",
+            "dt_bias",
+            "linear_attn.norm.weight",
+        ),
+    )
 
 
 CASES = (

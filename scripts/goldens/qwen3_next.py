@@ -39,15 +39,15 @@ def _effects(run: Run) -> None:
     """The layer pattern is HF's; each DeltaNet piece, the attention gate and the shared expert gate move the
     logits; the checkpoint holds the per-expert hub layout."""
     assert run.model.config.layer_types == ["linear_attention", "full_attention", "linear_attention"]
+    zeroing_moves_the_logits(run, ("conv1d.weight", "A_log", "dt_bias", "in_proj_ba.weight", "linear_attn.norm.weight"))
+
+
+@torch.no_grad()
+def zeroing_moves_the_logits(run: Run, suffixes: tuple[str, ...]) -> None:
+    """Zeroing each weight named by a suffix (and the shared expert gate), and the attention output gate's rows of
+    ``q_proj``, moves the logits by more than 1e-3 (Qwen3-Next's and Qwen3.5's layers alike)."""
     state = run.model.state_dict()
-    for suffix in (
-        "conv1d.weight",
-        "A_log",
-        "dt_bias",
-        "in_proj_ba.weight",
-        "linear_attn.norm.weight",
-        "shared_expert_gate.weight",
-    ):
+    for suffix in (*suffixes, "shared_expert_gate.weight"):
         zeroed = {key: torch.zeros_like(v) if key.endswith(suffix) else v for key, v in state.items()}
         diff = float((logits(variant(run, state_dict=zeroed), run.input_ids) - run.logits).abs().max())
         print(f"  max|logits - logits({suffix} = 0)| = {diff:.3e}")

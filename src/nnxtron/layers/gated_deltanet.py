@@ -118,67 +118,53 @@ def chunked_gated_delta_rule(
     solve and products lose 5e-3 of the output where this is within 2.2e-6 of the token-by-token rule,
     for 1.26x the time (``benchmarks/delta_rule.py``; ``benchmarks/results/delta_rule-TPU_v5_lite.json``)."""
     with jax.default_matmul_precision("highest"):
-        return _chunked(q, k, v, g, beta, restart, initial, keep, chunk_size)
+        q, k = _normalised(q, k)
+        v, g, beta = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
+        batch, seq, heads, dk = k.shape
+        dv = v.shape[-1]
+        if keep is not None:
+            g, beta, restart = jnp.where(keep[..., None], g, 0.0), jnp.where(keep[..., None], beta, 0.0), restart & keep
+        size = min(chunk_size, seq)
+        chunks = -(-seq // size)
+        pad = chunks * size - seq
 
+        def chunked(x: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, H, C, ...] (restart: [n, B, 1, C])
+            x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+            x = x.reshape(batch, chunks, size, *x.shape[2:])
+            x = x[:, :, :, None] if x.ndim == 3 else x  # restart: a head axis of 1
+            return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
 
-def _chunked(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    restart: jax.Array,
-    initial: jax.Array | None,
-    keep: jax.Array | None,
-    chunk_size: int,
-) -> tuple[jax.Array, jax.Array]:
-    q, k = _normalised(q, k)
-    v, g, beta = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
-    batch, seq, heads, dk = k.shape
-    dv = v.shape[-1]
-    if keep is not None:
-        g, beta, restart = jnp.where(keep[..., None], g, 0.0), jnp.where(keep[..., None], beta, 0.0), restart & keep
-    size = min(chunk_size, seq)
-    chunks = -(-seq // size)
-    pad = chunks * size - seq
+        q, k, v, beta = (chunked(x) for x in (q, k, v, beta))
+        piece = jnp.cumsum(chunked(restart).astype(jnp.int32), axis=-1)  # [n, B, 1, C]: restarts so far inside the chunk
+        gcum = jnp.cumsum(chunked(g), axis=-1)  # [n, B, H, C]
+        causal = jnp.tril(jnp.ones((size, size), bool))
+        together = causal & (piece[..., :, None] == piece[..., None, :])  # i >= j, no restart in (j, i]
+        decay = jnp.where(together, jnp.exp(jnp.where(together, gcum[..., :, None] - gcum[..., None, :], 0.0)), 0.0)
+        k_beta = k * beta[..., None]
+        strict = jnp.einsum("nbhid,nbhjd->nbhij", k_beta, k) * decay * (1.0 - jnp.eye(size))
+        solve = jax.scipy.linalg.solve_triangular(
+            jnp.eye(size) + strict, jnp.broadcast_to(jnp.eye(size), strict.shape), lower=True, unit_diagonal=True
+        )
+        values = solve @ (v * beta[..., None])  # the chunk's updates before the incoming state's part
+        first_piece = (piece == 0).astype(jnp.float32)  # tokens that see the incoming state
+        k_decayed = (solve @ (k_beta * jnp.exp(gcum)[..., None])) * first_piece[..., None]
+        q_decayed = q * (jnp.exp(gcum) * first_piece)[..., None]
+        scores = jnp.einsum("nbhid,nbhjd->nbhij", q, k) * decay
+        last = piece[..., -1:]  # the piece the chunk ends in
+        to_end = jnp.where(piece == last, jnp.exp(gcum[..., -1:] - gcum), 0.0)  # [n, B, H, C]
+        carry_over = jnp.where(last[..., 0] == 0, jnp.exp(gcum[..., -1]), 0.0)  # [n, B, H]
 
-    def chunked(x: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, H, C, ...] (restart: [n, B, 1, C])
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-        x = x.reshape(batch, chunks, size, *x.shape[2:])
-        x = x[:, :, :, None] if x.ndim == 3 else x  # restart: a head axis of 1
-        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
+        def step(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+            values_c, k_decayed_c, q_decayed_c, scores_c, k_c, to_end_c, carry_c = xs
+            new_values = values_c - k_decayed_c @ state
+            out = q_decayed_c @ state + scores_c @ new_values
+            state = state * carry_c[..., None, None] + jnp.einsum("bhc,bhck,bhcv->bhkv", to_end_c, k_c, new_values)
+            return state, out
 
-    q, k, v, beta = (chunked(x) for x in (q, k, v, beta))
-    piece = jnp.cumsum(chunked(restart).astype(jnp.int32), axis=-1)  # [n, B, 1, C]: restarts so far inside the chunk
-    gcum = jnp.cumsum(chunked(g), axis=-1)  # [n, B, H, C]
-    causal = jnp.tril(jnp.ones((size, size), bool))
-    together = causal & (piece[..., :, None] == piece[..., None, :])  # i >= j, no restart in (j, i]
-    decay = jnp.where(together, jnp.exp(jnp.where(together, gcum[..., :, None] - gcum[..., None, :], 0.0)), 0.0)
-    k_beta = k * beta[..., None]
-    strict = jnp.einsum("nbhid,nbhjd->nbhij", k_beta, k) * decay * (1.0 - jnp.eye(size))
-    solve = jax.scipy.linalg.solve_triangular(
-        jnp.eye(size) + strict, jnp.broadcast_to(jnp.eye(size), strict.shape), lower=True, unit_diagonal=True
-    )
-    values = solve @ (v * beta[..., None])  # the chunk's updates before the incoming state's part
-    first_piece = (piece == 0).astype(jnp.float32)  # tokens that see the incoming state
-    k_decayed = (solve @ (k_beta * jnp.exp(gcum)[..., None])) * first_piece[..., None]
-    q_decayed = q * (jnp.exp(gcum) * first_piece)[..., None]
-    scores = jnp.einsum("nbhid,nbhjd->nbhij", q, k) * decay
-    last = piece[..., -1:]  # the piece the chunk ends in
-    to_end = jnp.where(piece == last, jnp.exp(gcum[..., -1:] - gcum), 0.0)  # [n, B, H, C]
-    carry_over = jnp.where(last[..., 0] == 0, jnp.exp(gcum[..., -1]), 0.0)  # [n, B, H]
-
-    def step(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        values_c, k_decayed_c, q_decayed_c, scores_c, k_c, to_end_c, carry_c = xs
-        new_values = values_c - k_decayed_c @ state
-        out = q_decayed_c @ state + scores_c @ new_values
-        state = state * carry_c[..., None, None] + jnp.einsum("bhc,bhck,bhcv->bhkv", to_end_c, k_c, new_values)
-        return state, out
-
-    state = jnp.zeros((batch, heads, dk, dv), jnp.float32) if initial is None else initial.astype(jnp.float32)
-    state, out = jax.lax.scan(step, state, (values, k_decayed, q_decayed, scores, k, to_end, carry_over))
-    out = jnp.moveaxis(out, 0, 1).swapaxes(2, 3).reshape(batch, chunks * size, heads, dv)  # [B, n C, H, dv]
-    return out[:, :seq], state
+        state = jnp.zeros((batch, heads, dk, dv), jnp.float32) if initial is None else initial.astype(jnp.float32)
+        state, out = jax.lax.scan(step, state, (values, k_decayed, q_decayed, scores, k, to_end, carry_over))
+        out = jnp.moveaxis(out, 0, 1).swapaxes(2, 3).reshape(batch, chunks * size, heads, dv)  # [B, n C, H, dv]
+        return out[:, :seq], state
 
 
 def cached_causal_conv(x: jax.Array, kernel: jax.Array, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
