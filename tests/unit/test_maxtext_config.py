@@ -73,7 +73,7 @@ def test_maxtexts_base_yml_loads_unchanged_with_maxtexts_values():
         1.0, True, "all", "maxtext")  # fmt: skip
     assert (cfg.base_output_directory, cfg.max_num_checkpoints_to_keep, cfg.sample_after_training) == ("maxtext_output", 2**40, 0)
     assert cfg.tokenizer_type == "byte"  # synthetic data without tokenizer_path: MaxText reads no tokenizer
-    assert len(report.ignored) == 373 and "profiler" in report.ignored and "use_ragged_sort" in report.ignored
+    assert len(report.ignored) == 372 and "profiler" in report.ignored and "use_ragged_sort" in report.ignored
 
 
 def test_scan_layers_per_stage_follows_maxtexts_default_in_a_pipeline():
@@ -247,7 +247,7 @@ def test_linen_variant_is_one_line(capsys):
 def test_config_show_lists_the_ignored_keys(capsys):
     code, out, _ = run_cli(capsys, "config", "show", str(BASE), "profiler=xplane")
     assert code == 0
-    assert "# MaxText keys ignored (373;" in out and "profiler='xplane'" in out and "gcs_metrics=False" in out
+    assert "# MaxText keys ignored (372;" in out and "profiler='xplane'" in out and "gcs_metrics=False" in out
     assert "dtype: bfloat16" in out
 
 
@@ -355,6 +355,6 @@ def test_train_prints_the_ignored_keys_at_start_up(capsys, tmp_path):
     )
     assert code == 0, err
     text = out + err
-    assert "MaxText keys ignored (373; infrastructure nnxtron does not have" in text
-    assert "372 at MaxText's default values; set otherwise: profiler='xplane'" in text
+    assert "MaxText keys ignored (372; infrastructure nnxtron does not have" in text
+    assert "371 at MaxText's default values; set otherwise: profiler='xplane'" in text
     assert "profilers and compiler dumps nnxtron does not have in training (36):\n    " in text  # named, grouped by reason

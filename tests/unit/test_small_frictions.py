@@ -112,10 +112,10 @@ def test_ignored_maxtext_keys_are_named_once_grouped_and_wrapped():
     lines = report.startup_lines(cfg)
     assert all(len(line) <= REPORT_WIDTH for line in lines), [line for line in lines if len(line) > REPORT_WIDTH]
     counts = [int(count) for count in re.findall(r"\((\d+)\):", "\n".join(lines))]
-    assert len(counts) == 11 and sum(counts) == 373  # one group per reason (config/maxtext_keys.py)
+    assert len(counts) == 11 and sum(counts) == 372  # one group per reason (config/maxtext_keys.py)
     named = re.findall(r"[a-z_0-9]+", " ".join(line for line in lines if line.startswith("    ")))
-    assert sorted(named) == sorted(report.ignored) and len(named) == 373 == len(set(named))
-    assert "  372 at MaxText's default values; set otherwise: profiler='xplane'" in lines
+    assert sorted(named) == sorted(report.ignored) and len(named) == 372 == len(set(named))
+    assert "  371 at MaxText's default values; set otherwise: profiler='xplane'" in lines
     block = report.comment_block()
     assert all(line.startswith("#") and len(line) <= REPORT_WIDTH for line in block)
     assert "profiler='xplane'" in " ".join(block)
