@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxtron.config.options import MOE_COMPUTES
 from nnxtron.errors import ConfigError
-from nnxtron.parallel.grouped_matmul import gather_slots, group_rows, permute_rows
+from nnxtron.parallel.grouped_matmul import gather_slots, group_rows, permute_rows, take_rows
 from nnxtron.parallel.sharding import active_mesh, logical_to_spec, spec_axes
 
 TOKEN_NAMES = ("activation_batch", "activation_length")
@@ -119,8 +119,8 @@ def expert_ffn(
     gate, up = grouped.matmul(xs, wi_0.astype(dtype)), grouped.matmul(xs, wi_1.astype(dtype))
     if biases is not None:  # each row's expert bias (zero on padding rows and rows in no group)
         row_expert = jnp.take(key, grouped.rows, mode="fill", fill_value=local_experts)
-        gate = gate + jnp.take(biases[0].astype(dtype), row_expert, axis=0, mode="fill", fill_value=0)
-        up = up + jnp.take(biases[1].astype(dtype), row_expert, axis=0, mode="fill", fill_value=0)
+        gate = gate + take_rows(biases[0].astype(dtype), row_expert)
+        up = up + take_rows(biases[1].astype(dtype), row_expert)
     gate, up = checkpoint_name(gate, "mlpwi_0"), checkpoint_name(up, "mlpwi_1")
     out = checkpoint_name(grouped.matmul(glu(gate, up), wo.astype(dtype)), "mlpwo")
     out = permute_rows(out, grouped.restore, grouped.rows, grouped.in_bounds).reshape(k, tokens, -1).astype(jnp.float32)
