@@ -54,3 +54,11 @@ def random_batch(cfg, batch: int = 4, seq: int = 24, seed: int = 0, packed: bool
         "segment_ids": segments,
         "loss_mask": mask,
     }
+
+
+@nnx.jit
+def forward_logits(model: nnx.Module, input_ids: Any) -> Any:
+    """``model(input_ids).logits`` as one compiled program: run eagerly, a model dispatches (and
+    compiles, per shape) each of its operations one by one — DeepSeek-V4's unrolled layers took
+    7.7 s that way against 1.9 s compiled. Matmul precision is read when it is traced."""
+    return model(input_ids).logits

@@ -63,6 +63,7 @@ from safetensors.numpy import load_file
 
 from nnxtron.convert.hf import from_hf, hf_config_to_nnxtron, to_hf
 from nnxtron.models.registry import FAMILIES
+from tests.helpers import forward_logits
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
 ADVERSARIAL = GOLDEN / "adversarial"
@@ -83,7 +84,7 @@ def _abs_diff(
     """|nnxtron logits - golden[reference]| per element, [B, S, V]."""
     model = from_hf(directory or GOLDEN / case, **overrides)
     with jax.default_matmul_precision("highest"):  # no TF32 on accelerators
-        logits = model(jnp.asarray(golden["input_ids"])).logits
+        logits = forward_logits(model, jnp.asarray(golden["input_ids"]))
     assert logits.dtype == jnp.float32 and logits.shape == golden[reference].shape
     return np.abs(np.asarray(logits, np.float64) - golden[reference])
 

@@ -23,6 +23,7 @@ from nnxtron.infer.sample import generate_tokens
 from nnxtron.models.build import build_model
 from nnxtron.params import flatten
 from tests.conftest import tiny_config
+from tests.helpers import forward_logits
 from tests.parity.test_hf_golden import CASES, GOLDEN
 
 FAMILIES = {
@@ -64,7 +65,7 @@ def test_cached_logits_equal_the_full_forward(model_name):
     cfg = tiny_config(model_name, **FAMILIES[model_name])
     model = build_model(cfg)
     tokens = _tokens(cfg, 2)
-    full = np.asarray(model(jnp.asarray(tokens)).logits)
+    full = np.asarray(forward_logits(model, jnp.asarray(tokens)))
     prompt_lengths = (11, 6)  # row 1 is right-padded in the prefill
 
     # prefill then one token at a time
@@ -106,7 +107,7 @@ def test_decoding_loop_logits_equal_the_full_forward(model_name):
     cfg = tiny_config(model_name)
     model = build_model(cfg)
     tokens = _tokens(cfg, 2, seed=5)
-    full = np.asarray(model(jnp.asarray(tokens)).logits)
+    full = np.asarray(forward_logits(model, jnp.asarray(tokens)))
     lengths = np.array([14, 5])
     seen = []
 
@@ -279,4 +280,6 @@ def test_decoding_runs_an_unrolled_copy_with_the_same_weights():
     cached = with_caches(model, 2, 16)
     batch = prompt_batch(list(tokens), 16)
     logits, _ = _step(cached, cached.caches, batch["tokens"], batch["positions"], batch["segment_ids"])
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(model(jnp.asarray(tokens)).logits), atol=TOLERANCE, rtol=RELATIVE)
+    np.testing.assert_allclose(
+        np.asarray(logits), np.asarray(forward_logits(model, jnp.asarray(tokens))), atol=TOLERANCE, rtol=RELATIVE
+    )

@@ -17,6 +17,7 @@ from nnxtron.infer.decode import prompt_batch, with_caches
 from nnxtron.infer.paging import PagedLayout, Paging
 from nnxtron.models.build import build_model
 from tests.conftest import tiny_config
+from tests.helpers import forward_logits
 from tests.parity.test_kv_cache import FAMILIES, RELATIVE, SEQ, TOLERANCE
 
 BLOCK = 4
@@ -47,7 +48,7 @@ def test_paged_logits_equal_the_full_forward(model_name):
     cfg = tiny_config(model_name, **FAMILIES[model_name])
     model = build_model(cfg)
     tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(3, SEQ)).astype(np.int32)
-    full = np.asarray(model(jnp.asarray(tokens[:2])).logits)
+    full = np.asarray(forward_logits(model, jnp.asarray(tokens[:2])))
     paging = Paging(block_size=BLOCK, max_sequences=3)
     cached = with_caches(model, 1, SEQ, paging)
     layout = PagedLayout(cached.caches, paging, SEQ)

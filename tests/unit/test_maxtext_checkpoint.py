@@ -35,6 +35,7 @@ from nnxtron.convert.runs import load_model
 from nnxtron.errors import CheckpointError, ConfigError
 from nnxtron.models.build import build_model
 from nnxtron.params import flatten, unstack_layers
+from tests.helpers import forward_logits
 
 ASSETS = Path(__file__).parents[1] / "assets" / "maxtext" / "checkpoints"
 CONFIGS = json.loads((ASSETS / "configs.json").read_text())
@@ -68,7 +69,7 @@ def config(name: str, **extra: str):
 
 
 def logits(name: str, **extra: str) -> np.ndarray:
-    return np.asarray(load_maxtext_model(ASSETS / name, config(name, **extra))(TOKENS).logits)
+    return np.asarray(forward_logits(load_maxtext_model(ASSETS / name, config(name, **extra)), TOKENS))
 
 
 def test_every_family_and_layout_has_an_asset():
@@ -137,7 +138,7 @@ def test_gemma3_logits_equal_maxtexts(name):
     (MaxText's attend_on_embedding, also in float32: tied_head_bf16), logits / sqrt(emb_dim)."""
     cfg = gemma3_maxtext_config(name)
     assert cfg.query_pre_attn_scalar == 4.0 and cfg.tied_head_bf16
-    got = np.asarray(load_maxtext_model(ASSETS / name, cfg)(TOKENS).logits)
+    got = np.asarray(forward_logits(load_maxtext_model(ASSETS / name, cfg), TOKENS))
     assert np.abs(got - np.load(ASSETS / name / "logits.npy")).max() <= GEMMA3_LOGITS_ATOL
 
 
@@ -153,7 +154,7 @@ def test_gemma3_head_without_the_bf16_table_is_hfs_not_maxtexts():
     """tied_head_bf16 is read: without it the float32 head differs from MaxText's by ~5e-3."""
     name = "gemma3_scanned"
     cfg = gemma3_maxtext_config(name, "tied_head_bf16=false")
-    got = np.asarray(load_maxtext_model(ASSETS / name, cfg)(TOKENS).logits)
+    got = np.asarray(forward_logits(load_maxtext_model(ASSETS / name, cfg), TOKENS))
     assert np.abs(got - np.load(ASSETS / name / "logits.npy")).max() > 1e-3
 
 
@@ -370,7 +371,7 @@ def test_cli_from_maxtext_then_load_train_and_back(tmp_path):
     run = tmp_path / "run"
     assert main(["convert", "from-maxtext", str(ASSETS / name), str(run), *keys(name)]) == 0
     # what `nnxtron generate RUN` loads (its 32-id vocabulary fits no tokenizer, so not sampled here)
-    got = np.asarray(load_model(run)(TOKENS).logits)
+    got = np.asarray(forward_logits(load_model(run), TOKENS))
     assert np.abs(got - np.load(ASSETS / name / "logits.npy")).max() <= LOGITS_ATOL
     assert main(["convert", "to-maxtext", str(run), str(tmp_path / "mt"), "--unscanned"]) == 0
     back = read_maxtext_checkpoint(tmp_path / "mt")
