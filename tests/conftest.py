@@ -58,18 +58,25 @@ def sub_jaxprs(eqn) -> list:
     return found
 
 
-def trace_train_step(cfg, devices: int):
-    """As ``lower_train_step``, traced only: ``(model_setup, traced)`` (``traced.jaxpr``)."""
+def setup_train_state(cfg, devices: int):
+    """The abstract, sharded train state of ``cfg`` on the first ``devices`` fake devices:
+    ``(model_setup, optimizer, schedule, derived)``; raises when parameters are left unsharded."""
     from nnxtron.config.derived import derive
     from nnxtron.parallel.mesh import make_mesh
-    from nnxtron.tools import plan
     from nnxtron.train.optimizer import make_optimizer
     from nnxtron.train.state import setup
 
     chosen = jax.devices()[:devices]
     derived = derive(cfg, len(chosen))
     tx, schedule = make_optimizer(cfg, derived)
-    model_setup = setup(cfg, make_mesh(cfg, devices=chosen), tx)  # raises when parameters are left unsharded
+    return setup(cfg, make_mesh(cfg, devices=chosen), tx), tx, schedule, derived
+
+
+def trace_train_step(cfg, devices: int):
+    """As ``lower_train_step``, traced only: ``(model_setup, traced)`` (``traced.jaxpr``)."""
+    from nnxtron.tools import plan
+
+    model_setup, tx, schedule, derived = setup_train_state(cfg, devices)
     return model_setup, plan.trace_train_step(cfg, model_setup, tx, schedule, derived)
 
 

@@ -33,7 +33,7 @@ from flax import nnx
 from nnxtron.config import load_config
 from nnxtron.errors import DataError, UserError
 from nnxtron.params import flatten
-from tests.conftest import sub_jaxprs, trace_train_step
+from tests.conftest import setup_train_state, sub_jaxprs, trace_train_step
 
 Overrides = tuple[tuple[str, Any], ...]  # sorted (key, value) pairs: hashable, so baselines are cached
 TRACE_DEVICES = 4  # the train/eval steps are lowered over this many fake devices
@@ -151,20 +151,22 @@ def train_step(values: Overrides) -> str:
 
 
 def eval_step(values: Overrides) -> str:
-    """The eval step lowered on abstract sharded state."""
+    """The eval step (the model's forward and its loss: no gradient, no optimizer) traced on
+    abstract sharded state: the observer of the keys that shape the model, at about half the
+    train step's tracing."""
     from nnxtron.tools.plan import _BATCH_DTYPES
-    from nnxtron.train.step import batch_sharding, make_eval_step
+    from nnxtron.train.step import abstract_extras, batch_sharding, make_eval_step
 
     cfg = _config(values)
-    model_setup, _ = trace_train_step(cfg, TRACE_DEVICES)
-    step = make_eval_step(cfg, model_setup)
+    model_setup, _, _, derived = setup_train_state(cfg, TRACE_DEVICES)
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model_setup.abstract_state, model_setup.state_shardings
     )
     sh = batch_sharding(cfg, model_setup)
-    rows = int(cfg.per_device_batch_size * TRACE_DEVICES)
-    batch = {k: jax.ShapeDtypeStruct((rows, cfg.max_target_length), dt, sharding=sh[k]) for k, dt in _BATCH_DTYPES.items()}
-    return program_text(model_setup, step.trace(state, batch))
+    shape = (derived.global_batch_size, cfg.max_target_length)
+    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=sh[k]) for k, dt in _BATCH_DTYPES.items()}
+    step = make_eval_step(cfg, model_setup)
+    return program_text(model_setup, step.trace(state, batch, *abstract_extras(cfg, model_setup)))
 
 
 def setup(values: Overrides) -> tuple:

@@ -160,7 +160,7 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/layers/rope.py", "yarn_correction_range", "local_rope_max_timescale"): UNREACHABLE,
     ("src/nnxtron/layers/router.py", "RouterSpec.__post_init__", "*"): VALIDATION,
     ("src/nnxtron/layers/router.py", "route", "num_experts_per_tok"): VALIDATION,
-    ("src/nnxtron/models/build.py", "abstract_model", "init_weights_seed"): SHAPES_ONLY,
+    ("src/nnxtron/models/build.py", "_abstract_parts", "init_weights_seed"): SHAPES_ONLY,
     ("src/nnxtron/models/deepseek.py", "config_to_hf", "*"): CONVERSION,
     ("src/nnxtron/models/deepseek.py", "layer_weights", "routed_bias"): CONVERSION,
     ("src/nnxtron/models/deepseek.py", "layer_weights", "shared_experts"): CONVERSION,

@@ -2,8 +2,10 @@
 something observable — or it is in ``nnxtron.config.inert.INERT`` with its reason.
 
 ``VALUES`` gives each key its value, the tiny family config where the key applies, the
-observer that must see it (``tests/flags/observers.py``: the lowered train step, the eval
-step, the initial weights, the batches, the files and output of ``nnxtron train`` ...) and
+observer that must see it (``tests/flags/observers.py``: by default the traced eval step — the
+model's forward and its loss, at about a third of the train step's tracing; the traced train
+step for keys that only the gradient, the optimizer or training's own forward read; the initial
+weights, the batches, the files and output of ``nnxtron train`` ...) and
 ``base``: keys set in both the reference and the variant so that the key is read (e.g.
 ``opt_type=lion`` for ``lion_b1``). ``also`` (rare) is set in the variant only, for keys that
 are legal only together with another (``csa_compress_ratio`` renames entries of
@@ -69,10 +71,13 @@ CUSTOM = {"remat_policy": "custom"}
 BASELINE_RUN = "<baseline run>"  # a value: the run directory of the reference config, trained (tests/flags/observers.py)
 
 
+TRACED_STEPS = ("eval_step", "train_step")  # the observers that trace a step of the tiny family config
+
+
 @dataclass(frozen=True)
 class Flag:
     value: Any
-    observer: str = "train_step"
+    observer: str = "eval_step"
     family: str = "llama3.1-tiny"
     base: dict[str, Any] = field(default_factory=dict)
     also: dict[str, Any] = field(default_factory=dict)
@@ -167,7 +172,7 @@ VALUES: dict[str, Flag] = {
     "norm_topk_prob": F(False, family="deepseek3-test"),
     "routed_scaling_factor": F(1.0, family="deepseek3-test"),
     "routed_bias": F(False, family="deepseek3-test"),
-    "routed_bias_update_rate": F(0.01, family="deepseek3-test"),
+    "routed_bias_update_rate": F(0.01, "train_step", family="deepseek3-test"),
     "n_routing_groups": F(2, family="deepseek3-test", base={"n_routing_groups": 4, "topk_routing_group": 2}),
     "topk_routing_group": F(1, family="deepseek3-test", base={"n_routing_groups": 4, "topk_routing_group": 2}),
     "router_scales_expert_input": F(False, family="llama4-tiny"),
@@ -193,20 +198,21 @@ VALUES: dict[str, Flag] = {
     # --- layer stacking and memory
     "scan_layers": F(False),
     "remat_policy": F("minimal"),
-    "decoder_layer_input": F("device", base=CUSTOM),
-    "query_proj": F("device", base=CUSTOM),
-    "key_proj": F("device", base=CUSTOM),
-    "value_proj": F("device", base=CUSTOM),
-    "qkv_proj": F("device", base=CUSTOM),  # shorthand for query/key/value_proj
-    "context": F("device", base=CUSTOM),
-    "out_proj": F("device", base=CUSTOM),
-    "mlpwi": F("device", base=CUSTOM),
-    "mlpwi_0": F("device", base=CUSTOM),
-    "mlpwi_1": F("device", base=CUSTOM),
-    "mlpwo": F("device", family="gemma3-tiny", base=CUSTOM),  # its post-MLP norm reads it (a pre-norm block's backward does not)
+    "decoder_layer_input": F("device", "train_step", base=CUSTOM),
+    "query_proj": F("device", "train_step", base=CUSTOM),
+    "key_proj": F("device", "train_step", base=CUSTOM),
+    "value_proj": F("device", "train_step", base=CUSTOM),
+    "qkv_proj": F("device", "train_step", base=CUSTOM),  # shorthand for query/key/value_proj
+    "context": F("device", "train_step", base=CUSTOM),
+    "out_proj": F("device", "train_step", base=CUSTOM),
+    "mlpwi": F("device", "train_step", base=CUSTOM),
+    "mlpwi_0": F("device", "train_step", base=CUSTOM),
+    "mlpwi_1": F("device", "train_step", base=CUSTOM),
+    # its post-MLP norm reads it (a pre-norm block's backward does not)
+    "mlpwo": F("device", "train_step", family="gemma3-tiny", base=CUSTOM),
     "parameter_memory_host_offload": F(True),
     "optimizer_memory_host_offload": F(True),
-    "gradient_accumulation_steps": F(2, base={"per_device_batch_size": 2}),
+    "gradient_accumulation_steps": F(2, "train_step", base={"per_device_batch_size": 2}),
     # --- parallelism
     "ici_data_parallelism": F(2),
     "ici_fsdp_parallelism": F(2, base={"ici_data_parallelism": -1, "ici_fsdp_parallelism": 1}),
@@ -236,9 +242,9 @@ VALUES: dict[str, Flag] = {
     "qwix_exclude_module_path": F(".*/(router|.*_hc|.*attention.*)", base=QUANT),
     "weight_quantization_calibration_method": F("absmax,0.9", base=QUANT),
     "act_quantization_calibration_method": F("absmax,0.9", base=QUANT),
-    "bwd_quantization_calibration_method": F("minmax", base=QUANT),
+    "bwd_quantization_calibration_method": F("minmax", "train_step", base=QUANT),
     "quantization_tile_size": F(16, base=QUANT),
-    "quantization_bwd_tile_size": F(16, base=QUANT),
+    "quantization_bwd_tile_size": F(16, "train_step", base=QUANT),
     # --- data
     "dataset_type": F("synthetic", "data", D, DATA, also={"dataset_path": ()}),  # synthetic reads no dataset_path
     "dataset_path": F((C["text_a"],), "data", D, DATA),
@@ -274,39 +280,39 @@ VALUES: dict[str, Flag] = {
     "data_read_threads": F(0, "data", D, DATA),
     "data_prefetch_batches": F(0, "data", D, DATA),
     "data_stats_documents": F(2, "data", D, DATA),
-    "per_device_batch_size": F(2),
-    "max_target_length": F(32),
+    "per_device_batch_size": F(2, "train_step"),
+    "max_target_length": F(32, "train_step"),
     # --- optimisation
-    "steps": F(100),
-    "learning_rate": F(1e-3),
-    "warmup_steps_fraction": F(0.2),
-    "learning_rate_schedule_steps": F(200),
-    "cosine_learning_rate_final_fraction": F(0.3),
-    "lr_schedule_type": F("wsd"),
-    "learning_rate_final_fraction": F(0.3, base={"lr_schedule_type": "linear"}),
-    "wsd_decay_steps_fraction": F(0.3, base={"lr_schedule_type": "wsd"}),
-    "wsd_decay_style": F("cosine", base={"lr_schedule_type": "wsd"}),
-    "lr_schedule_convention": F("maxtext"),
+    "steps": F(100, "train_step"),
+    "learning_rate": F(1e-3, "train_step"),
+    "warmup_steps_fraction": F(0.2, "train_step"),
+    "learning_rate_schedule_steps": F(200, "train_step"),
+    "cosine_learning_rate_final_fraction": F(0.3, "train_step"),
+    "lr_schedule_type": F("wsd", "train_step"),
+    "learning_rate_final_fraction": F(0.3, "train_step", base={"lr_schedule_type": "linear"}),
+    "wsd_decay_steps_fraction": F(0.3, "train_step", base={"lr_schedule_type": "wsd"}),
+    "wsd_decay_style": F("cosine", "train_step", base={"lr_schedule_type": "wsd"}),
+    "lr_schedule_convention": F("maxtext", "train_step"),
     "opt_type": F("lion"),
-    "weight_decay_mask": F("all"),
-    "adam_b1": F(0.8),
-    "adam_b2": F(0.99),
-    "adam_eps": F(1e-6),
-    "adam_weight_decay": F(0.01),
-    "adafactor_decay_rate": F(0.5, base={"opt_type": "adafactor"}),
-    "adafactor_weight_decay": F(0.01, base={"opt_type": "adafactor"}),
-    "lion_b1": F(0.8, base={"opt_type": "lion"}),
-    "lion_b2": F(0.95, base={"opt_type": "lion"}),
-    "lion_weight_decay": F(0.01, base={"opt_type": "lion"}),
+    "weight_decay_mask": F("all", "train_step"),
+    "adam_b1": F(0.8, "train_step"),
+    "adam_b2": F(0.99, "train_step"),
+    "adam_eps": F(1e-6, "train_step"),
+    "adam_weight_decay": F(0.01, "train_step"),
+    "adafactor_decay_rate": F(0.5, "train_step", base={"opt_type": "adafactor"}),
+    "adafactor_weight_decay": F(0.01, "train_step", base={"opt_type": "adafactor"}),
+    "lion_b1": F(0.8, "train_step", base={"opt_type": "lion"}),
+    "lion_b2": F(0.95, "train_step", base={"opt_type": "lion"}),
+    "lion_weight_decay": F(0.01, "train_step", base={"opt_type": "lion"}),
     "sgd_momentum": F(0.9, base={"opt_type": "sgd"}),
-    "muon_beta": F(0.9, base={"opt_type": "muon"}),
-    "muon_weight_decay": F(0.01, base={"opt_type": "muon"}),
-    "muon_consistent_rms": F(0.2, base={"opt_type": "muon"}),
-    "gradient_clipping_threshold": F(0.5),
-    "non_finite_policy": F("skip"),
+    "muon_beta": F(0.9, "train_step", base={"opt_type": "muon"}),
+    "muon_weight_decay": F(0.01, "train_step", base={"opt_type": "muon"}),
+    "muon_consistent_rms": F(0.2, "train_step", base={"opt_type": "muon"}),
+    "gradient_clipping_threshold": F(0.5, "train_step"),
+    "non_finite_policy": F("skip", "train_step"),
     "init_weights_seed": F(3, "init"),
-    "dropout_rate": F(0.1),
-    "enable_dropout": F(False, base={"dropout_rate": 0.1}),
+    "dropout_rate": F(0.1, "train_step"),
+    "enable_dropout": F(False, "train_step", base={"dropout_rate": 0.1}),
     # --- eval, checkpoints, logging
     "eval_interval": F(1, R, D, RUN),
     "eval_steps": F(2, R, D, RUN),
@@ -336,17 +342,17 @@ VALUES: dict[str, Flag] = {
 
 # keys read on more than one path: each further context (label -> entry) is checked as well
 MORE: dict[str, dict[str, Flag]] = {
-    "adam_b1": {"muon": F(0.8, base={"opt_type": "muon"})},  # muon's Adam for embeddings, norms and vectors
-    "adam_b2": {"muon": F(0.99, base={"opt_type": "muon"})},
-    "adam_eps": {"muon": F(1e-6, base={"opt_type": "muon"})},
-    "adam_weight_decay": {"muon": F(0.01, base={"opt_type": "muon"})},
+    "adam_b1": {"muon": F(0.8, "train_step", base={"opt_type": "muon"})},  # muon's Adam for embeddings, norms and vectors
+    "adam_b2": {"muon": F(0.99, "train_step", base={"opt_type": "muon"})},
+    "adam_eps": {"muon": F(1e-6, "train_step", base={"opt_type": "muon"})},
+    "adam_weight_decay": {"muon": F(0.01, "train_step", base={"opt_type": "muon"})},
     # Gemma 3 presets say true (HF's head there): false multiplies the tied logits by sqrt(emb_dim)
     "normalize_embedding_logits": {"gemma3": F(False, family="gemma3-tiny")},
     # the schedule keys under lr_schedule_convention=maxtext (train/schedules.py maxtext_schedule: its own reads)
     **{key: {"maxtext": replace(VALUES[key], base={**VALUES[key].base, **MAXTEXT_LR})} for key in MAXTEXT_SCHEDULE_KEYS},
-    "wsd_decay_steps_fraction": {"maxtext": F(0.3, base={**MAXTEXT_LR, "lr_schedule_type": "wsd"})},
-    "wsd_decay_style": {"maxtext": F("cosine", base={**MAXTEXT_LR, "lr_schedule_type": "wsd"})},
-    "learning_rate_final_fraction": {"maxtext": F(0.3, base={**MAXTEXT_LR, "lr_schedule_type": "wsd"})},
+    "wsd_decay_steps_fraction": {"maxtext": F(0.3, "train_step", base={**MAXTEXT_LR, "lr_schedule_type": "wsd"})},
+    "wsd_decay_style": {"maxtext": F("cosine", "train_step", base={**MAXTEXT_LR, "lr_schedule_type": "wsd"})},
+    "learning_rate_final_fraction": {"maxtext": F(0.3, "train_step", base={**MAXTEXT_LR, "lr_schedule_type": "wsd"})},
     # every pipeline schedule, both values (parallel/pipeline.py _Run.rounds: a scan over the rounds or a loop):
     # PIPE is circular (4 layers, 2 stages, 1 layer a stage: 2 repeats); GPipe is one repeat; host offload
     # fetches each round's weights from host memory
@@ -381,20 +387,20 @@ MAXTEXT_BALANCE = {"load_balance_convention": "maxtext", "load_balance_loss_weig
 READ_SITE_CASES: dict[str, dict[str, Flag]] = {
     # train/loop.py (the Trainer, the recorder), train/step.py, train/state.py, train/optimizer.py, train/schedules.py
     "per_device_batch_size": {"run": F(2, R, D, RUN)},
-    "steps": {"run": F(3, R, D, {**RUN, "log_period": 2}), "wsd": F(100, base=WSD)},
+    "steps": {"run": F(3, R, D, {**RUN, "log_period": 2}), "wsd": F(100, "train_step", base=WSD)},
     "use_dpo": {"run": F(True, R, D, {**RUN, **DPO_DATA}), "train_step": F(True, "train_step", D, DPO_DATA)},
     "lora_rank": {"run": F(4, R, D, RUN), "init_from": F(4, R, D, {**RUN, "init_from": BASELINE_RUN})},
-    "init_weights_seed": {"run": F(3, R, D, RUN), "dropout": F(3, base={"dropout_rate": 0.1})},
+    "init_weights_seed": {"run": F(3, R, D, RUN), "dropout": F(3, "train_step", base={"dropout_rate": 0.1})},
     "logical_axis_rules": {
         "eval": F("activation_batch without fsdp", "eval_step"),
         "lora_frozen": F("embed without fsdp", "train_step", D, {**LORA, "sharding_tolerance": 1.0}),
     },
     "opt_type": {"muon": F("muon")},
-    "learning_rate": {"wsd": F(1e-3, base=WSD)},
-    "learning_rate_final_fraction": {"wsd": F(0.3, base=WSD)},
-    "lr_schedule_type": {"maxtext": F("wsd", base={"lr_schedule_convention": "maxtext"})},
-    "learning_rate_schedule_steps": {"wsd": F(200, base=WSD)},
-    "warmup_steps_fraction": {"wsd": F(0.2, base=WSD)},
+    "learning_rate": {"wsd": F(1e-3, "train_step", base=WSD)},
+    "learning_rate_final_fraction": {"wsd": F(0.3, "train_step", base=WSD)},
+    "lr_schedule_type": {"maxtext": F("wsd", "train_step", base={"lr_schedule_convention": "maxtext"})},
+    "learning_rate_schedule_steps": {"wsd": F(200, "train_step", base=WSD)},
+    "warmup_steps_fraction": {"wsd": F(0.2, "train_step", base=WSD)},
     # pipelines: host offload, partial pipelines with unscanned layers, cycle blocks
     "parameter_memory_host_offload": {"pipeline": F(True, base=PIPE)},
     "pipeline_fsdp_ag_once": {
@@ -488,7 +494,7 @@ READ_SITE_CASES: dict[str, dict[str, Flag]] = {
     "dtype": {"mtp": F("bfloat16", family="deepseek3-test", base=MTP)},
     "weight_dtype": {"mtp": F("bfloat16", family="deepseek3-test", base=MTP)},
     "normalization_layer_epsilon": {"mtp": F(1e-3, family="deepseek3-test", base=MTP)},
-    "dropout_rate": {"mtp": F(0.1, family="deepseek3-test", base=MTP)},
+    "dropout_rate": {"mtp": F(0.1, "train_step", family="deepseek3-test", base=MTP)},
 }  # fmt: skip
 # Qwen3-Next: its layer pattern (one full-attention layer in 4, not 2) and the Gated DeltaNet's own reads
 Q3N = "qwen3-next-tiny"
@@ -527,7 +533,7 @@ def _value(key: str, flag: Flag) -> Any:
 def _reference(flag: Flag) -> dict[str, Any]:
     """The reference config; a ``BASELINE_RUN`` in ``base`` is the run directory of the same
     config trained without it (to start from)."""
-    traced = flag.observer in ("train_step", "eval_step", "setup")
+    traced = flag.observer in (*TRACED_STEPS, "setup")
     values = {"model_name": flag.family, **(TRACE if traced else {}), **FAMILIES[flag.family], **flag.base}
     for key in [k for k, v in values.items() if v == BASELINE_RUN]:
         values[key] = obs.baseline_run(obs.frozen({k: v for k, v in values.items() if k != key}))
@@ -578,13 +584,13 @@ def family_readers() -> dict[str, set[str]]:
 
 
 def _family_contexts() -> dict[str, dict[str, Flag]]:
-    """The further (key, family) checks: train-step keys without companions, on the families
+    """The further (key, family) checks: traced-step keys without companions, on the families
     that read them where the entry's value is not that family's own."""
     readers = family_readers()
     own = {family: load_config(values=_reference(Flag(None, family=family))) for family in set(FAMILY_MODULES.values())}
     contexts: dict[str, dict[str, Flag]] = {}
     for key, flag in sorted(VALUES.items()):
-        if flag.observer != "train_step" or flag.base or flag.also:
+        if flag.observer not in TRACED_STEPS or flag.base or flag.also:
             continue
         for family in sorted(readers.get(key, set()) - {flag.family}):
             if getattr(own[family], key) != flag.value:
