@@ -16,6 +16,7 @@ from nnxtron.convert.hf import from_hf
 from nnxtron.data.pipeline import split_documents
 from nnxtron.data.records import open_corpus
 from nnxtron.data.tokenizer import HFTokenizer
+from tests.helpers import forward_logits
 from tests.integration.conftest import assert_user_error, run_cli
 from tests.integration.test_serve import TEXT, write_model_dir
 
@@ -39,7 +40,7 @@ def alone(model_dir) -> tuple[float, int, int]:
     nll, tokens = 0.0, 0
     for text in DOCUMENTS:
         ids = np.array([tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id], np.int32)
-        logits = np.asarray(model(ids[None, :-1]).logits[0], np.float64)
+        logits = np.asarray(forward_logits(model, ids[None, :-1])[0], np.float64)
         logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
         nll += float(np.sum(logz - logits[np.arange(ids.size - 1), ids[1:]]))
         tokens += ids.size - 1

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 from nnxtron.convert.hf import from_hf, weight_maps
 from nnxtron.convert.lora_adapter import PEFT_PREFIX, peft_tensors
 from nnxtron.models.build import build_model
+from tests.helpers import forward_logits
 
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
 TOL = 5e-6  # measured 9.9e-7 (float32 logits of O(1); the unadapted base is 0.96 away)
@@ -64,8 +65,8 @@ def test_peft_adapters_give_peft_logits_and_export_back_exactly(scan):
     adapters = _keys_like(from_peft(cfg, tensors, shapes), shapes)
     frozen = nnx.to_pure_dict(nnx.state(base, nnx.Param))
     model = nnx.merge(graphdef, adapters, frozen, nnx.to_pure_dict(rest))
-    logits = np.asarray(model(jnp.asarray(golden["input_ids"])).logits)
-    plain = np.asarray(base(jnp.asarray(golden["input_ids"])).logits)
+    logits = np.asarray(forward_logits(model, jnp.asarray(golden["input_ids"])))
+    plain = np.asarray(forward_logits(base, jnp.asarray(golden["input_ids"])))
     assert np.max(np.abs(plain - golden["logits"])) > 100 * TOL  # the adapters move the logits
     assert np.max(np.abs(logits - golden["logits"])) <= TOL
     exported, modules = peft_tensors(cfg, adapters)

@@ -31,6 +31,7 @@ from nnxtron.config.loader import load_run_config, run_config_to_yaml
 from nnxtron.convert.hf import from_hf, to_hf
 from nnxtron.errors import ConfigError
 from nnxtron.models.build import abstract_model, build_model
+from tests.helpers import forward_logits
 
 VOCAB = 320  # a byte-level model's vocabulary, as in the issue (ln 320 = 5.77)
 BAND = 0.7  # step-0 loss within [ln V, ln V + BAND]
@@ -71,7 +72,7 @@ def _tokens(vocab: int, batch: int = 8, length: int = 33) -> jax.Array:
 
 
 def _loss(model, tokens: jax.Array) -> float:
-    logits = model(tokens[:, :-1]).logits
+    logits = forward_logits(model, tokens[:, :-1])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
     return float(-jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean())
 
