@@ -152,21 +152,15 @@ def train_step(values: Overrides) -> str:
 
 def eval_step(values: Overrides) -> str:
     """The eval step (the model's forward and its loss: no gradient, no optimizer) traced on
-    abstract sharded state: the observer of the keys that shape the model, at about half the
-    train step's tracing."""
-    from nnxtron.tools.plan import _BATCH_DTYPES
-    from nnxtron.train.step import abstract_extras, batch_sharding, make_eval_step
+    abstract sharded state: the observer of the keys that shape the model, at about a third of
+    the train step's tracing."""
+    from nnxtron.tools.plan import abstract_step_inputs
+    from nnxtron.train.step import make_eval_step
 
     cfg = _config(values)
     model_setup, _, _, derived = setup_train_state(cfg, TRACE_DEVICES)
-    state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model_setup.abstract_state, model_setup.state_shardings
-    )
-    sh = batch_sharding(cfg, model_setup)
-    shape = (derived.global_batch_size, cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=sh[k]) for k, dt in _BATCH_DTYPES.items()}
-    step = make_eval_step(cfg, model_setup)
-    return program_text(model_setup, step.trace(state, batch, *abstract_extras(cfg, model_setup)))
+    traced = make_eval_step(cfg, model_setup).trace(*abstract_step_inputs(cfg, model_setup, derived))
+    return program_text(model_setup, traced)
 
 
 def setup(values: Overrides) -> tuple:

@@ -187,14 +187,19 @@ def lower_train_step(cfg: Config, model_setup: Any, tx: Any, schedule: Any, deri
 
 def trace_train_step(cfg: Config, model_setup: Any, tx: Any, schedule: Any, derived: Any) -> jax.stages.Traced:
     """The real train step of ``cfg`` traced on abstract state and batch (its jaxpr)."""
-    step = make_train_step(cfg, model_setup, tx, schedule)
+    return make_train_step(cfg, model_setup, tx, schedule).trace(*abstract_step_inputs(cfg, model_setup, derived))
+
+
+def abstract_step_inputs(cfg: Config, model_setup: Any, derived: Any) -> tuple:
+    """The train and eval steps' arguments as shapes, dtypes and shardings: ``(state, batch,
+    *extras)`` of one global batch (nothing is allocated on the devices)."""
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model_setup.abstract_state, model_setup.state_shardings
     )
     batch_sh = batch_sharding(cfg, model_setup)
     shape = (derived.global_batch_size, cfg.max_target_length)
     batch = {k: jax.ShapeDtypeStruct(shape, _BATCH_DTYPES[k], sharding=batch_sh[k]) for k in BATCH_KEYS}
-    return step.trace(state, batch, *abstract_extras(cfg, model_setup))
+    return (state, batch, *abstract_extras(cfg, model_setup))
 
 
 def prepare_train_step(cfg: Config) -> tuple[Any, Mesh, Any, Any, Any]:
