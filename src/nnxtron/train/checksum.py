@@ -1,4 +1,5 @@
-"""Content checksums and finiteness of arrays, computed where the arrays live (one jitted pass).
+"""Content checksums and finiteness of arrays, computed where the arrays live (a small jitted
+program per array shape, dtype and sharding).
 
 A checkpoint records one 32-bit checksum per array in its meta when it is saved, and a
 restore recomputes it from the arrays read back: a bit flipped anywhere in a file changes
@@ -36,7 +37,12 @@ def _bits(x: jax.Array) -> jax.Array:
     raise TypeError(f"no checksum for {x.dtype} arrays")
 
 
+@jax.jit
 def _one(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(checksum, all finite) of one array, where it lives. One program per shape, dtype and
+    sharding, compiled once per process: a model's hundreds of arrays (parameters and their
+    optimizer moments) share a few dozen, where one program over all of them compiled every
+    array again for each state (deepseek4-test's train state, 458 arrays: 2.9 s -> 1.1 s)."""
     bits = _bits(x).ravel()
     position = jnp.arange(bits.shape[0], dtype=jnp.uint32)
     mixed = (bits ^ (position * _MIX)) * _MUL
@@ -44,30 +50,23 @@ def _one(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(mixed, dtype=jnp.uint32), finite
 
 
-@jax.jit
-def _all(flat: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-    sums, finite = {}, {}
-    for key, value in flat.items():
-        sums[key], finite[key] = _one(value)
-    return sums, finite
-
-
 def checksums(flat: dict[str, Any]) -> tuple[dict[str, int], list[str]]:
     """(``{key: checksum}``, the keys of arrays holding a NaN or Inf) of a flat dict of arrays.
 
-    Arrays offloaded to host memory are brought to the device one at a time (the device
-    never holds more than one of them)."""
-    arrays = {key: jnp.asarray(value) for key, value in flat.items()}
-    offloaded = {key for key, value in arrays.items() if getattr(value.sharding, "memory_kind", None) == "pinned_host"}
-    results = [_all({key: value for key, value in arrays.items() if key not in offloaded})]
-    for key in sorted(offloaded):
-        value = arrays[key]
-        results.append(_all({key: jax.device_put(value, value.sharding.with_memory_kind("device"))}))
-    sums, finite = {}, {}
-    for part_sums, part_finite in jax.device_get(results):
-        sums.update(part_sums)
-        finite.update(part_finite)
-    return {key: int(sums[key]) for key in flat}, [key for key in flat if not bool(finite[key])]
+    Each array's result is fetched before the next program starts: two programs with collectives
+    over the same devices in flight at once can each wait in the other's all-gather (XLA:CPU ran
+    two fsdp-sharded ones concurrently and aborted after its rendezvous timeout). Arrays offloaded
+    to host memory are brought to the device one at a time (the device never holds more than one)."""
+    sums, not_finite = {}, []
+    for key, value in flat.items():
+        value = jnp.asarray(value)
+        if getattr(value.sharding, "memory_kind", None) == "pinned_host":
+            value = jax.device_put(value, value.sharding.with_memory_kind("device"))
+        total, finite = jax.device_get(_one(value))
+        sums[key] = int(total)
+        if not bool(finite):
+            not_finite.append(key)
+    return sums, not_finite
 
 
 def check_recorded(run_dir: Path, name: str, tree: Any, what: str, *, record_step: int | None = None) -> None:
