@@ -100,7 +100,7 @@ def _llama3_scaling(inv: np.ndarray, spec: RopeSpec) -> np.ndarray:
     scaled = np.where(wavelen > low_wavelen, inv / np.float32(spec.factor), inv).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):  # low == high (Llama 4 Scout): no medium band, smooth unused
         smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (spec.high_freq_factor - spec.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / np.float32(spec.factor) + smooth * scaled
+        smoothed = (1 - smooth) * scaled / np.float32(spec.factor) + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
