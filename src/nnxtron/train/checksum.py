@@ -42,7 +42,8 @@ def _one(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(checksum, all finite) of one array, where it lives. One program per shape, dtype and
     sharding, compiled once per process: a model's hundreds of arrays (parameters and their
     optimizer moments) share a few dozen, where one program over all of them compiled every
-    array again for each state (deepseek4-test's train state, 458 arrays: 2.9 s -> 1.1 s)."""
+    array again for each state (deepseek4-test's train state, 458 arrays, fsdp=2: 3.6 s -> 1.0 s
+    the first time; 0.03 s -> 0.1 s once compiled, one fetch per array)."""
     bits = _bits(x).ravel()
     position = jnp.arange(bits.shape[0], dtype=jnp.uint32)
     mixed = (bits ^ (position * _MIX)) * _MUL
