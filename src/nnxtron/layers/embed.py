@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxtron.layers import draws
 from nnxtron.layers.matmul import contract_last
 
 
@@ -49,7 +48,8 @@ class Embed(nnx.Module):
     ):
         """``stddev``: the table's normal initialiser (``table_stddev`` for tokens; MaxText's
         ``nn.initializers.normal(1.0)`` by default)."""
-        table = draws.normal(rngs.params(), (vocab_size, emb_dim), stddev).astype(weight_dtype)  # same draw for any dtype
+        init = jax.nn.initializers.normal(stddev=stddev)
+        table = init(rngs.params(), (vocab_size, emb_dim), jnp.float32).astype(weight_dtype)  # same draw for any dtype
         self.embedding = nnx.Param(table, out_sharding=axes)
         self.dtype = dtype
 

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxtron.config.schema import Config
-from nnxtron.layers import draws
 from nnxtron.layers.kv_cache import CacheSpec
 from nnxtron.layers.linear import Linear
 from nnxtron.layers.norms import RMSNorm
@@ -218,11 +217,11 @@ class GatedDeltaNet(nnx.Module):
             self.in_proj_a = Linear([cfg.base_emb_dim], [self.value_heads], ("embed", None), **kw)
         size = self.conv_size = cfg.gdn_conv_kernel_dim
         self.chunk_size = cfg.gdn_chunk_size
-        conv = draws.uniform(rngs.params(), (channels, 1, size), -(size**-0.5), size**-0.5)
+        conv = jax.random.uniform(rngs.params(), (channels, 1, size), jnp.float32, -(size**-0.5), size**-0.5)
         self.conv = nnx.Param(conv.astype(weight_dtype), out_sharding=(None, None, None))
         self.dt_bias = nnx.Param(jnp.ones((self.value_heads,), jnp.float32), out_sharding=(None,))
-        a_log = draws.uniform(rngs.params(), (self.value_heads,), 0.01, 16.0, log=True)  # HF's init: log(U(0.01, 16))
-        self.A_log = nnx.Param(a_log, out_sharding=(None,))
+        a = jax.random.uniform(rngs.params(), (self.value_heads,), jnp.float32, 0.01, 16.0)  # HF's init
+        self.A_log = nnx.Param(jnp.log(a), out_sharding=(None,))
         self.norm = GatedRMSNorm(self.value_dim, eps=cfg.normalization_layer_epsilon, dtype=dtype, weight_dtype=weight_dtype)
         self.out = Linear([self.value_heads, self.value_dim], [cfg.base_emb_dim], ("q_heads", "head_dim", "embed"), **kw)
         self.dtype = dtype

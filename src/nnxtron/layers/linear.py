@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxtron.layers import draws
 from nnxtron.layers.lora import adapter_input, adapters_for, lora_delta
 from nnxtron.layers.matmul import contract_last
 
@@ -18,12 +17,10 @@ from nnxtron.layers.matmul import contract_last
 TRUNCATED_STD = 0.87962566103423978
 
 
-def fan_in_init(fan_in: int, scale: float = 1.0) -> Callable[[jax.Array, tuple[int, ...]], jax.Array]:
+def fan_in_init(fan_in: int, scale: float = 1.0) -> jax.nn.initializers.Initializer:
     """MaxText's kernel initialiser (``nd_dense_init(1.0, "fan_in", "truncated_normal")``): a normal
-    truncated at two standard deviations with std ``scale / sqrt(fan_in)``; ``init(key, shape)`` draws
-    float32 (``layers/draws.py``)."""
-    stddev = scale / math.sqrt(fan_in) / TRUNCATED_STD
-    return lambda key, shape: draws.truncated_normal(key, tuple(shape), stddev)
+    truncated at two standard deviations with std ``scale / sqrt(fan_in)``."""
+    return jax.nn.initializers.truncated_normal(stddev=scale / math.sqrt(fan_in) / TRUNCATED_STD)
 
 
 class Linear(nnx.Module):
@@ -56,7 +53,7 @@ class Linear(nnx.Module):
         init = fan_in_init(fan_in, init_scale)  # init_scale: MaxText's query kernel folds 1/sqrt(head_dim)
         # drawn in float32 then cast: the same seed gives the same model for any weight_dtype
         key = rngs.params()
-        self.kernel = nnx.Param(init(key, shape).astype(weight_dtype), out_sharding=tuple(axes))
+        self.kernel = nnx.Param(init(key, shape, jnp.float32).astype(weight_dtype), out_sharding=tuple(axes))
         adapters = adapters_for(key, self.in_shape, self.out_shape, axes, weight_dtype)
         self.lora_scale = 0.0  # 0: no adapters (none built, or removed by layers.lora.select_targets)
         if adapters is not None:

@@ -34,7 +34,6 @@ from flax import nnx
 
 from nnxtron.config.checks import LORA_DEFAULTS
 from nnxtron.errors import ConfigError
-from nnxtron.layers import draws
 from nnxtron.layers.dropout import dropout
 from nnxtron.parallel.row_keys import current_layer_keys
 from nnxtron.scoped import scoped
@@ -93,7 +92,7 @@ def adapters_for(
         return None
     r, n_in = settings.rank, len(in_shape)
     bound = 1.0 / math.sqrt(math.prod(in_shape))
-    a = draws.uniform(jax.random.fold_in(kernel_key, _A_KEY_SALT), (*in_shape, r), -bound, bound)
+    a = jax.random.uniform(jax.random.fold_in(kernel_key, _A_KEY_SALT), (*in_shape, r), jnp.float32, -bound, bound)
     lora_a = nnx.LoRAParam(a.astype(weight_dtype), out_sharding=(*axes[:n_in], None))
     lora_b = nnx.LoRAParam(jnp.zeros((r, *out_shape), weight_dtype), out_sharding=(None, *axes[n_in:]))
     return lora_a, lora_b, settings.scale, settings.dropout

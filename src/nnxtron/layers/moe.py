@@ -44,7 +44,6 @@ from flax import nnx
 
 from nnxtron.config.options import CAPACITY_SCOPES
 from nnxtron.config.schema import Config
-from nnxtron.layers import draws
 from nnxtron.layers.linear import Linear, fan_in_init
 from nnxtron.layers.mlp import ACTIVATIONS, GatedMLP, Intermediate, glu
 from nnxtron.layers.router import RouterSpec, expert_counts, load_balance_loss, load_balance_weight, route
@@ -66,6 +65,11 @@ class ExpertLoad(nnx.Variable):
 class HashTable(nnx.Variable):
     """DeepSeek-V4 ``tid2eid``: the experts of each token id ``[vocab, k]`` (int32) on hash-routed
     layers. Not a parameter: never updated by the optimizer; saved in checkpoints, carried by scan."""
+
+
+def random_hash_table(key: jax.Array, vocab: int, experts: int, k: int) -> jax.Array:
+    """``k`` distinct random experts per token id (a fresh model's table; checkpoints bring their own)."""
+    return jnp.argsort(jax.random.uniform(key, (vocab, experts)), axis=-1)[:, :k].astype(jnp.int32)
 
 
 def expert_capacity(scope: str, factor: float, batch: int, seq: int, k: int, experts: int) -> int:
@@ -93,7 +97,7 @@ def _expert_weight(
     rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, weight_dtype: jnp.dtype, axes: tuple[str, ...]
 ) -> nnx.Param:
     init = fan_in_init(fan_in)
-    return nnx.Param(init(rngs.params(), shape).astype(weight_dtype), out_sharding=axes)
+    return nnx.Param(init(rngs.params(), shape, jnp.float32).astype(weight_dtype), out_sharding=axes)
 
 
 class MoE(nnx.Module):
@@ -128,7 +132,7 @@ class MoE(nnx.Module):
             [dim], [experts], ("embed", None), dtype=jnp.float32, weight_dtype=weight_dtype, rngs=rngs, use_bias=trained_bias
         )
         if hash_routed:  # the table replaces the selection; no correction bias (as HF)
-            table = draws.random_hash_table(rngs.params(), cfg.vocab_size, experts, cfg.num_experts_per_tok)
+            table = random_hash_table(rngs.params(), cfg.vocab_size, experts, cfg.num_experts_per_tok)
             self.tid2eid = HashTable(table, out_sharding=(None, None))
         elif cfg.routed_bias and not trained_bias:
             self.router_bias = RouterBias(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))

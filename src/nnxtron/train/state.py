@@ -1,5 +1,4 @@
-"""The sharded train state: created already sharded, never materialised on one device (but for
-a small model on a CPU: ``fresh_state``).
+"""The sharded train state: created already sharded, never materialised on one device.
 
 The state crossing the ``jax.jit`` boundary is made of plain dicts of arrays
 (``nnx.to_pure_dict``): flattening them costs a few microseconds per call, against
@@ -154,39 +153,8 @@ def _fresh_state(cfg: Config) -> tuple[dict, dict, dict | None]:
     return nnx.to_pure_dict(params), nnx.to_pure_dict(rest), None if frozen is None else nnx.to_pure_dict(frozen)
 
 
-# A fresh model of at most this many bytes (parameters, LoRA base and other state), in one process on
-# a CPU, is drawn op by op on one device and then placed in its shardings: each distinct draw is a
-# small program compiled once per process (layers/draws.py), the same bits as the whole jitted init.
-# The jitted init's compile grows faster than its draws (deepseek4-test over 8 devices: 10.6 s against
-# 6.6 s unsharded; op by op 2.0 s). Larger models, accelerators and several processes draw inside the
-# sharded program, so no device ever holds a whole model.
-OP_BY_OP_INIT_MAX_BYTES = 1 << 30
-
-
-def fresh_state(cfg: Config, mesh: Mesh) -> tuple[dict, dict, dict | None] | None:
-    """The seeded init drawn op by op (``_fresh_state``'s values, unplaced) when ``cfg`` is small
-    enough on this ``mesh`` (``OP_BY_OP_INIT_MAX_BYTES``); None: draw inside the sharded program."""
-    if jax.process_count() > 1 or mesh.devices.flat[0].platform != "cpu":
-        return None
-    abstract = nnx.state(abstract_model(cfg))
-    if sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract)) > OP_BY_OP_INIT_MAX_BYTES:
-        return None
-    with jax.default_device(mesh.devices.flat[0]):
-        return _fresh_state(cfg)
-
-
-def _mesh_of(shardings: Any) -> Mesh | None:
-    """The mesh of a tree of NamedShardings (None for an empty tree)."""
-    leaves = jax.tree.leaves(shardings)
-    return leaves[0].mesh if leaves else None
-
-
 def init_non_params(cfg: Config, rest_shardings: dict) -> dict:
     """Fresh values of the model's non-parameter state (parameters are not materialised)."""
-    mesh = _mesh_of(rest_shardings)
-    fresh = None if mesh is None else fresh_state(cfg, mesh)
-    if fresh is not None:
-        return jax.device_put(fresh[1], rest_shardings)
     return jax.jit(lambda: _fresh_state(cfg)[1], out_shardings=rest_shardings)()
 
 
@@ -257,11 +225,6 @@ def init_state(
             return {"params": p, "rest": r}
         return {"params": p, "rest": r, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
 
-    if params is None:  # a seeded init: drawn op by op when small (fresh_state), else inside the program
-        fresh = fresh_state(cfg, model_setup.mesh)
-        if fresh is not None:  # placed first: the state may live in host memory (offload)
-            params = jax.device_put(fresh[0], shardings["params"])
-            rest = jax.device_put(fresh[1], shardings["rest"]) if rest is None else rest
     given = {"params": params, "rest": rest}
     inputs = {key: value for key, value in given.items() if value is not None}
     jitted = jax.jit(
@@ -275,9 +238,6 @@ def init_state(
 def init_frozen(cfg: Config, shardings: dict, base: dict | None = None) -> dict:
     """LoRA's frozen base placed in its shardings: ``base`` (the parameters of the model
     without adapters, as loaded from init_from / load_parameters_path), else the seeded init."""
-    if base is None and (mesh := _mesh_of(shardings)) is not None:
-        fresh = fresh_state(cfg, mesh)
-        base = None if fresh is None else fresh[2]
     if base is not None:
         return jax.device_put(base, shardings)
     return jax.jit(lambda: _fresh_state(cfg)[2], out_shardings=shardings)()

@@ -237,7 +237,7 @@ class CompressedAttention(nnx.Module):
         per_group = heads * hd // groups
         init = fan_in_init(groups * per_group)  # MaxText 0.2.5's o_a_proj: the group axis counts into the fan-in
         shape = (groups, cfg.o_lora_rank, per_group)  # HF o_a_proj rows, group-major; contracted per group
-        self.wo_a = nnx.Param(init(rngs.params(), shape).astype(weight_dtype), out_sharding=(None, None, "embed"))
+        self.wo_a = nnx.Param(init(rngs.params(), shape, jnp.float32).astype(weight_dtype), out_sharding=(None, None, "embed"))
         self.wo_b = Linear([groups * cfg.o_lora_rank], [cfg.base_emb_dim], (None, "embed"), **kw)
         self.sinks = nnx.Param(jnp.zeros((heads,), jnp.float32), out_sharding=(None,))
         if kind == "csa":

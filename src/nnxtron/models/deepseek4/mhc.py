@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnxtron.layers import draws
 from nnxtron.layers.norms import l2_norm
 
 
@@ -47,7 +46,8 @@ class HyperConnection(nnx.Module):
 
     def __init__(self, dim: int, streams: int, *, iterations: int, eps: float, norm_eps: float, rngs: nnx.Rngs):
         size = (2 + streams) * streams
-        self.fn = nnx.Param(draws.normal(rngs.params(), (size, streams * dim), 0.02), out_sharding=(None, "embed"))
+        init = jax.nn.initializers.normal(stddev=0.02)
+        self.fn = nnx.Param(init(rngs.params(), (size, streams * dim), jnp.float32), out_sharding=(None, "embed"))
         self.base = nnx.Param(jnp.zeros((size,), jnp.float32), out_sharding=(None,))
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32), out_sharding=(None,))
         self.streams, self.iterations, self.eps, self.norm_eps = streams, iterations, eps, norm_eps
@@ -80,7 +80,8 @@ class HyperHead(nnx.Module):
     ``h = sum_j (sigmoid(scale * z_j + b_j) + eps) X_j``."""
 
     def __init__(self, dim: int, streams: int, *, eps: float, norm_eps: float, rngs: nnx.Rngs):
-        self.fn = nnx.Param(draws.normal(rngs.params(), (streams, streams * dim), 0.02), out_sharding=(None, "embed"))
+        init = jax.nn.initializers.normal(stddev=0.02)
+        self.fn = nnx.Param(init(rngs.params(), (streams, streams * dim), jnp.float32), out_sharding=(None, "embed"))
         self.base = nnx.Param(jnp.zeros((streams,), jnp.float32), out_sharding=(None,))
         self.scale = nnx.Param(jnp.ones((1,), jnp.float32), out_sharding=(None,))
         self.eps, self.norm_eps = eps, norm_eps
