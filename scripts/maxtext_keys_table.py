@@ -126,7 +126,9 @@ reader covers both. Scanned layers are stacked on axis 1 (`param_scan_axis`) —
 bias (collection `MoEBiasVar`) on axis 0 —, unscanned ones are `layers_{i}`; Gemma 3 scans blocks
 of six layers, Llama 4 blocks of its layer cycle (`Llama4ScannableBlock`, named `layers_{j}` even for
 a cycle of one; a layer count that is not a multiple of the cycle is refused scanned, as MaxText
-would drop the leftover layers), DeepSeek-V4 its (HCA, CSA) layer pairs after the hash-routed
+would drop the leftover layers), Qwen3.5 its cycle the same way (`Qwen3_5ScannableBlock`, named
+`layers/layer_{j}`), Qwen3-Next its cycle nested (`layers/{local_layers, global_layer}`, a remainder in
+`layers_remainder/local_layers`), DeepSeek-V4 its (HCA, CSA) layer pairs after the hash-routed
 layers (`scanned_blocks`; other compress ratios, or an odd count of them, are refused scanned).
 Kernels already have nnxtron's layout; the value conventions are converted:
 Llama 2 / Mistral / Mixtral / Gemma / Gemma 2 keep MaxText's query kernels (with `1/sqrt(head_dim)` folded in;
@@ -141,17 +143,21 @@ high 4 over 8192 positions — for Llama 4 too, whose HF config says 16 / 1 / 1 
 a MaxText config resolves it the same way). Qwen2 (`attention_bias`: `self_attention/{query,key,value}/bias`,
 no output bias), Qwen3 (query/key norms), OLMo 3 (`attention/...`, not `self_attention/`; flat `[heads * head_dim]` query/key
 norms; blocks of 4 layers scanned), Qwen3-MoE and Llama 4 (routed
-and shared experts, NoPE and chunked layers) are plain renames. DeepSeek-V4's hyper-connections are
+and shared experts, NoPE and chunked layers) are plain renames. Qwen3-Next's flat DeltaNet and attention-output
+kernels are split into heads and its conv kernel transposed to HF's `[C, 1, K]`; Qwen3.5's DeltaNet input
+projections, which MaxText fuses per key head as Qwen3-Next's (`in_proj_qkvz`, `in_proj_ba`), are cut into HF's
+split `in_proj_qkv` / `_z` / `_b` / `_a` (and joined back). DeepSeek-V4's hyper-connections are
 regrouped (MaxText's `pre`/`post`/`res` alphas, betas and scales are nnxtron's — HF's — `fn`,
 `base`, `scale`, with MaxText's `mhc_norm` scale folded into `fn` and written back as ones), its
 output LoRA's kernel has the last two axes swapped, its hash table is model state (int32; MaxText
 stores float32).
-Covered: Llama 2, Mistral, Mixtral, DeepSeek-V3 with MTP, Gemma, Gemma 2, Gemma 3, Qwen2, Qwen3, Qwen3-MoE, OLMo 3, GPT-3, Llama 4
-and DeepSeek-V4, and MaxText's toy blocks `simple` / `simple_mlp` (`models/simple.py`: one or two matmuls a
+Covered: every family — Llama 2, Mistral, Mixtral, DeepSeek-V3 with MTP, Gemma, Gemma 2, Gemma 3, Qwen2, Qwen3, Qwen3-MoE,
+Qwen3-Next, Qwen3.5 (its text decoder), OLMo 3, GPT-3, GPT-OSS, Llama 4 and DeepSeek-V4 — and MaxText's toy blocks `simple` / `simple_mlp` (`models/simple.py`: one or two matmuls a
 layer, no HF counterpart; MaxText 0.2.5 runs them unscanned only with its layers' `(y, None)` return fixed,
 `tests/assets/maxtext/checkpoints/maxtext_simple_unscanned.py`), scanned and unscanned
 (`tests/assets/maxtext/checkpoints/`, written by MaxText 0.2.5); MaxText -> nnxtron -> MaxText is byte-exact, and nnxtron's logits from each checkpoint equal
-MaxText's (float32, <= 6e-6) — except two parametrisations nnxtron (like HF) does not keep: GPT-3's
+MaxText's (float32, <= 6e-6; the Gated DeltaNet families, whose recurrence amplifies float32 reordering, within 1e-5
+(Qwen3-Next) and 1e-4 (Qwen3.5: 2.2e-5 at one ill-conditioned token, docs/families.md)) — except two parametrisations nnxtron (like HF) does not keep: GPT-3's
 LayerNorm scale, held as the float32 `1 + s` (`s` comes back within 2e-8, the multiplier `1 + s`
 bit-exact), and DeepSeek-V4's `mhc_norm` scale, folded into `fn` (the same function; the asset's
 scales are MaxText's initial ones, so its round trip is byte-exact).

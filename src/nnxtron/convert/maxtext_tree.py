@@ -18,7 +18,8 @@ gave the same names. Below the params root a tree is:
   Gemma 3 scans blocks of six layers: ``decoder/layers/layers_{j}/...`` (layer ``6 b + j`` at
   index ``b``) and ``decoder/layers_remainder/layers_{j}/...`` (the last ``L % 6`` layers).
   Llama 4 scans blocks of ``inhomogeneous_layer_cycle_interval`` layers the same way (even a
-  block of one: ``layers/layers_0``), with no remainder.
+  block of one: ``layers/layers_0``), with no remainder; Qwen3.5 too, its block's layers named
+  ``layers/layer_{j}`` (``Qwen3_5ScannableBlock``, ``MaxTextMap.block_layer``).
 
 The names per family are the family's ``MaxTextMap`` (``Family.maxtext``, ``models/maxtext_map.py``:
 layer rules, top-level rules, layer prefixes, the scanned block length); this module applies them.
@@ -193,11 +194,12 @@ def _axis(collection: str) -> int:
     return STATE_SCAN_AXIS if collection else PARAM_SCAN_AXIS
 
 
-def _cycle(cfg: Config) -> tuple[int, bool]:
-    """Layers per scanned block, and whether MaxText names the blocks' layers (``layers/layers_{j}``)."""
+def _cycle(cfg: Config) -> tuple[int, str | None]:
+    """Layers per scanned block, and MaxText's name of a block's layers (``layers_`` in ``layers/layers_{j}``;
+    Qwen3.5's ``layer_``), None where it scans layers, not blocks."""
     mapping = maxtext_map(cfg)
     cycle = mapping.cycle(cfg)
-    return cycle, cycle > 1 or mapping.scan_blocks
+    return cycle, f"{mapping.block_layer}_" if cycle > 1 or mapping.scan_blocks else None
 
 
 def _prefix(cfg: Config) -> tuple[int, str]:
@@ -236,10 +238,11 @@ def unscan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
             )
         position = 0
         if blocked:
-            inner = re.match(r"^layers_(\d+)/(.*)$", rest)
+            inner = re.match(rf"^{blocked}(\d+)/(.*)$", rest)
             if not inner:
                 raise CheckpointError(
-                    f"MaxText array '{key}' is not in a {cfg.decoder_block} scanned block of {cycle} layers (layers/layers_j/...)"
+                    f"MaxText array '{key}' is not in a {cfg.decoder_block} scanned block of {cycle} layers "
+                    f"(layers/{blocked}j/...)"
                 )
             position, rest, group = int(inner[1]), inner[2], "layers"
         for index in range(value.shape[axis]):
@@ -271,7 +274,7 @@ def scan(flat: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
             if block >= blocks:
                 out[f"{collection}decoder/layers_remainder/layers_{position}/{rest}"] = value
                 continue
-            groups.setdefault(f"{collection}decoder/{scan_group}/layers_{position}/{rest}", {})[block] = value
+            groups.setdefault(f"{collection}decoder/{scan_group}/{blocked}{position}/{rest}", {})[block] = value
         else:
             groups.setdefault(f"{collection}decoder/{group}/{rest}", {})[layer] = value
     for key, parts in groups.items():

@@ -59,13 +59,15 @@ class MaxTextMap:
     """A family's MaxText names: ``layer_rules(cfg, kind)`` for one layer, ``top_rules(cfg)``,
     ``layer_prefix(cfg, i)`` for layer ``i``; ``scan_cycle`` (a number, or one per config) > 1 or
     ``scan_blocks``: MaxText scans blocks of that many layers (``decoder/layers/layers_{j}/...``,
-    also a block of one with ``scan_blocks``) and the last ``L % scan_cycle`` in ``layers_remainder``."""
+    also a block of one with ``scan_blocks``; ``block_layer`` names position ``j``: Qwen3.5's
+    ``Qwen3_5ScannableBlock`` ``layer_{j}``) and the last ``L % scan_cycle`` in ``layers_remainder``."""
 
     layer_rules: Callable[[Config, LayerKind], tuple[Rule, ...]]
     top_rules: Callable[[Config], tuple[Rule, ...]] = top_rules
     layer_prefix: Callable[[Config, int], str] = layer_prefix
     scan_cycle: int | Callable[[Config], int] = 1
     scan_blocks: bool = False
+    block_layer: str = "layers"  # position j of a scanned block is ``{block_layer}_{j}``
     # DeepSeek-V4: the first ``scan_prefix(cfg)`` layers stay unscanned (``decoder/layers_{i}``) in a
     # scanned tree, whose blocks MaxText names ``decoder/{scan_group}/layers_{j}``
     scan_prefix: Callable[[Config], int] | None = None

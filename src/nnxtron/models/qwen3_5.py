@@ -11,8 +11,9 @@ Text only: the vision tower and the multimodal RoPE are not implemented (MaxText
 ``use_mrope`` are refused by name, ``config/maxtext_keys.py``); on text, HF's interleaved mRoPE has three equal
 position ids and is the plain (partial) RoPE this block applies. The hub checkpoints' wrapper
 (``model.language_model.*``) loads its text decoder; its ``model.visual.*`` and ``mtp.*`` weights are not imported.
-HF ``config.json`` maps: ``models/qwen3_5_hf.py``. HF's dense ``Qwen3_5ForCausalLM`` (``qwen3_5_text``) is not
-supported (MaxText's qwen3_5 block is MoE only).
+HF ``config.json`` maps: ``models/qwen3_5_hf.py``; MaxText checkpoint names (its fused DeltaNet projections cut into
+these split ones, the scanned ``Qwen3_5ScannableBlock``): ``models/qwen3_5_maxtext.py``. HF's dense
+``Qwen3_5ForCausalLM`` (``qwen3_5_text``) is not supported (MaxText's qwen3_5 block is MoE only).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from nnxtron.models.gemma3 import gemma_norm
 from nnxtron.models.hf_common import GQA_WEIGHTS, NORM_WEIGHTS, QK_NORM_WEIGHTS
 from nnxtron.models.prenorm import PreNormBlock, pre_norm_family
 from nnxtron.models.qwen3_5_hf import ARCHITECTURE, MODEL_TYPE, MULTIMODAL_TYPE, config_from_hf, config_to_hf
+from nnxtron.models.qwen3_5_maxtext import MAXTEXT
 from nnxtron.models.qwen3_next import LINEAR_WEIGHTS, MOE_WEIGHTS, make_mixer
 
 
@@ -68,6 +70,7 @@ FAMILIES = (
         make_final_norm=gemma_norm,
         hf_multimodal_type=MULTIMODAL_TYPE,
         hf_vision_prefixes=("model.visual.", "mtp."),  # the vision tower and the MTP layer (HF ignores both too)
+        maxtext=MAXTEXT,
         goldens=(Golden("qwen3_5", "qwen3_5"),),
         # scanned on fsdp4 x tensor2 (the split projections' heads on `tensor`; Qwen3-Next's row runs the same layers
         # under remat full on expert2 x fsdp4, with its remainder layer) against the unrolled one-device run, at 2

@@ -99,7 +99,7 @@ def from_tree(flat: dict, cfg: Config) -> dict:
             split = _split(value, shapes[suffix])
             if split is None:
                 raise CheckpointError(
-                    f"MaxText array '{key}' has shape {list(value.shape)}, model 'qwen3_next' expects a 2-D kernel holding "
+                    f"MaxText array '{key}' has shape {list(value.shape)}, model '{cfg.decoder_block}' expects a 2-D kernel holding "
                     f"{[d if d > 0 else '*' for d in shapes[suffix]]}; give the model settings the checkpoint was written with"
                 )
             out[key] = split
