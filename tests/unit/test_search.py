@@ -4,6 +4,7 @@ import math
 from collections import Counter
 from dataclasses import replace
 
+import jax
 import pytest
 
 from nnxtron.config.derived import MESH_AXES
@@ -483,3 +484,32 @@ def test_the_table_header_names_the_cpu_peak_as_measured():
     assert _peak(asdict(PRESETS["h200"])) == "989 TFLOP/s bf16"
     host = replace(FLAT, peak_flops=28.6e9, runs_compiled_program=True)
     assert _peak(asdict(host)) == "28.6 GFLOP/s measured per device"
+
+
+def test_an_accelerator_search_compiles_its_candidates_as_a_memory_estimate(monkeypatch):
+    """On an accelerator preset the worker compiles with XLA:CPU's memory-optimized scheduler
+    (``worker.ACCELERATOR_ESTIMATE_OPTIONS``: the chip schedules for memory); on the cpu preset,
+    whose compiled program is what runs, with the default one."""
+    from nnxtron.tools.search import worker
+
+    schedule = {
+        "scan_layers": True,
+        "gradient_accumulation_steps": 1,
+        "num_pipeline_microbatches": -1,
+        "num_layers_per_pipeline_stage": 1,
+    }
+    plain = candidate(_mesh(fsdp=8), schedule, "full", (False, False), (0, 1))
+    tpu = Search(SearchRequest(None, ["model_name=llama2-tiny"], 8, with_memory(PRESETS["tpu-v5e"], 16)))
+    runs_it = replace(PRESETS["tpu-v5e"], runs_compiled_program=True)  # as the cpu preset (measured: slow to make)
+    cpu = Search(SearchRequest(None, ["model_name=llama2-tiny"], 8, with_memory(runs_it, 16)))
+    assert tpu._job(3, plain)["accelerator"] and not cpu._job(3, plain)["accelerator"]
+    seen = []
+    real_compile = jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered,
+        "compile",
+        lambda self, compiler_options=None: seen.append(compiler_options) or real_compile(self, compiler_options),
+    )
+    for job in (tpu._job(1, plain), cpu._job(2, plain)):
+        assert "error" not in worker.run_job({**job, "overrides": [*job["overrides"], "attention=xla"]})
+    assert seen == [worker.ACCELERATOR_ESTIMATE_OPTIONS, None]

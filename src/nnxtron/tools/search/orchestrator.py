@@ -148,6 +148,17 @@ class Search:
 
     # ---------------------------------------------------------------- candidates
 
+    def _job(self, job_id: int, candidate: Candidate) -> dict[str, Any]:
+        """The worker's job (``worker.run_job``) compiling ``candidate``: on an accelerator preset the
+        compile estimates the accelerator's memory (``worker.ACCELERATOR_ESTIMATE_OPTIONS``)."""
+        return {
+            "id": job_id,
+            "file": self.req.file,
+            "overrides": self._args(candidate),
+            "devices_per_node": self.req.device.devices_per_node,
+            "accelerator": not self.req.device.runs_compiled_program,
+        }
+
     def _args(self, cand: Candidate) -> list[str]:
         """The words of the candidate's config as it is compiled. ``attention=auto`` is compiled
         as the target device resolves it: on a TPU preset ``splash`` (``xla`` with the sequence
@@ -339,14 +350,7 @@ class Search:
                         continue
                     job_id = next(self.order)
                     running[job_id] = item
-                    pool.submit(
-                        {
-                            "id": job_id,
-                            "file": self.req.file,
-                            "overrides": self._args(item.candidate),
-                            "devices_per_node": self.req.device.devices_per_node,
-                        }
-                    )
+                    pool.submit(self._job(job_id, item.candidate))
                 if not running:
                     continue
                 result = pool.next_result(timeout=left)
