@@ -261,19 +261,21 @@ def _search(memory_gib: float, *overrides: str) -> Search:
     return s
 
 
+PLAIN_SCHEDULE = {  # scanned, no accumulation, no pipeline
+    "scan_layers": True,
+    "gradient_accumulation_steps": 1,
+    "num_pipeline_microbatches": -1,
+    "num_layers_per_pipeline_stage": 1,
+}
+
+
 def test_a_tpu_search_compiles_attention_auto_as_the_chip_runs_it():
     """On a TPU preset ``auto`` is splash (xla with the sequence sharded), never the fake CPU
     devices' xla; the query blocks splash refuses are not offered; a GPU preset keeps ``auto``."""
     request = SearchRequest(None, ["model_name=llama2-tiny"], 8, with_memory(PRESETS["tpu-v5e"], 16))
     tpu = Search(request)
-    schedule = {
-        "scan_layers": True,
-        "gradient_accumulation_steps": 1,
-        "num_pipeline_microbatches": -1,
-        "num_layers_per_pipeline_stage": 1,
-    }
-    plain = candidate(_mesh(fsdp=8), schedule, "full", (False, False), (0, 1))
-    context = candidate(_mesh(fsdp=4, context=2), schedule, "full", (False, False), (0, 1))
+    plain = candidate(_mesh(fsdp=8), PLAIN_SCHEDULE, "full", (False, False), (0, 1))
+    context = candidate(_mesh(fsdp=4, context=2), PLAIN_SCHEDULE, "full", (False, False), (0, 1))
     assert tpu._args(plain)[-1] == "attention=splash" and tpu._config(plain).attention == "splash"
     assert tpu._args(context)[-1] == "attention=xla"
     assert "attention_query_block" not in memory_saving(
@@ -492,13 +494,7 @@ def test_an_accelerator_search_compiles_its_candidates_as_a_memory_estimate(monk
     whose compiled program is what runs, with the default one."""
     from nnxtron.tools.search import worker
 
-    schedule = {
-        "scan_layers": True,
-        "gradient_accumulation_steps": 1,
-        "num_pipeline_microbatches": -1,
-        "num_layers_per_pipeline_stage": 1,
-    }
-    plain = candidate(_mesh(fsdp=8), schedule, "full", (False, False), (0, 1))
+    plain = candidate(_mesh(fsdp=8), PLAIN_SCHEDULE, "full", (False, False), (0, 1))
     tpu = Search(SearchRequest(None, ["model_name=llama2-tiny"], 8, with_memory(PRESETS["tpu-v5e"], 16)))
     runs_it = replace(PRESETS["tpu-v5e"], runs_compiled_program=True)  # as the cpu preset (measured: slow to make)
     cpu = Search(SearchRequest(None, ["model_name=llama2-tiny"], 8, with_memory(runs_it, 16)))
