@@ -44,6 +44,19 @@ FORMAT = "nnxtron-checkpoint-v1"
 UNREADABLE_SUFFIX = ".unreadable"
 
 
+def _write_replicas_once() -> None:
+    """One process writes every shard of an array once, unsliced (orbax's ``ArrayHandler`` with
+    ``use_replica_parallel=False``), where orbax's default splits each replicated shard among
+    its replicas. That split spreads the writing over the processes holding the replicas; in one
+    process it only adds work: an eager slicing program per replica and shape (deepseek3-tiny on 8
+    CPU devices: 1,243 slices, 1.5 s of a 2.5 s save). Several processes keep orbax's default.
+    Orbax's handler registry is global: the registration holds for this process."""
+    if jax.process_count() == 1:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+        )
+
+
 class UnreadableCheckpoint(CheckpointError):
     """A step directory that cannot be read back (truncated, corrupted, half-written)."""
 
@@ -53,6 +66,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, max_to_keep: int, *, create: bool = True):
         _quiet_background_errors()
+        _write_replicas_once()
         self.directory = Path(directory).absolute()
         if not create and not self.directory.is_dir():
             raise CheckpointError(f"checkpoint directory '{self.directory}' does not exist; check the path")
