@@ -305,14 +305,24 @@ def test_family_strategy_matches_baseline(model, strategy):
     assert_grad_parity(run_family(model, strategy), run_family(model, BASELINE), **{**BOUNDS, **FAMILY_BOUNDS[model]})
 
 
+# Qwen2's fp8 rows flip 8-bit values where llama3.1-tiny's flip none: over init_weights_seed 0-5
+# (2026-12-08), data2 x fsdp4 against one device, llama3.1-tiny's quantized row stays at loss
+# <= 4.8e-7 and gradients <= 3.1e-7 for every seed, qwen2-tiny's at loss 0-7.5e-5, input cotangent
+# 1.9e-7 .. 2.8e-2, aggregate 9.4e-7 .. 2.7e-2, worst large leaf 5.1e-6 .. 4.0e-2, worst leaf 6.3e-7 ..
+# 1.3e-2 of the total (seeds 1 and 5 the largest; fsdp4 x tensor2 alike: seed 5 input 1.6e-2). Unquantized,
+# its sharded rows are within float32 BOUNDS and one-device scan + remat full = unrolled is 0.0
+# quantized, so what moves is the fp8 rounding of ulp-different inputs, not a computation. The
+# bounds sit ~3x above the worst seed and far below a real bug's O(1).
+FP8_FLIPPING_BOUNDS = dict(loss_rtol=3e-4, rel=1.2e-1, abs_frac=4e-2, aggregate_rel=8e-2)
+
+
 def test_qwen2_quantized_matches_its_quantized_baseline():
     """fp8 with Qwen2's biased projections (their gradients included): scanned, remat full, data2 x
-    fsdp4 == the quantized model unrolled on one device. (Its fsdp4 x tensor2 run differs by 3.0e-2
-    in the input cotangent, with or without the biases — fp8 scales of split heads, over the bound
-    calibrated on llama3.1-tiny; the biases' tensor split is the unquantized family row's.)"""
+    fsdp4 == the quantized model unrolled on one device, under FP8_FLIPPING_BOUNDS (its init seed
+    of the suite measured loss 1.6e-7, aggregate 5.6e-6; another seed moves it 1000x: see above)."""
     quantized = _quantized("fp8_full")
     result = run_family("qwen2-tiny", Strategy(True, "full", "data2_fsdp4", extra=quantized))
-    assert_grad_parity(result, run_family("qwen2-tiny", Strategy(extra=quantized)), **SHARDED_QUANT_BOUNDS)
+    assert_grad_parity(result, run_family("qwen2-tiny", Strategy(extra=quantized)), **FP8_FLIPPING_BOUNDS)
 
 
 def test_gemma_quantized_matches_its_quantized_baseline():
