@@ -714,8 +714,9 @@ MUTATIONS = [
     Mutation("qwen3-next-decode-padding-moves-the-state", "layers/gated_deltanet.py",
              "initial=state.entries[\"s\"][...][:, 0], keep=valid", "initial=state.entries[\"s\"][...][:, 0], keep=None",
              ("tests/parity/test_kv_cache.py::test_cached_logits_equal_the_full_forward[qwen3-next-tiny]",)),
-    # Qwen3-Next's MaxText tree (models/qwen3_next_maxtext.py): the nested scanned layer axes, the flat kernels' names
-    Mutation("maxtext-qwen3-next-local-layers-reversed", "models/qwen3_next_maxtext.py",
+    # Qwen3-Next's MaxText tree (models/qwen3_next_maxtext.py): the nested scanned layer axes (models/maxtext_nested.py,
+    # Gemma 4's too), the flat kernels' names
+    Mutation("maxtext-qwen3-next-local-layers-reversed", "models/maxtext_nested.py",
              'out[f"decoder/layers_{b * cycle + j}/{m[1]}"] = np.take(block, j, axis=AXIS)',
              'out[f"decoder/layers_{b * cycle + cycle - 2 - j}/{m[1]}"] = np.take(block, j, axis=AXIS)',
              ("tests/unit/test_maxtext_checkpoint.py::test_logits_equal_maxtexts[qwen3_next_scanned]",)),
