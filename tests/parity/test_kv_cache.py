@@ -33,6 +33,7 @@ FAMILIES = {
     "gemma-tiny": {},  # multi-query (1 key/value head), scaled embeddings
     "qwen3-tiny": {},  # qk-norm
     "gemma3-tiny": {},  # 5 sliding : 1 global, remainder block
+    "gemma4-tiny": {},  # one (sliding, global) cycle: the global layer's values are its keys' projection; experts
     "llama4-tiny": {},  # chunked attention, NoPE layers, MoE
     "gpt3-52k": dict(base_num_decoder_layers=2),  # fused QKV, learned positions
     "deepseek3-test": {},  # MLA latent cache, dense + MoE stacks
