@@ -513,6 +513,16 @@ for _key, _flag in {
     "base_num_query_heads": F(8, family=Q3N),
 }.items():
     MORE.setdefault(_key, {})["qwen3_next"] = _flag
+# Gemma 4: its block's own widths (its preset shares llama3.1-tiny's emb 32 and MLP 64), its proportional RoPE's
+# rotated pairs (RopeSpec.rotated_pairs reads the head width), the global layer's heads
+G4 = "gemma4-tiny"
+for _key, _flag in {
+    "base_emb_dim": F(64, family=G4),
+    "base_mlp_dim": F(32, family=G4),
+    "head_dim": F(16, family=G4),
+    "base_num_query_heads": F(2, family=G4),
+}.items():
+    MORE.setdefault(_key, {})["gemma4"] = _flag
 # Qwen3.5: Qwen3-Next's layers, but its Gated DeltaNet's split input projections (their widths read base_emb_dim)
 MORE.setdefault("base_emb_dim", {})["qwen3_5"] = F(64, family="qwen3.5-tiny")
 for _key, _cases in READ_SITE_CASES.items():

@@ -812,6 +812,8 @@ _translated(
     "rope_type", "default", "rope_type; llama3.1 is llama3 with MaxText's fixed scaling (factor 8, low 1, high 4, 8192 positions)",
     lambda v, c: {"rope_type": "llama3", **MAXTEXT_LLAMA31_SCALING} if v == "llama3.1" else {"rope_type": v},
 )  # fmt: skip
+
+
 def _block_reads(ctx: Mapping[str, Any]) -> frozenset[str]:
     """The MaxText keys only the config's MaxText block reads (``FamilyRules.maxtext_reads``: Gemma 4's)."""
     return rules_for(ctx.get("decoder_block", "llama2")).maxtext_reads

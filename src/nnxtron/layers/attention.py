@@ -554,11 +554,12 @@ def gqa_attention(
     family's) normalises the values.
     """
     kv_heads, head_dim, shared_kv = attention_shape(cfg, kind)
-    rope = RopeSpec.from_config(cfg, head_dim, cfg.global_rope_proportion) if kind.rope else None
-    sliding_rope = RopeSpec.from_config(cfg, head_dim, cfg.local_rope_proportion) if kind.rope else None
+    sliding_head_dim = cfg.resolved_head_dim  # a sliding (or selected) layer's: the base shape
+    rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None
+    sliding_rope = RopeSpec.from_config(cfg, sliding_head_dim, sliding=True) if kind.rope else None
     if rope is not None and cfg.sliding_window_pattern and cfg.local_rope_max_timescale:
         sliding_rope = RopeSpec(
-            head_dim=head_dim,
+            head_dim=sliding_head_dim,
             theta=cfg.local_rope_max_timescale,
             interleave=cfg.rope_interleave,
             proportion=cfg.local_rope_proportion,

@@ -62,8 +62,9 @@ class RopeSpec:
         return int(self.proportion * self.head_dim // 2)
 
     @classmethod
-    def from_config(cls, cfg: Config, head_dim: int, proportion: float = 1.0) -> RopeSpec:
-        """The spec for ``cfg``'s rope fields, rotating ``head_dim`` dimensions (``proportion`` of its frequencies)."""
+    def from_config(cls, cfg: Config, head_dim: int, sliding: bool = False) -> RopeSpec:
+        """The spec for ``cfg``'s rope fields, rotating ``head_dim`` dimensions: the share ``global_rope_proportion``
+        of its frequencies, ``local_rope_proportion`` on a ``sliding`` layer (Gemma 4; 1 for every other family)."""
         return cls(
             head_dim=head_dim,
             theta=cfg.rope_max_timescale,
@@ -79,7 +80,7 @@ class RopeSpec:
             mscale=cfg.mscale,
             mscale_all_dim=cfg.mscale_all_dim,
             truncate=cfg.rope_truncate,
-            proportion=proportion,
+            proportion=cfg.local_rope_proportion if sliding else cfg.global_rope_proportion,
         )
 
 
