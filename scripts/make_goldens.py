@@ -42,6 +42,9 @@ Cases:
                  24, (1 + w) pre and post norms, sqrt(D) embedding scale, tied head.
 * ``gemma3``  -- Gemma3ForCausalLM: 5 sliding : 1 global (8 layers), window 8, per-layer-type
                  RoPE (1e4 / 1e6 linear x8), (1 + w) norms, sqrt(D) embedding scale, final softcap.
+* ``gemma4``  -- Gemma4ForCausalLM: sliding / full (4 layers, S 32), global layers of their own shape (one kv head,
+                 ``attention_k_eq_v``), proportional RoPE 0.25, weightless v norm, 4 experts top-2 beside the MLP
+                 (router scale, per-expert scale), ``layer_scalar``, tied head, final softcap; also HF's float64 logits.
 * ``gpt_oss`` -- GptOssForCausalLM: sliding / full (2 layers), window 8, attention sinks, q/k/v/o biases, YaRN x32
                  untruncated, 4 experts top-2 (biased router, softmax over the chosen logits), clamped SwiGLU
                  experts with biases and the interleaved ``gate_up_proj`` (saved fused: no fused.safetensors).
@@ -77,7 +80,7 @@ be bit-identical to the stored ones (for MoE cases also after loading
 
 Code layout: ``scripts/goldens/harness.py`` (shared constants, model building, file writing, common
 checks) and one module per family (``goldens/llama.py``, ``qwen2.py``, ``mixtral_qwen3.py``, ``deepseek3.py``,
-``gemma.py``, ``gemma2.py``, ``gemma3.py``, ``olmo3.py``, ``gpt_oss.py``, ``qwen3_next.py``, ``qwen3_5.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks.
+``gemma.py``, ``gemma2.py``, ``gemma3.py``, ``gemma4.py``, ``olmo3.py``, ``gpt_oss.py``, ``qwen3_next.py``, ``qwen3_5.py``, ``llama4.py``, ``deepseek4.py``, ``gpt2.py``) holding its case configs and checks.
 Which cases exist is the family registry's: each family's record declares its goldens
 (``Golden(name, generator)`` in ``goldens=``, ``nnxtron/models/family.py``) and ``goldens/__init__.py``
 collects them in the registry's order; nothing in this script or the shared modules names a family.

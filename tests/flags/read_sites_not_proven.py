@@ -70,6 +70,8 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/config/flops.py", "training_flops_per_token.attention", "*"): REPORT,
     ("src/nnxtron/config/gpt3.py", "check", "*"): VALIDATION,
     ("src/nnxtron/config/gpt3.py", "check_fused_qkv_remat", "*"): VALIDATION,
+    ("src/nnxtron/config/gemma4.py", "check", "*"): VALIDATION,
+    ("src/nnxtron/config/gemma4.py", "check_experts", "*"): VALIDATION,
     ("src/nnxtron/config/gpt_oss.py", "check", "*"): VALIDATION,
     # a prefix stack keeps a pattern's pipeline on whole cycles (or refuses it: too_few_cycles says why)
     ("src/nnxtron/config/layout.py", "selectable_reason", "first_num_dense_layers"): VALIDATION,
@@ -157,6 +159,10 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     # the partial-RoPE branch (Qwen3-Next): MLA rotates exactly its rope part
     ("src/nnxtron/layers/rope.py", "apply_rope", "qk_rope_head_dim"): UNREACHABLE,
     ("src/nnxtron/layers/rope.py", "inverse_frequencies", "rope_type"): VALIDATION,
+    # the refusal of a scaled proportional RoPE (Gemma 4 takes rope_type=default only: config/gemma4.py)
+    ("src/nnxtron/layers/rope.py", "inverse_frequencies", "global_rope_proportion"): UNREACHABLE,
+    ("src/nnxtron/layers/rope.py", "inverse_frequencies", "local_rope_proportion"): UNREACHABLE,
+    ("src/nnxtron/layers/rope.py", "RopeSpec.rotated_pairs", "qk_rope_head_dim"): UNREACHABLE,  # MLA: proportion 1
     ("src/nnxtron/layers/rope.py", "yarn_correction_range", "local_rope_max_timescale"): UNREACHABLE,
     ("src/nnxtron/layers/router.py", "RouterSpec.__post_init__", "*"): VALIDATION,
     ("src/nnxtron/layers/router.py", "route", "num_experts_per_tok"): VALIDATION,
@@ -185,6 +191,9 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/models/gpt3.py", "GPT3Block.__init__", "mlp_activations"): VALIDATION,
     ("src/nnxtron/models/gpt3.py", "config_to_hf", "*"): CONVERSION,
     ("src/nnxtron/models/gpt3.py", "top_weights", "logits_via_embedding"): CONVERSION,
+    ("src/nnxtron/models/gemma4.py", "Gemma4Block.__init__", "mlp_activations"): VALIDATION,  # GeGLU only (config/gemma4.py)
+    ("src/nnxtron/models/gemma4_hf.py", "config_to_hf", "*"): CONVERSION,
+    ("src/nnxtron/models/gemma4_maxtext.py", "layer_rules", "*"): CONVERSION,
     ("src/nnxtron/models/gpt_oss.py", "layer_weights", "*"): CONVERSION,
     ("src/nnxtron/models/gpt_oss.py", "maxtext_layer_rules", "*"): CONVERSION,
     ("src/nnxtron/models/gpt_oss_hf.py", "config_to_hf", "*"): CONVERSION,
@@ -194,10 +203,12 @@ NOT_PROVEN: dict[tuple[str, str, str], str] = {
     ("src/nnxtron/models/qwen3_5_maxtext.py", "from_tree", "*"): CONVERSION,
     ("src/nnxtron/models/qwen3_5_maxtext.py", "scan_cycle", "*"): CONVERSION,
     ("src/nnxtron/models/qwen3_next_hf.py", "config_to_hf", "*"): CONVERSION,
+    ("src/nnxtron/models/maxtext_nested.py", "nested_scan.layer_axes", "decoder_block"): MESSAGE,
+    ("src/nnxtron/models/maxtext_nested.py", "nested_scan.scan", "*"): CONVERSION,
+    ("src/nnxtron/models/maxtext_nested.py", "nested_scan.unscan", "*"): CONVERSION,
+    ("src/nnxtron/models/qwen3_next_maxtext.py", "<module>", "inhomogeneous_layer_cycle_interval"): CONVERSION,
     ("src/nnxtron/models/qwen3_next_maxtext.py", "_heads", "*"): CONVERSION,
     ("src/nnxtron/models/qwen3_next_maxtext.py", "from_tree", "decoder_block"): MESSAGE,
-    ("src/nnxtron/models/qwen3_next_maxtext.py", "scan", "*"): CONVERSION,
-    ("src/nnxtron/models/qwen3_next_maxtext.py", "unscan", "*"): CONVERSION,
     ("src/nnxtron/models/hf_common.py", "check_exportable", "*"): VALIDATION,
     ("src/nnxtron/models/hf_common.py", "common_config_to_hf", "*"): CONVERSION,
     ("src/nnxtron/models/hf_common.py", "hf_ties_head", "logits_via_embedding"): CONVERSION,

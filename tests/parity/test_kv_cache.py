@@ -33,6 +33,9 @@ FAMILIES = {
     "gemma-tiny": {},  # multi-query (1 key/value head), scaled embeddings
     "qwen3-tiny": {},  # qk-norm
     "gemma3-tiny": {},  # 5 sliding : 1 global, remainder block
+    # one (sliding, global) cycle, the global layer's cache holding its own head width and values = keys' projection;
+    # dense (its MoE decodes as the other MoE families': greedy generation = HF's checks the MoE golden)
+    "gemma4-tiny": dict(num_experts=1, num_experts_per_tok=1, shared_experts=0),
     "llama4-tiny": {},  # chunked attention, NoPE layers, MoE
     "gpt3-52k": dict(base_num_decoder_layers=2),  # fused QKV, learned positions
     "deepseek3-test": {},  # MLA latent cache, dense + MoE stacks

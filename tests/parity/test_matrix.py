@@ -337,7 +337,7 @@ def test_gemma_quantized_matches_its_quantized_baseline():
     assert_grad_parity(result, run_family("gemma-tiny", Strategy(extra=quantized)), **TENSOR_QUANT_BOUNDS)
 
 
-@pytest.mark.parametrize("model", ["gemma2-tiny", "olmo3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("model", ["gemma2-tiny", "olmo3-tiny", "qwen3-next-tiny", "qwen3.5-tiny", "gpt-oss-tiny", "gemma4-tiny"])
 def test_soft_capped_and_qk_normed_families_quantized_scan_equals_unrolled(model):
     """fp8 with Gemma 2's logit soft caps, OLMo 3's whole-projection qk-norm and Qwen3-Next's Gated DeltaNet
     projections: scanned with full remat == unrolled, on one device, at float32 BOUNDS (measured 2026-12-07:

@@ -125,6 +125,14 @@ CASES = {
         PP2_FSDP2,
         4,
     ),
+    # Gemma 4's (sliding, global) cycles as stages: the global layer of its own shape (values = keys' projection, its
+    # proportional RoPE); dense (31B's layers: MoE in stages is the other MoE cases', and its experts half the time)
+    "gemma4_cycles_in_stages": (
+        "gemma4-tiny",
+        dict(base_num_decoder_layers=4, num_experts=1, num_experts_per_tok=1, shared_experts=0, remat_policy="none"),
+        PP2_FSDP2,
+        4,
+    ),
     # MaxText's toy blocks, which MaxText's own pipeline tests run: one matmul a layer, no residual (4 stages, gpipe)
     "simple_gpipe_4_stages": (
         "simple-tiny",

@@ -161,6 +161,11 @@ VALUES: dict[str, Flag] = {
     "gdn_num_value_heads": F(2, family="qwen3-next-tiny"),
     "gdn_chunk_size": F(4, family="qwen3-next-tiny"),  # the delta rule 4 tokens at a time: another program
     "partial_rotary_factor": F(0.25, family="qwen3-next-tiny"),  # RoPE on 2 of the 8 dims of a full-attention head
+    "global_head_dim": F(32, family="gemma4-tiny"),  # the global layer's heads 32 wide, not 16
+    "global_num_kv_heads": F(2, family="gemma4-tiny"),
+    "share_kv_projections": F(False, family="gemma4-tiny"),  # the global layer gets its value projection
+    "global_rope_proportion": F(0.5, family="gemma4-tiny"),  # 4 of the global head's 8 frequencies rotate, not 2
+    "local_rope_proportion": F(0.5, family="gemma4-tiny"),  # 2 of the sliding head's 4, not all
     # --- mixture of experts
     "num_experts": F(8, family="mixtral-tiny"),
     "num_experts_per_tok": F(1, family="mixtral-tiny"),
@@ -508,6 +513,16 @@ for _key, _flag in {
     "base_num_query_heads": F(8, family=Q3N),
 }.items():
     MORE.setdefault(_key, {})["qwen3_next"] = _flag
+# Gemma 4: its block's own widths (its preset shares llama3.1-tiny's emb 32 and MLP 64), its proportional RoPE's
+# rotated pairs (RopeSpec.rotated_pairs reads the head width), the global layer's heads
+G4 = "gemma4-tiny"
+for _key, _flag in {
+    "base_emb_dim": F(64, family=G4),
+    "base_mlp_dim": F(32, family=G4),
+    "head_dim": F(16, family=G4),
+    "base_num_query_heads": F(2, family=G4),
+}.items():
+    MORE.setdefault(_key, {})["gemma4"] = _flag
 # Qwen3.5: Qwen3-Next's layers, but its Gated DeltaNet's split input projections (their widths read base_emb_dim)
 MORE.setdefault("base_emb_dim", {})["qwen3_5"] = F(64, family="qwen3.5-tiny")
 for _key, _cases in READ_SITE_CASES.items():
@@ -552,6 +567,7 @@ FAMILY_MODULES = {
     "models/deepseek4/": "deepseek4-test",
     "models/gemma.py": "gemma-tiny",
     "models/gemma3.py": "gemma3-tiny",
+    "models/gemma4.py": "gemma4-tiny",
     "models/llama4.py": "llama4-tiny",
     "models/mixtral.py": "mixtral-tiny",
     "models/olmo3.py": "olmo3-tiny",
@@ -566,6 +582,7 @@ FAMILIES.setdefault("olmo3-tiny", {})
 FAMILIES.setdefault("gpt-oss-tiny", {})
 FAMILIES.setdefault("qwen3-next-tiny", {})
 FAMILIES.setdefault("qwen3.5-tiny", {})
+FAMILIES.setdefault("gemma4-tiny", {})
 FAMILIES.setdefault("qwen3-tiny", {})
 FAMILIES.setdefault("qwen3-moe-tiny", {})
 FAMILIES.setdefault("simple_mlp-tiny", {})

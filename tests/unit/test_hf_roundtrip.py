@@ -18,7 +18,7 @@ from nnxtron.errors import CheckpointError, ConfigError
 GOLDEN = Path(__file__).resolve().parents[1] / "assets" / "golden"
 CASES = (
     "llama2", "llama31", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_dense", "qwen3_moe_prefix", "deepseek3", "deepseek3_mtp",
-    "gemma", "gemma2", "gemma3", "olmo3", "gpt_oss", "qwen3_next", "qwen3_5",
+    "gemma", "gemma2", "gemma3", "gemma4", "olmo3", "gpt_oss", "qwen3_next", "qwen3_5",
     "llama4", "gpt2", "deepseek4",
 )  # fmt: skip
 

@@ -39,8 +39,9 @@ def test_every_key_of_maxtexts_base_yml_is_in_the_table_with_its_default():
     assert sorted(extra) == ["enable_nnx", "pure_nnx", "pure_nnx_decoder"]
     counts = Counter(r.kind for k, r in KEYS.items() if k in values)
     # gpt_oss: attention_sink, mlp_bias and rope_truncate honoured (were refused); qwen3_next: the gdn_* keys and
-    # partial_rotary_factor honoured, and gdn_chunk_size (the chunk the delta rule takes at a time)
-    assert counts == {IGNORED: 372, REFUSED: 231, HONOURED: 142, TRANSLATED: 41}
+    # partial_rotary_factor honoured, and gdn_chunk_size (the chunk the delta rule takes at a time); gemma4: its
+    # global-layer shape and RoPE keys translated (were refused), rope_max_timescale translated with them
+    assert counts == {IGNORED: 372, REFUSED: 225, HONOURED: 141, TRANSLATED: 48}
 
 
 def test_each_class_carries_what_it_needs():
@@ -213,6 +214,76 @@ def test_maxtexts_qwen3_5_keys_give_the_preset():
         load_config(BASE, [*QWEN3_5_35B_TEXT, "use_mrope=true"])
     with pytest.raises(ConfigError, match="MaxText key use_multimodal=True is refused: nnxtron has no multimodal encoders"):
         load_config(BASE, [*QWEN3_5_35B_TEXT, "use_multimodal=true"])
+
+
+# MaxText 0.2.5's configs/models/gemma4-{26b,31b}.yml (their keys; the vision encoder's are read only with
+# use_multimodal=true; vision_encoder_block is not in MaxText's base.yml, so the key table does not know it)
+GEMMA4_VISION = [
+    "rope_theta_for_vit=100", "image_size_for_vit=[672,960]", "num_channels_for_vit=3", "patch_size_for_vit=16",
+    "conv_stride_for_vit=16", "hidden_size_for_vit=1152", "intermediate_size_for_vit=4304", "num_hidden_layers_for_vit=27",
+    "num_attention_heads_for_vit=16", "image_placeholder=<|image|>", "vision_output_length=280",
+    "num_position_embeddings_for_vit=10240",
+]  # fmt: skip
+GEMMA4_COMMON = [
+    "mlp_activations=[gelu,linear]", "head_dim=256", "global_head_dim=512", "vocab_size=262144", "decoder_block=gemma4",
+    "normalization_layer_epsilon=1.0e-6", "logits_via_embedding=true", "sliding_window_size=1024", "use_post_attn_norm=true",
+    "use_post_ffw_norm=true", "share_kv_projections=true", "local_rope_max_timescale=10000",
+    "global_rope_max_timescale=1000000", "rope_max_timescale=1000000", "global_rope_proportion=0.25",
+    "local_rope_proportion=1.0", "v_norm_with_scale=false", "final_logits_soft_cap=30.0", *GEMMA4_VISION,
+]  # fmt: skip
+GEMMA4 = {
+    "gemma4-26b": [
+        "model_name=gemma4-26b", "base_num_decoder_layers=30", "base_emb_dim=2816", "base_num_query_heads=16", "base_num_kv_heads=8",
+        "base_mlp_dim=2112", "base_moe_mlp_dim=704", "global_num_kv_heads=2", "num_experts=128", "num_experts_per_tok=8",
+        "shared_experts=1", "norm_topk_prob=true", "load_balance_loss_weight=0.001", *GEMMA4_COMMON,
+    ],
+    "gemma4-31b": [
+        "model_name=gemma4-31b", "base_num_decoder_layers=60", "base_emb_dim=5376", "base_num_query_heads=32", "base_num_kv_heads=16",
+        "base_mlp_dim=21504", "global_num_kv_heads=4", *GEMMA4_COMMON,
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", sorted(GEMMA4))
+def test_maxtexts_gemma4_keys_give_the_preset(model):
+    """MaxText's model_name=gemma4-26b / gemma4-31b with its model config's keys loads as nnxtron's preset (a key the
+    preset sets otherwise would be MaxText's override_model_config error; decoder_block=gemma4's fixed pattern of 6, q/k
+    norms and unscaled logits set by the block; the three RoPE bases and the two proportions translated). Gemma 4's
+    keys are dropped for another block (MaxText reads them for gemma4 only) or refused where MaxText differs."""
+    cfg, preset = load_config(BASE, GEMMA4[model]), load_config(None, [f"model_name={model}"])
+    keys = ("decoder_block", "sliding_window_pattern", "use_qk_norm", "query_pre_attn_scalar", "head_dim", "global_head_dim",
+            "global_num_kv_heads", "share_kv_projections", "rope_max_timescale", "local_rope_max_timescale",
+            "global_rope_proportion", "local_rope_proportion", "num_experts", "shared_experts", "base_moe_mlp_dim",
+            "final_logits_soft_cap", "sliding_window_size", "normalize_embedding_logits")  # fmt: skip
+    keys += ("norm_topk_prob", "num_experts_per_tok", "load_balance_loss_weight") if preset.num_experts > 1 else ()
+    assert {k: getattr(cfg, k) for k in keys} == {k: getattr(preset, k) for k in keys}
+    assert load_config(BASE, ["global_head_dim=512", "global_rope_proportion=0.5"]).global_head_dim == 0  # llama2: unread
+    with pytest.raises(ConfigError, match="v_norm_with_scale=True is refused"):
+        load_config(BASE, [*GEMMA4[model], "v_norm_with_scale=true"])
+    with pytest.raises(ConfigError, match="share_kv_projections=True is refused"):
+        load_config(BASE, ["share_kv_projections=true"])
+
+
+GEMMA4_BLOCK = ["decoder_block=gemma4", "mlp_activations=[gelu,linear]", "sliding_window_size=8", "v_norm_with_scale=false", "use_post_attn_norm=true",
+                "use_post_ffw_norm=true", "global_rope_proportion=1.0"]  # fmt: skip
+
+
+def test_maxtexts_gemma4_rope_bases_and_proportions():
+    """MaxText's gemma4 block: global layers on global_rope_max_timescale where > 0, else rope_max_timescale; sliding
+    layers on local_rope_max_timescale where > 0, else rope_max_timescale (nnxtron: rope_max_timescale, local_*). A
+    proportion below 1 is Gemma 4's proportional RoPE only under a gemma4-* model_name (else MaxText's plain partial
+    RoPE rotates the first dims): refused there."""
+    for given, want in (
+        ([], (10000.0, 10000.0)),  # base.yml: rope 1e4, global and local -1
+        (["rope_max_timescale=500", "global_rope_max_timescale=7000"], (7000.0, 500.0)),
+        (["global_rope_max_timescale=7000", "local_rope_max_timescale=300"], (7000.0, 300.0)),
+    ):
+        cfg = load_config(BASE, [*GEMMA4_BLOCK, *given])
+        assert (cfg.rope_max_timescale, cfg.local_rope_max_timescale) == want, given
+    cfg = load_config(BASE, ["rope_max_timescale=500", "global_rope_max_timescale=7000", "local_rope_max_timescale=300"])
+    assert (cfg.rope_max_timescale, cfg.local_rope_max_timescale) == (500.0, 300.0)  # llama2 reads neither global one
+    with pytest.raises(ConfigError, match="global_rope_proportion=0.5 is refused: MaxText rotates Gemma 4's proportional"):
+        load_config(BASE, [*GEMMA4_BLOCK, "global_rope_proportion=0.5"])
 
 
 def test_reference_command_resolves():

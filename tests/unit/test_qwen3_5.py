@@ -95,6 +95,7 @@ def test_paged_decoding_caches_are_refused():
 def test_the_flop_count_counts_the_split_projections():
     """config/flops.py's matmul weights per layer are the model's with Qwen3.5's split DeltaNet projections too."""
     from nnxtron.config import flops
+    from nnxtron.config.layout import LayerKind
     from nnxtron.models.build import abstract_model
     from nnxtron.params import flatten
 
@@ -104,6 +105,6 @@ def test_the_flop_count_counts_the_split_projections():
     def kernels(layer: str) -> int:
         return sum(v.size for k, v in params.items() if k.startswith(f"{layer}/attention/") and k.endswith("/kernel"))
 
-    assert kernels("layers/layers/0/cycle/1") == flops._attention_params(cfg)[0]  # full (gated) attention
+    assert kernels("layers/layers/0/cycle/1") == flops._attention_params(cfg, LayerKind(moe=True))[0]  # full (gated) attention
     assert kernels("layers/layers/0/cycle/0") == flops._linear_attention(cfg)[0]  # Gated DeltaNet, split projections
     assert any(k.endswith("attention/in_proj_z/kernel") for k in params)

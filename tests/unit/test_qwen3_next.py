@@ -101,6 +101,7 @@ def test_the_flop_count_counts_each_mixer_s_weights():
     from flax import nnx
 
     from nnxtron.config import flops
+    from nnxtron.config.layout import LayerKind
     from nnxtron.models.build import abstract_model
     from nnxtron.params import flatten
 
@@ -110,7 +111,7 @@ def test_the_flop_count_counts_each_mixer_s_weights():
     def kernels(layer: str) -> int:
         return sum(v.size for k, v in params.items() if k.startswith(f"{layer}/attention/") and k.endswith("/kernel"))
 
-    assert kernels("layers/layers/0/cycle/1") == flops._attention_params(cfg)[0]  # full (gated) attention
+    assert kernels("layers/layers/0/cycle/1") == flops._attention_params(cfg, LayerKind(moe=True))[0]  # full (gated) attention
     assert kernels("layers/layers/0/cycle/0") == flops._linear_attention(cfg)[0]  # Gated DeltaNet
 
 

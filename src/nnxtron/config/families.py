@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nnxtron.config import deepseek4, gpt3, gpt_oss, olmo3, qwen3_next, simple
+from nnxtron.config import deepseek4, gemma4, gpt3, gpt_oss, olmo3, qwen3_next, simple
 from nnxtron.config.options import DECODER_BLOCKS
 from nnxtron.errors import ConfigError
 
@@ -43,7 +43,11 @@ class FamilyRules:
     ``query_gate``: the query projection also yields a per-head output gate as wide as the query (Qwen3-Next's
     gated attention: ``D x heads x head_dim`` more weights on each full-attention layer, ``config/flops.py``);
     ``maxtext_layer_pattern``: MaxText's block fixes its sliding / global layers (GPT-OSS:
-    ``GPT_OSS_ATTENTION_PATTERN``), so a MaxText ``decoder_block`` of it sets ``sliding_window_pattern`` to this."""
+    ``GPT_OSS_ATTENTION_PATTERN``), so a MaxText ``decoder_block`` of it sets ``sliding_window_pattern`` to this;
+    ``maxtext_reads``: MaxText keys only this family's MaxText block reads (Gemma 4's global-layer shape and RoPE),
+    passed on for it and dropped, unread as in MaxText, for the others (``maxtext_keys.py``); ``dense_shared_expert``:
+    the MoE layers' shared expert is the layer's dense MLP, ``base_mlp_dim`` wide (Gemma 4, MaxText's
+    ``get_shared_expert_mlp_dim``), not ``base_moe_mlp_dim`` (``config/flops.py``)."""
 
     check: Callable[[Config], None] | None = None
     own_keys: Mapping[str, Any] = field(default_factory=dict)
@@ -60,6 +64,8 @@ class FamilyRules:
     maxtext_block_values: Mapping[str, Any] = field(default_factory=dict)
     query_gate: bool = False
     maxtext_layer_pattern: int = 0
+    maxtext_reads: frozenset[str] = frozenset()
+    dense_shared_expert: bool = False
 
 
 PLAIN = FamilyRules()
@@ -83,6 +89,18 @@ RULES: dict[str, FamilyRules] = {
     "qwen2": FamilyRules(attention_out_bias=False),
     "deepseek": FamilyRules(maxtext_topk_renorm="score_func"),
     "gemma3": FamilyRules(legacy_normalize_embedding_logits=True, maxtext_post_norms=True),
+    # MaxText's Gemma4DecoderLayer: unscaled logits after its q/k norms, the sandwich norms, softmax over every expert
+    # renormalised as norm_topk_prob says; its layer pattern fixed (GEMMA4_ATTENTION_PATTERN)
+    "gemma4": FamilyRules(
+        check=gemma4.check,
+        own_keys=gemma4.OPTIONS_OFF,
+        maxtext_topk_renorm="flag",
+        maxtext_post_norms=True,
+        maxtext_block_values={"use_qk_norm": True, "query_pre_attn_scalar": 1.0},
+        maxtext_layer_pattern=gemma4.PATTERN,
+        maxtext_reads=gemma4.MAXTEXT_KEYS,
+        dense_shared_expert=True,
+    ),
     "llama4": FamilyRules(maxtext_topk_renorm="flag"),
     "olmo3": FamilyRules(check=olmo3.check),  # its 3 sliding : 1 global layers
     "gpt_oss": FamilyRules(

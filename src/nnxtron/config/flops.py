@@ -9,14 +9,16 @@ from typing import TYPE_CHECKING
 
 from nnxtron.config import deepseek4
 from nnxtron.config.families import rules_for
-from nnxtron.config.layout import LayerKind, layer_kinds
+from nnxtron.config.layout import LayerKind, attention_shape, layer_kinds
 
 if TYPE_CHECKING:
     from nnxtron.config.schema import Config
 
 
-def _attention_params(cfg: Config) -> tuple[int, int, int]:
-    """(matmul params of one attention layer, query heads, q.k + p.v width per head)."""
+def _attention_params(cfg: Config, kind: LayerKind) -> tuple[int, int, int]:
+    """(matmul params of one attention layer of ``kind``, query heads, q.k + p.v width per head); a global layer
+    of its own shape (Gemma 4, ``layout.attention_shape``) counts its head width, key/value heads and shared key
+    projection."""
     d, h = cfg.base_emb_dim, cfg.base_num_query_heads
     if cfg.attention_type == "mla":
         qk, v, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
@@ -24,9 +26,9 @@ def _attention_params(cfg: Config) -> tuple[int, int, int]:
         query = d * lora + lora * h * qk if lora else d * h * qk
         kv = d * (cfg.kv_lora_rank + rope) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + v)
         return query + kv + h * v * d, h, qk + v
-    k, hd = cfg.base_num_kv_heads, cfg.resolved_head_dim
+    k, hd, shared_kv = attention_shape(cfg, kind)
     gate = h * hd if rules_for(cfg.decoder_block).query_gate else 0  # the output gate's half of the query projection
-    return d * (h + 2 * k) * hd + d * gate + h * hd * d, h, 2 * hd
+    return d * (h + (1 if shared_kv else 2) * k) * hd + d * gate + h * hd * d, h, 2 * hd
 
 
 def _linear_attention(cfg: Config) -> tuple[int, int]:
@@ -45,8 +47,8 @@ def _ffn_params(cfg: Config, moe: bool) -> int:
     d = cfg.base_emb_dim
     if not moe:
         return len(cfg.mlp_activations) * d * cfg.base_mlp_dim + d * cfg.base_mlp_dim  # gated: 3 matrices, plain: 2
-    experts = cfg.num_experts_per_tok + cfg.shared_experts
-    return d * cfg.num_experts + 3 * d * cfg.base_moe_mlp_dim * experts
+    shared = cfg.base_mlp_dim if rules_for(cfg.decoder_block).dense_shared_expert else cfg.base_moe_mlp_dim
+    return d * cfg.num_experts + 3 * d * (cfg.base_moe_mlp_dim * cfg.num_experts_per_tok + shared * cfg.shared_experts)
 
 
 def _keys_seen(cfg: Config, kind: LayerKind) -> float:
@@ -73,7 +75,6 @@ def training_flops_per_token(cfg: Config) -> float:
     layer's kind) plus their [2D -> D] projection and output head.
     """
     d = cfg.base_emb_dim
-    attn_params, heads, width = _attention_params(cfg)
     kinds = list(layer_kinds(cfg))
     kinds += [kinds[-1]] * cfg.mtp_num_layers
 
@@ -82,10 +83,15 @@ def training_flops_per_token(cfg: Config) -> float:
     def attention(kind: LayerKind) -> int:
         if kind.attention == "linear":
             return linear_params
-        return deepseek4.attention_params(cfg, kind.attention) if cfg.attention_type == "compressed" else attn_params
+        if cfg.attention_type == "compressed":
+            return deepseek4.attention_params(cfg, kind.attention)
+        return _attention_params(cfg, kind)[0]
 
     def mixing(kind: LayerKind) -> float:  # q.k and p.v: 2 flops per multiply-add over the keys each query sees, per head
-        return linear_flops if kind.attention == "linear" else 2 * heads * width * _keys_seen(cfg, kind)
+        if kind.attention == "linear":
+            return linear_flops
+        _, heads, width = _attention_params(cfg, kind)
+        return 2 * heads * width * _keys_seen(cfg, kind)
 
     matmul_params = sum(attention(kind) + _ffn_params(cfg, kind.moe) for kind in kinds)
     matmul_params += (1 + cfg.mtp_num_layers) * d * cfg.vocab_size + cfg.mtp_num_layers * 2 * d * d

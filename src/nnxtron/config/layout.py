@@ -89,6 +89,16 @@ def layer_kind(cfg: Config, i: int) -> LayerKind:
     return LayerKind(moe=moe, attention=attention, rope=rope)
 
 
+def attention_shape(cfg: Config, kind: LayerKind) -> tuple[int, int, bool]:
+    """(key/value heads, head width, whether the values are the key projection) of a layer of ``kind``: a
+    global layer takes ``global_num_kv_heads`` / ``global_head_dim`` where set and shares its key projection
+    with ``share_kv_projections`` (Gemma 4); every other layer has the base shape."""
+    kv_heads, head_dim = cfg.base_num_kv_heads, cfg.resolved_head_dim
+    if kind.attention != "global":
+        return kv_heads, head_dim, False
+    return cfg.global_num_kv_heads or kv_heads, cfg.global_head_dim or head_dim, cfg.share_kv_projections
+
+
 def layer_kinds(cfg: Config) -> tuple[LayerKind, ...]:
     return tuple(layer_kind(cfg, i) for i in range(cfg.base_num_decoder_layers))
 
@@ -209,6 +219,11 @@ def selectable_reason(cfg: Config) -> str | None:
         differ.append(f"{'/'.join(sorted(attention - SELECTABLE))} attention with weights or code of its own")
     if len({kind.rope for kind in kinds}) > 1:
         differ.append("RoPE and NoPE layers")
+    shapes = {attention_shape(cfg, kind) for kind in kinds if kind.attention in SELECTABLE}
+    if len(shapes) > 1:
+        differ.append(
+            "global layers with attention weights of their own shape (global_head_dim, global_num_kv_heads, share_kv_projections)"
+        )
     if differ:
         labels = ", ".join(sorted({kind.label for kind in kinds}))
         return f"its layers' parameters or code differ ({'; '.join(differ)}: {labels})"

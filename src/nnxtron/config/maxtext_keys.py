@@ -161,7 +161,7 @@ _honoured(
     warmup_steps_fraction=0.1, learning_rate_schedule_steps=-1, max_target_length=2048, prompt='I love to',
     data_shuffle_seed=0, init_weights_seed=0, gradient_clipping_threshold=1.0, gradient_accumulation_steps=1, opt_type='adamw',
     adam_b1=0.9, adam_b2=0.95, adam_eps=1e-08, adam_weight_decay=0.1, muon_beta=0.95, muon_weight_decay=0,
-    rope_max_timescale=10000, max_position_embeddings=163840, beta_fast=32, beta_slow=1, mscale=1.0,
+    max_position_embeddings=163840, beta_fast=32, beta_slow=1, mscale=1.0,
     decode_sampling_strategy='greedy', decode_sampling_temperature=1.0, eval_interval=-1, enable_tensorboard=True,
     use_qk_norm=False, interleave_moe_layer_step=1, temperature_tuning=False, mhc_expansion_rate=1, sinkhorn_iterations=20,
     attention_bias=False, attention_sink=False, mlp_bias=False, rope_truncate=True,
@@ -386,10 +386,11 @@ _refused(
     global_parameter_scale=1, dense_init_scale=1.0, attention_output_dim=-1, moe_expert_input_dim=-1,
 )
 _refused(
-    'a Gemma 4 feature nnxtron does not implement',
-    'choose a model nnxtron has (`nnxtron config show` lists decoder_block values)',
-    global_head_dim=0, global_num_kv_heads=0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-    num_kv_shared_layers=0, use_double_wide_mlp=False, global_rope_max_timescale=-1, global_rope_proportion=0.25,
+    "a Gemma 4 small (E2B / E4B, MaxText's decoder_block gemma4_small) feature nnxtron does not implement: per-layer "
+    "inputs, key/value sharing across layers",
+    'choose a model nnxtron has (decoder_block gemma4 builds Gemma 4 26B-A4B and 31B; `nnxtron config show` lists '
+    'decoder_block values)',
+    hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False,
 )
 _refused(
     'a float32 cast nnxtron does not make in bfloat16 (in float32 it is moot)',
@@ -422,8 +423,7 @@ _refused(
 _refused(
     'an attention variant nnxtron does not implement',
     "leave it at MaxText's default",
-    share_kv_projections=False,
-    v_norm_with_scale=True, qk_norm_with_scale=True, moba=False, use_max_logit_estimate=-1,
+    qk_norm_with_scale=True, moba=False, use_max_logit_estimate=-1,
 )
 _honoured(partial_rotary_factor=1.0)  # qwen3_next only (config/qwen3_next.py); nnxtron refuses it elsewhere as MaxText does
 _refused(
@@ -586,8 +586,7 @@ _refused(
 _refused(
     'a positional-embedding or RoPE variant nnxtron does not implement',
     "leave it at MaxText's default",
-    use_untrainable_positional_embedding=False, rope_use_scale=True, rope_min_timescale=1, local_rope_proportion=1.0,
-    rope_pairwise=False,
+    use_untrainable_positional_embedding=False, rope_use_scale=True, rope_min_timescale=1, rope_pairwise=False,
 )
 _refused(
     'nnxtron has no multimodal encoders',
@@ -813,9 +812,85 @@ _translated(
     "rope_type", "default", "rope_type; llama3.1 is llama3 with MaxText's fixed scaling (factor 8, low 1, high 4, 8192 positions)",
     lambda v, c: {"rope_type": "llama3", **MAXTEXT_LLAMA31_SCALING} if v == "llama3.1" else {"rope_type": v},
 )  # fmt: skip
-_translated(
-    "local_rope_max_timescale", -1, "local_rope_max_timescale; -1 (off) is 0", _positive_or_zero("local_rope_max_timescale")
-)
+
+
+def _block_reads(ctx: Mapping[str, Any]) -> frozenset[str]:
+    """The MaxText keys only the config's MaxText block reads (``FamilyRules.maxtext_reads``: Gemma 4's)."""
+    return rules_for(ctx.get("decoder_block", "llama2")).maxtext_reads
+
+
+def _rope_timescale(key: str) -> Translate:
+    """nnxtron's RoPE bases from MaxText's three. Most blocks: rope_max_timescale as it is, local_rope_max_timescale
+    -1 (off) is 0 (the sliding layers take rope_max_timescale), global_rope_max_timescale unread. A block that reads
+    global_rope_max_timescale (Gemma 4) rotates its global layers with it where > 0, else with rope_max_timescale,
+    its sliding layers with local_rope_max_timescale where > 0, else rope_max_timescale: there each of the three keys
+    gives nnxtron's two (rope_max_timescale the global layers', local_rope_max_timescale the sliding ones') alike."""
+
+    def translate(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
+        if "global_rope_max_timescale" not in _block_reads(ctx):
+            if key == "local_rope_max_timescale":
+                return {key: value if number(value, key) > 0 else 0}
+            return {key: value} if key == "rope_max_timescale" else {}
+        rope = number(ctx.get("rope_max_timescale", 10000), "rope_max_timescale")
+        local = number(ctx.get("local_rope_max_timescale", -1), "local_rope_max_timescale")
+        glob = number(ctx.get("global_rope_max_timescale", -1), "global_rope_max_timescale")
+        return {"rope_max_timescale": glob if glob > 0 else rope, "local_rope_max_timescale": local if local > 0 else rope}
+
+    return translate
+
+
+_NOTE_TIMESCALES = ("rope_max_timescale; local_rope_max_timescale -1 (off) is 0; global_rope_max_timescale read by "
+                    "decoder_block gemma4 only: there the three give rope_max_timescale (its global layers' base: "
+                    "global_rope_max_timescale where > 0) and local_rope_max_timescale (its sliding layers')")  # fmt: skip
+for _key, _default in (("rope_max_timescale", 10000), ("local_rope_max_timescale", -1), ("global_rope_max_timescale", -1)):
+    _translated(_key, _default, _NOTE_TIMESCALES, _rope_timescale(_key))
+
+
+def _block_key(key: str, refused_elsewhere: Any = NOT_IN_BASE) -> Translate:
+    """A key only some blocks' MaxText layers read (``_block_reads``): passed on for them; elsewhere unread, as in
+    MaxText (dropped), or refused at any value but ``refused_elsewhere`` where another MaxText block reads it too."""
+
+    def translate(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
+        if key in _block_reads(ctx):
+            return {key: value}
+        if refused_elsewhere is not NOT_IN_BASE and not same(value, refused_elsewhere):
+            raise refusal(key, value, "read by decoder_block gemma4 only in nnxtron (MaxText's generic decoder layer "
+                          "reads it too)", f"leave {key}={refused_elsewhere} or use decoder_block=gemma4")  # fmt: skip
+        return {}
+
+    return translate
+
+
+def _proportion(key: str) -> Translate:
+    """Gemma 4's RoPE proportions: MaxText rotates a share below 1 proportionally (HF's, nnxtron's) only under a
+    model_name of the block's own (``gemma4-*``); under another one its plain partial RoPE (the first dims)."""
+    passed = _block_key(key)
+
+    def translate(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
+        out = passed(value, ctx)
+        named = str(ctx.get("model_name", "default")).startswith(str(ctx.get("decoder_block", "")))
+        if out and number(value, key) < 1 and not named:
+            raise refusal(key, value, f"MaxText rotates Gemma 4's proportional RoPE only under a model_name "
+                          f"{ctx.get('decoder_block')}-* (model_name={ctx.get('model_name')} rotates the first dims "
+                          "instead)", "use model_name=gemma4-26b or gemma4-31b")  # fmt: skip
+        return out
+
+    return translate
+
+
+_translated("global_head_dim", 0, "global_head_dim (decoder_block gemma4 only; unread elsewhere)", _block_key("global_head_dim"))
+_translated("global_num_kv_heads", 0, "global_num_kv_heads (decoder_block gemma4 only; unread elsewhere)",
+            _block_key("global_num_kv_heads"))  # fmt: skip
+_translated("share_kv_projections", False, "share_kv_projections (decoder_block gemma4 only; refused elsewhere)",
+            _block_key("share_kv_projections", False))  # fmt: skip
+_translated("global_rope_proportion", 0.25, "global_rope_proportion (decoder_block gemma4 with a gemma4-* model_name; "
+            "unread elsewhere)", _proportion("global_rope_proportion"))  # fmt: skip
+_translated("local_rope_proportion", 1.0, "local_rope_proportion (decoder_block gemma4 with a gemma4-* model_name; "
+            "unread elsewhere)", _proportion("local_rope_proportion"))  # fmt: skip
+_add("v_norm_with_scale", Key(
+    REFUSED, True, "decoder_block gemma4's value norm has no weight (HF Gemma 4's v_norm); no other block has one",
+    "use v_norm_with_scale=false with decoder_block gemma4 (its presets set it)",
+    check=lambda value, ctx: value is False or "v_norm_with_scale" not in _block_reads(ctx)))  # fmt: skip
 _translated(
     "decode_sampling_nucleus_p",
     -1,
@@ -851,8 +926,8 @@ def _decoder_block(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
     pairs = rules_for(value).maxtext_layers_per_layer
     paired = {"sliding_window_pattern": pairs} if pairs > 1 else {}  # local, then global
     paired = {**paired, **rules_for(value).maxtext_block_values}  # what the block implies (qwen3_next: q/k norms)
-    if rules_for(value).maxtext_layer_pattern:  # the block's fixed pattern (gpt_oss)
-        paired = {"sliding_window_pattern": rules_for(value).maxtext_layer_pattern}
+    if rules_for(value).maxtext_layer_pattern:  # the block's fixed pattern (gpt_oss, gemma4)
+        paired = {**paired, "sliding_window_pattern": rules_for(value).maxtext_layer_pattern}
     return {"decoder_block": value, **({"query_pre_attn_scalar": 1.0} if unscaled else {}), **paired}
 
 
@@ -873,7 +948,8 @@ _translated("rope_interleave", True, "rope_interleave with rope_type=yarn (where
 _translated("decoder_block", "llama2", "decoder_block; llama2, mistral, mixtral, gemma and gemma2 (without qk-norm) also set "
             "query_pre_attn_scalar=1: MaxText folds 1/sqrt(head_dim) into the query kernel; gemma2 also sets "
             "sliding_window_pattern=2 (MaxText's layer: a sliding, then a global layer), gpt_oss sets it to 2 (its block "
-            "alternates sliding and global layers)", _decoder_block)  # fmt: skip
+            "alternates sliding and global layers), gemma4 to 6 (GEMMA4_ATTENTION_PATTERN) with use_qk_norm=true and "
+            "query_pre_attn_scalar=1 (its q/k-normed, unscaled logits)", _decoder_block)  # fmt: skip
 
 
 def _decoder_layers(value: Any, ctx: Mapping[str, Any]) -> dict[str, Any]:
@@ -887,7 +963,7 @@ _translated("base_num_decoder_layers", 16, "base_num_decoder_layers; x2 for deco
 
 
 def _post_norm(value: Any, ctx: Mapping[str, Any]) -> bool:
-    """nnxtron's gemma2 / gemma3 layers always have the post norms (MaxText's model configs set both true);
+    """nnxtron's gemma2 / gemma3 / gemma4 layers always have the post norms (MaxText's model configs set both true);
     MaxText's false there is base.yml's default, which a model_name's config overrides; other blocks have none."""
     if not rules_for(ctx.get("decoder_block", "llama2")).maxtext_post_norms:
         return value is False
@@ -895,9 +971,9 @@ def _post_norm(value: Any, ctx: Mapping[str, Any]) -> bool:
 
 
 for _key in ("use_post_attn_norm", "use_post_ffw_norm"):
-    _add(_key, Key(REFUSED, False, "nnxtron's gemma2 and gemma3 layers always have their post-attention / post-MLP norms, "
-                   "the other blocks none", f"use {_key}=true with decoder_block gemma2 or gemma3, else false",
-                   check=_post_norm))  # fmt: skip
+    _add(_key, Key(REFUSED, False, "nnxtron's gemma2, gemma3 and gemma4 layers always have their post-attention / "
+                   "post-MLP norms, the other blocks none", f"use {_key}=true with decoder_block gemma2, gemma3 or gemma4, "
+                   "else false", check=_post_norm))  # fmt: skip
 _add("rope_attention_scaling", Key(
     REFUSED, False, "nnxtron's YaRN always multiplies cos / sin by HF's attention factor (MaxText's rope_attention_scaling=true); "
     "it has no other RoPE to scale", "use rope_attention_scaling=true only with rope_type=yarn (gpt-oss-* sets it)",

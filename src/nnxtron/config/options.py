@@ -25,6 +25,7 @@ DECODER_BLOCKS = (
     "gemma",
     "gemma2",
     "gemma3",
+    "gemma4",  # Gemma 4 text decoder (26B-A4B MoE, 31B dense): MaxText's gemma4 block, HF Gemma4ForCausalLM
     "llama4",
     "gpt3",
     "deepseek4",

@@ -163,6 +163,13 @@ class Config(BaseModel):
     gdn_num_value_heads: Model[int] = Field(gt=0, le=MAX_COUNT)  # value heads, a multiple of the key heads
     gdn_chunk_size: Model[int] = Field(gt=0, le=MAX_SIZE)  # tokens the delta rule takes at a time (the same function)
     partial_rotary_factor: Model[float] = Field(gt=0, le=1)  # RoPE on the first head_dim x this dims (qwen3_next, qwen3_5 only)
+    # --- Gemma 4 (decoder_block=gemma4; rules in config/gemma4.py): its global layers' own attention shape ---
+    global_head_dim: Model[int] = Field(ge=0, le=MAX_SIZE)  # head width of the global layers (0 = head_dim)
+    global_num_kv_heads: Model[int] = Field(ge=0, le=MAX_COUNT)  # their key/value heads (0 = base_num_kv_heads)
+    share_kv_projections: Model[bool]  # their values are their key projection (HF attention_k_eq_v): no value weights
+    # proportional RoPE (HF's): the share of a head's frequencies that rotate on global / sliding layers
+    global_rope_proportion: Model[float] = Field(gt=0, le=1)
+    local_rope_proportion: Model[float] = Field(gt=0, le=1)
 
     # --- mixture of experts -------------------------------------------------------
     num_experts: Model[int] = Field(gt=0, le=MAX_COUNT)  # 1 = dense MLP layers

@@ -273,10 +273,16 @@ class _Reader:
                 raise self._missing(prefix + wm.hf_key)
             if wm.split_parts > 1:  # one chunk of a tensor concatenated (or interleaved) along its last axis
                 size = shape[-1]
-                full = self._get(key, (*shape[:-1], wm.split_parts * size), dtype)
+                if wm.stacked_linear:  # [E, parts * out, in] -> nnxtron's [E, in, parts * out]
+                    full = np.swapaxes(self._get(key, (*shape[:-2], wm.split_parts * size, shape[-2]), dtype), -1, -2)
+                else:
+                    full = self._get(key, (*shape[:-1], wm.split_parts * size), dtype)
                 if wm.interleaved:
                     return np.ascontiguousarray(full[..., wm.split_part :: wm.split_parts]).astype(dtype)
                 return full[..., wm.split_part * size : (wm.split_part + 1) * size].astype(dtype)
+            if wm.stacked_linear:  # [E, out, in] -> [E, in, out]
+                stacked = self._get(key, (*shape[:-2], shape[-1], shape[-2]), dtype)
+                return np.ascontiguousarray(np.swapaxes(stacked, -1, -2)).astype(dtype, copy=False)
             want = _hf_shape(shape, in_dims, wm.conv1d)
             return _from_hf_tensor(self._get(key, want, dtype), shape, in_dims, wm.conv1d).astype(dtype, copy=False)
         experts, one = shape[0], tuple(shape[1:])
@@ -297,7 +303,9 @@ def _hf_tensors(value: np.ndarray, prefix: str, wm: WeightMap) -> dict[str, np.n
     """HF tensors (hub layout) of one layer's nnxtron ``value`` of ``wm``; a ``split_parts``
     chunk is returned under ``(key, part)`` for ``_join_split`` to concatenate."""
     if wm.split_parts > 1:
-        return {(prefix + wm.hf_key, wm.split_part, wm.interleaved): value}
+        return {(prefix + wm.hf_key, wm.split_part, wm.interleaved, wm.stacked_linear): value}
+    if wm.stacked_linear:
+        return {prefix + wm.hf_key: np.ascontiguousarray(np.swapaxes(value, -1, -2))}
     if not wm.per_expert:
         if np.issubdtype(value.dtype, np.integer):  # index tables (DeepSeek-V4 tid2eid) are int64 in HF
             value = value.astype(np.int64)
@@ -306,23 +314,26 @@ def _hf_tensors(value: np.ndarray, prefix: str, wm: WeightMap) -> dict[str, np.n
 
 
 def _join_split(tensors: dict[Any, np.ndarray]) -> dict[str, np.ndarray]:
-    """Concatenate the ``(key, part, interleaved)`` chunks of split tensors along their last axis
-    (interleaved: alternate their columns)."""
+    """Concatenate the ``(key, part, interleaved, stacked_linear)`` chunks of split tensors along their last axis
+    (interleaved: alternate their columns; stacked_linear: then swap the last two axes, HF's ``[E, out, in]``)."""
     out = {k: v for k, v in tensors.items() if isinstance(k, str)}
     parts: dict[str, dict[int, np.ndarray]] = {}
     interleaved: set[str] = set()
+    linear: set[str] = set()
     for k, v in tensors.items():
         if not isinstance(k, str):
             parts.setdefault(k[0], {})[k[1]] = v
             if k[2]:
                 interleaved.add(k[0])
+            if k[3]:
+                linear.add(k[0])
     for key, chunks in parts.items():
         ordered = [chunks[i] for i in range(len(chunks))]
         if key in interleaved:
             joined = np.stack(ordered, axis=-1).reshape(*ordered[0].shape[:-1], -1)
         else:
             joined = np.concatenate(ordered, axis=-1)
-        out[key] = np.ascontiguousarray(joined)
+        out[key] = np.ascontiguousarray(np.swapaxes(joined, -1, -2) if key in linear else joined)
     return out
 
 

@@ -24,7 +24,7 @@ from nnxtron.config.checks import (
     soft_cap_refusal,
 )
 from nnxtron.config.families import rules_for
-from nnxtron.config.layout import LayerKind
+from nnxtron.config.layout import LayerKind, attention_shape
 from nnxtron.config.options import ATTENTION_IMPLEMENTATIONS
 from nnxtron.errors import ConfigError
 from nnxtron.layers import matmul
@@ -116,13 +116,14 @@ def attention_backend() -> str:
     return backend
 
 
-def configured_attention(cfg: Config, *, chunked: bool = False) -> str:
-    """``resolve_attention`` of ``cfg.attention`` for a layer built on this process's backend."""
+def configured_attention(cfg: Config, *, chunked: bool = False, head_dim: int = 0) -> str:
+    """``resolve_attention`` of ``cfg.attention`` for a layer built on this process's backend (``head_dim``:
+    the layer's, where it differs from ``cfg.resolved_head_dim``: Gemma 4's global layers)."""
     return resolve_attention(
         cfg.attention,
         attention_backend(),
         cfg.dtype,
-        cfg.resolved_head_dim,
+        head_dim or cfg.resolved_head_dim,
         chunked=chunked,
         sequence_sharded=cfg.ici_context_parallelism != 1,
         soft_capped=cfg.attn_logits_soft_cap > 0,
@@ -393,6 +394,10 @@ class Attention(nnx.Module):
     ``temperature_tuning=(floor_scale, scale)`` (Llama 4 NoPE layers) multiplies q by
     ``log1p(floor((position + 1) / floor_scale)) * scale + 1`` (computed in float32).
 
+    ``shared_kv`` (Gemma 4's global layers, ``share_kv_projections``; HF ``attention_k_eq_v``): no value
+    projection, the values are the key projection's output (before the key norm and RoPE). ``value_norm``
+    (Gemma 4): the values are RMS-normalised over ``head_dim`` without a weight (HF ``v_norm``).
+
     ``implementation`` (``xla``, ``dot_product``, ``cudnn``; see ``attend``) runs training
     and evaluation; with a KV cache (prefill and decode) attention always runs the einsum
     path (``masked_attention``). ``context`` says how it runs with the sequence sharded
@@ -417,6 +422,8 @@ class Attention(nnx.Module):
         qkv_bias: bool = False,
         out_bias: bool = False,
         sinks: bool = False,
+        shared_kv: bool = False,
+        value_norm: bool = False,
         implementation: str = "xla",
         context: ContextParallel | None = None,
         selected: bool = False,
@@ -445,7 +452,8 @@ class Attention(nnx.Module):
         q_axes, kv_axes = ("embed", "q_heads", "head_dim"), ("embed", "kv_heads", "head_dim")
         self.query = Linear([emb_dim], [num_heads, head_dim], q_axes, init_scale=fold, use_bias=qkv_bias, **kw)
         self.key = Linear([emb_dim], [num_kv_heads, head_dim], kv_axes, use_bias=qkv_bias, **kw)
-        self.value = Linear([emb_dim], [num_kv_heads, head_dim], kv_axes, use_bias=qkv_bias, **kw)
+        if not shared_kv:
+            self.value = Linear([emb_dim], [num_kv_heads, head_dim], kv_axes, use_bias=qkv_bias, **kw)
         self.out = Linear([num_heads, head_dim], [emb_dim], ("q_heads", "head_dim", "embed"), use_bias=out_bias, **kw)
         if qk_norm in ("rms", "rms_zero_centered"):
             norm = dict(eps=norm_eps, dtype=dtype, weight_dtype=weight_dtype, zero_centered=qk_norm == "rms_zero_centered")
@@ -458,6 +466,7 @@ class Attention(nnx.Module):
         if sinks:
             self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32), out_sharding=(None,))
         self.qk_norm = qk_norm
+        self.shared_kv, self.value_norm = shared_kv, value_norm
         self.norm_eps = norm_eps
         self.scale = head_dim**-0.5 if scale is None else scale
         self.soft_cap = soft_cap
@@ -478,6 +487,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         q = checkpoint_name(self.query(x), "query_proj")
         k = checkpoint_name(self.key(x), "key_proj")
+        v = k if self.shared_kv else checkpoint_name(self.value(x), "value_proj")
+        if self.value_norm:
+            v = l2_norm(v, self.norm_eps)
         if self.qk_norm in ("rms", "rms_zero_centered"):
             q, k = self.query_norm(q), self.key_norm(k)
         elif self.qk_norm == "rms_projection":  # one statistic over all heads: [B, S, N * hd]
@@ -498,7 +510,6 @@ class Attention(nnx.Module):
             floor_scale, scale = self.temperature_tuning
             factor = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale)) * scale + 1.0
             q = (q * factor[:, :, None, None]).astype(q.dtype)
-        v = checkpoint_name(self.value(x), "value_proj")
         window = dict(sliding_window=sliding_window, chunk_size=self.chunk_size, soft_cap=self.soft_cap)
         window["sinks"] = self.sinks[...] if hasattr(self, "sinks") else None
         if hasattr(self, "cache"):
@@ -517,7 +528,12 @@ class Attention(nnx.Module):
 
 
 def gqa_attention(
-    cfg: Config, rngs: nnx.Rngs, kind: LayerKind, qk_norm: str = "rms", cls: type[Attention] = Attention
+    cfg: Config,
+    rngs: nnx.Rngs,
+    kind: LayerKind,
+    qk_norm: str = "rms",
+    cls: type[Attention] = Attention,
+    value_norm: bool = False,
 ) -> Attention:
     """The GQA attention of a layer of ``kind``.
 
@@ -532,16 +548,26 @@ def gqa_attention(
     ``kind.attention == "selected"`` (a one-layer block whose kind is data, ``config/layout.selected_stacks``):
     the layer holds both kinds' window and RoPE and reads its kind per call (``parallel/layer_kind.py``);
     it runs ``xla`` or ``dot_product`` (``auto`` is ``xla``; ``config/pipeline.py`` refuses the kernels by name).
+    Gemma 4: a global layer has its own shape (``config/layout.attention_shape``: ``global_head_dim``,
+    ``global_num_kv_heads``, ``share_kv_projections``), global and sliding layers rotate their own share of
+    the RoPE frequencies (``global_rope_proportion`` / ``local_rope_proportion``), and ``value_norm`` (the
+    family's) normalises the values.
     """
-    head_dim = cfg.resolved_head_dim
+    kv_heads, head_dim, shared_kv = attention_shape(cfg, kind)
+    sliding_head_dim = cfg.resolved_head_dim  # a sliding (or selected) layer's: the base shape
     rope = RopeSpec.from_config(cfg, head_dim) if kind.rope else None
-    sliding_rope = rope
+    sliding_rope = RopeSpec.from_config(cfg, sliding_head_dim, sliding=True) if kind.rope else None
     if rope is not None and cfg.sliding_window_pattern and cfg.local_rope_max_timescale:
-        sliding_rope = RopeSpec(head_dim=head_dim, theta=cfg.local_rope_max_timescale, interleave=cfg.rope_interleave)
+        sliding_rope = RopeSpec(
+            head_dim=sliding_head_dim,
+            theta=cfg.local_rope_max_timescale,
+            interleave=cfg.rope_interleave,
+            proportion=cfg.local_rope_proportion,
+        )
     if kind.attention == "sliding":
         rope = sliding_rope
     selected = kind.attention == "selected"
-    implementation = configured_attention(cfg, chunked=kind.attention == "chunked")
+    implementation = configured_attention(cfg, chunked=kind.attention == "chunked", head_dim=head_dim)
     if selected and implementation not in SELECTED_IMPLEMENTATIONS:  # an explicit kernel is refused by the config
         implementation = "xla"  # attention=auto: the best that runs a traced window
     norm = qk_norm if cfg.use_qk_norm and (kind.rope or qk_norm != "l2") else "none"
@@ -551,7 +577,7 @@ def gqa_attention(
     return cls(
         cfg.base_emb_dim,
         cfg.base_num_query_heads,
-        cfg.base_num_kv_heads,
+        kv_heads,
         head_dim,
         rope,
         sliding_window=cfg.sliding_window_size if kind.attention in ("sliding", "selected") else 0,
@@ -564,6 +590,8 @@ def gqa_attention(
         qkv_bias=cfg.attention_bias,
         out_bias=cfg.attention_bias and rules_for(cfg.decoder_block).attention_out_bias,
         sinks=cfg.attention_sink,
+        shared_kv=shared_kv,
+        value_norm=value_norm,
         implementation=implementation,
         context=ContextParallel.from_config(cfg),
         selected=selected,

@@ -104,7 +104,10 @@ class MoE(nnx.Module):
     """Routed experts (+ optional shared expert); returns ``(y, aux)``. ``trained_router_bias`` (GPT-OSS):
     ``routed_bias`` is a trained bias of the router's logits (selection and weights alike: MaxText's
     ``GateLogit`` bias outside DeepSeek, HF's ``router.bias``), not DeepSeek's selection-only ``RouterBias``.
-    ``gated_shared_expert`` (Qwen3-Next): the shared expert's output is scaled by ``sigmoid(x @ shared_gate)``."""
+    ``gated_shared_expert`` (Qwen3-Next): the shared expert's output is scaled by ``sigmoid(x @ shared_gate)``.
+    ``per_expert_scale`` (Gemma 4): a learned ``[E]`` vector (ones at init, MaxText's ``per_expert_scale``, HF's
+    ``router.per_expert_scale``) multiplies each chosen expert's combine weight after the renormalisation.
+    ``shared_expert=False``: the family builds the ``shared_experts`` itself (Gemma 4: the layer's own MLP)."""
 
     def __init__(
         self,
@@ -113,6 +116,8 @@ class MoE(nnx.Module):
         hash_routed: bool = False,
         trained_router_bias: bool = False,
         gated_shared_expert: bool = False,
+        per_expert_scale: bool = False,
+        shared_expert: bool = True,
     ):
         dim, hidden, experts = cfg.base_emb_dim, cfg.base_moe_mlp_dim, cfg.num_experts
         self.dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
@@ -136,6 +141,8 @@ class MoE(nnx.Module):
             self.tid2eid = HashTable(table, out_sharding=(None, None))
         elif cfg.routed_bias and not trained_bias:
             self.router_bias = RouterBias(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
+        if per_expert_scale:
+            self.per_expert_scale = nnx.Param(jnp.ones((experts,), weight_dtype), out_sharding=(None,))
         if cfg.routed_bias_update_rate > 0 and not hash_routed:
             self.expert_load = ExpertLoad(jnp.zeros((experts,), jnp.float32), out_sharding=(None,))
         # MaxText's initialiser counts the expert axis into the fan-in (variance_scaling over [E, in, out])
@@ -146,7 +153,7 @@ class MoE(nnx.Module):
             self.wi_0_bias = nnx.Param(jnp.zeros((experts, hidden), weight_dtype), out_sharding=("exp", "mlp"))
             self.wi_1_bias = nnx.Param(jnp.zeros((experts, hidden), weight_dtype), out_sharding=("exp", "mlp"))
             self.wo_bias = nnx.Param(jnp.zeros((experts, dim), weight_dtype), out_sharding=("exp", "embed"))
-        if cfg.shared_experts > 0:
+        if cfg.shared_experts > 0 and shared_expert:
             self.shared = GatedMLP(
                 dim,
                 cfg.shared_experts * hidden,
@@ -160,9 +167,8 @@ class MoE(nnx.Module):
                 self.shared_gate = Linear([dim], [1], ("embed", None), dtype=self.dtype, weight_dtype=weight_dtype, rngs=rngs)
 
     def route(self, x: jax.Array, tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Routing of ``x [B, S, D]``: weights ``[B, S, k]``, indices ``[B, S, k]``, probs ``[B, S, E]``.
-
-        Hash-routed layers need the token ids ``tokens [B, S]``."""
+        """Routing of ``x [B, S, D]`` (the router's input): weights ``[B, S, k]``, indices ``[B, S, k]``, probs
+        ``[B, S, E]``. Hash-routed layers need the token ids ``tokens [B, S]``."""
         batch, seq, dim = x.shape
         logits = self.router(x)  # a float32 Linear: its own module, so quantization rules can name (and skip) it
         bias = self.router_bias[...] if hasattr(self, "router_bias") else None
@@ -172,18 +178,26 @@ class MoE(nnx.Module):
                 raise ValueError("a hash-routed MoE layer needs the token ids (tokens=...)")
             forced = jnp.take(self.tid2eid[...], tokens.reshape(-1), axis=0)
         weights, indices, probs = route(logits.reshape(batch * seq, -1), bias, self.spec, forced)
+        if hasattr(self, "per_expert_scale"):
+            weights = weights * jnp.take(self.per_expert_scale[...].astype(jnp.float32), indices)
         return weights.reshape(batch, seq, -1), indices.reshape(batch, seq, -1), probs.reshape(batch, seq, -1)
 
     def __call__(
-        self, x: jax.Array, tokens: jax.Array | None = None, intermediate: Intermediate = None
+        self,
+        x: jax.Array,
+        tokens: jax.Array | None = None,
+        intermediate: Intermediate = None,
+        router_input: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``x [B, S, D]`` -> ``(y [B, S, D] in cfg.dtype, aux)``; aux holds ``moe_lb_loss``
         (already multiplied by ``load_balance_loss_weight``, ``router.load_balance_weight``) when that weight is > 0.
         ``intermediate`` (dropout) acts on the shared expert's intermediate activations only;
-        routed experts are not dropped (MaxText)."""
+        routed experts are not dropped (MaxText). ``router_input`` (Gemma 4): what the router sees, where it
+        is not the experts' input ``x``."""
         experts = self.spec.num_experts
         x = constrain(x.astype(self.dtype), TOKENS)
-        weights, indices, probs = self.route(x, tokens)
+        routed_from = x if router_input is None else constrain(router_input.astype(self.dtype), TOKENS)
+        weights, indices, probs = self.route(routed_from, tokens)
         if hasattr(self, "expert_load"):
             self.expert_load[...] = self.expert_load[...] + expert_counts(indices, experts)
         keep = keep_mask(indices, experts, self.capacity_factor, self.capacity_scope)

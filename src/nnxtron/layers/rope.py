@@ -1,4 +1,4 @@
-"""Rotary position embeddings: frequencies (default, linear, llama3, YaRN) and both pair layouts.
+"""Rotary position embeddings: frequencies (default, linear, llama3, YaRN, Gemma 4's proportional) and both pair layouts.
 
 Everything here follows HuggingFace transformers (``modeling_rope_utils.py``,
 ``DeepseekV3Attention``) to the float32 rounding of each step.
@@ -15,7 +15,7 @@ Checked against transformers 5.24: HF's rotated q and k equal ours permuted by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import jax
@@ -53,10 +53,18 @@ class RopeSpec:
     mscale_all_dim: float = 0.0
     truncate: bool = True
     unit_attention_factor: bool = False  # cos/sin never scaled (HF DeepSeek-V4 forces attention_factor 1)
+    proportion: float = 1.0  # Gemma 4's proportional RoPE: the share of the frequencies that rotate (``rotated_pairs``)
+
+    @property
+    def rotated_pairs(self) -> int:
+        """Pairs ``(i, i + d/2)`` that rotate: ``int(proportion * d / 2)`` (HF's proportional RoPE, MaxText's
+        ``Gemma4PartialRotaryEmbedding``); the other pairs keep frequency 0, so the rotation leaves them unchanged."""
+        return int(self.proportion * self.head_dim // 2)
 
     @classmethod
-    def from_config(cls, cfg: Config, head_dim: int) -> RopeSpec:
-        """The spec for ``cfg``'s rope fields, rotating ``head_dim`` dimensions."""
+    def from_config(cls, cfg: Config, head_dim: int, sliding: bool = False) -> RopeSpec:
+        """The spec for ``cfg``'s rope fields, rotating ``head_dim`` dimensions: the share ``global_rope_proportion``
+        of its frequencies, ``local_rope_proportion`` on a ``sliding`` layer (Gemma 4; 1 for every other family)."""
         return cls(
             head_dim=head_dim,
             theta=cfg.rope_max_timescale,
@@ -72,13 +80,21 @@ class RopeSpec:
             mscale=cfg.mscale,
             mscale_all_dim=cfg.mscale_all_dim,
             truncate=cfg.rope_truncate,
+            proportion=cfg.local_rope_proportion if sliding else cfg.global_rope_proportion,
         )
 
 
 def inverse_frequencies(spec: RopeSpec) -> np.ndarray:
-    """``theta^(-2i/d)`` in float32 (as HF computes it), with llama3/yarn scaling if requested."""
+    """``theta^(-2i/d)`` in float32 (as HF computes it), with llama3/yarn scaling if requested; with a
+    ``proportion`` below 1 only the first ``rotated_pairs`` keep theirs (the exponents still over the whole
+    ``d``), the rest are 0 (HF ``_compute_proportional_rope_parameters``, default RoPE only)."""
     if spec.scaling not in ROPE_TYPES:
         raise ValueError(f"unknown RoPE scaling '{spec.scaling}'; supported: {', '.join(ROPE_TYPES)}")
+    if spec.proportion != 1.0:
+        if spec.scaling != "default":
+            raise ValueError(f"proportional RoPE (proportion {spec.proportion}) has no {spec.scaling} scaling")
+        inv = inverse_frequencies(replace(spec, proportion=1.0))
+        return np.where(np.arange(inv.size) < spec.rotated_pairs, inv, np.float32(0.0)).astype(np.float32)
     exponents = np.arange(0, spec.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(spec.head_dim)
     # torch's float32 pow is (nearly) correctly rounded; NumPy's float32 pow is often 1 ulp off,
     # which at position 16k moves angles by ~1e-3 rad. Power in float64, then round.

@@ -42,6 +42,9 @@ class WeightMap:
     ``experts.gate_up_proj [E, D, 2F]``); this variable is chunk ``split_part``. ``interleaved``: the
     parts alternate along that axis instead (GPT-OSS ``mlp.experts.gate_up_proj [E, D, 2F]`` and its bias:
     gate at the even columns, up at the odd ones); this variable is columns ``split_part::split_parts``.
+    ``stacked_linear``: the HF tensor stacks one ``nn.Linear.weight`` ``[out, in]`` per expert (Gemma 4's
+    ``experts.gate_up_proj [E, 2F, D]`` and ``experts.down_proj [E, D, F]``, written so by ``save_pretrained``):
+    nnxtron's ``[E, in, out]`` is its last two axes swapped, and ``split_parts`` lie along HF's ``out`` axis.
     """
 
     path: str
@@ -54,6 +57,7 @@ class WeightMap:
     split_part: int = 0
     split_parts: int = 1
     interleaved: bool = False
+    stacked_linear: bool = False
 
     @property
     def per_expert(self) -> bool:

@@ -14,15 +14,12 @@ scales, as nnxtron's and HF's: stored as they are), ``attention`` and ``mlp``:
   ``mlp/shared_expert_gate/kernel [D, 1]``.
 
 Scanned (``Qwen3NextScannableBlock``, one block per ``inhomogeneous_layer_cycle_interval`` layers, the full-attention
-layer last): ``decoder/layers/local_layers/...`` holds the block's DeltaNet layers with two layer axes, the block at
-axis 1 and the position in the block at axis 2 (MaxText's inner scan stacks at ``param_scan_axis`` = 1, then the
-outer one at 1 again), ``decoder/layers/global_layer/...`` the full-attention layer with the block at axis 1, and
-``decoder/layers_remainder/local_layers/...`` the last ``L % interval`` layers (DeltaNet only) on axis 1.
+layer last): ``decoder/layers/local_layers/...`` holds the block's DeltaNet layers, ``decoder/layers/global_layer/...``
+the full-attention layer and ``decoder/layers_remainder/local_layers/...`` the last ``L % interval`` layers
+(``models/maxtext_nested.py``: the layer axes).
 """
 
 from __future__ import annotations
-
-import re
 
 import numpy as np
 
@@ -30,8 +27,8 @@ from nnxtron.config.layout import LayerKind
 from nnxtron.config.schema import Config
 from nnxtron.errors import CheckpointError
 from nnxtron.models.maxtext_map import MaxTextMap, Rule
+from nnxtron.models.maxtext_nested import nested_scan
 
-AXIS = 1  # MaxText's param_scan_axis: the block axis, and (local layers) the position in the block after it
 NORMS = (
     Rule("input_layernorm/scale", "pre_attention_norm/scale"),
     Rule("post_attention_layernorm/scale", "post_attention_norm/scale"),
@@ -123,71 +120,7 @@ def to_tree(flat: dict, cfg: Config) -> dict:
     return out
 
 
-_LOCAL = re.compile(r"^decoder/layers/local_layers/(.*)$")
-_GLOBAL = re.compile(r"^decoder/layers/global_layer/(.*)$")
-_REMAINDER = re.compile(r"^decoder/layers_remainder/local_layers/(.*)$")
-_LAYER = re.compile(r"^decoder/layers_(\d+)/(.*)$")
-
-
-def _layer_axes(key: str, value: np.ndarray, axes: int) -> None:
-    if value.ndim < AXIS + axes:
-        raise CheckpointError(
-            f"MaxText array '{key}' has shape {list(value.shape)}: a scanned qwen3_next layer parameter needs "
-            f"{axes} layer axis(es) from axis {AXIS}; the checkpoint does not match the config"
-        )
-
-
-def unscan(flat: dict, cfg: Config) -> dict:
-    """A scanned tree (``layers/{local_layers, global_layer}``, ``layers_remainder/local_layers``) under the
-    unscanned names ``decoder/layers_{i}/...``."""
-    cycle = cfg.inhomogeneous_layer_cycle_interval
-    blocks = cfg.base_num_decoder_layers // cycle
-    out: dict = {}
-    for key, value in flat.items():
-        if m := _LOCAL.match(key):
-            _layer_axes(key, value, 2)
-            for b in range(value.shape[AXIS]):
-                block = np.take(value, b, axis=AXIS)
-                for j in range(block.shape[AXIS]):
-                    out[f"decoder/layers_{b * cycle + j}/{m[1]}"] = np.take(block, j, axis=AXIS)
-        elif m := _GLOBAL.match(key):
-            _layer_axes(key, value, 1)
-            for b in range(value.shape[AXIS]):
-                out[f"decoder/layers_{b * cycle + cycle - 1}/{m[1]}"] = np.take(value, b, axis=AXIS)
-        elif m := _REMAINDER.match(key):
-            _layer_axes(key, value, 1)
-            for j in range(value.shape[AXIS]):
-                out[f"decoder/layers_{blocks * cycle + j}/{m[1]}"] = np.take(value, j, axis=AXIS)
-        else:
-            out[key] = value
-    return out
-
-
-def scan(flat: dict, cfg: Config) -> dict:
-    """The inverse of ``unscan``."""
-    cycle = cfg.inhomogeneous_layer_cycle_interval
-    blocks = cfg.base_num_decoder_layers // cycle
-    local: dict[str, dict[int, dict[int, np.ndarray]]] = {}
-    other: dict[str, dict[int, np.ndarray]] = {}
-    out: dict = {}
-    for key, value in flat.items():
-        m = _LAYER.match(key)
-        if not m:
-            out[key] = value
-            continue
-        block, position = divmod(int(m[1]), cycle)
-        if block >= blocks:
-            other.setdefault(f"decoder/layers_remainder/local_layers/{m[2]}", {})[position] = value
-        elif position == cycle - 1:
-            other.setdefault(f"decoder/layers/global_layer/{m[2]}", {})[block] = value
-        else:
-            local.setdefault(f"decoder/layers/local_layers/{m[2]}", {}).setdefault(block, {})[position] = value
-    for key, parts in other.items():
-        out[key] = np.stack([parts[i] for i in range(len(parts))], axis=AXIS)
-    for key, nested in local.items():
-        stacked = [np.stack([nested[b][j] for j in range(len(nested[b]))], axis=AXIS) for b in range(len(nested))]
-        out[key] = np.stack(stacked, axis=AXIS)
-    return out
+unscan, scan = nested_scan("layers", lambda cfg: cfg.inhomogeneous_layer_cycle_interval)
 
 
 MAXTEXT = MaxTextMap(layer_rules, from_tree=from_tree, to_tree=to_tree, unscan=unscan, scan=scan)

@@ -86,11 +86,12 @@ CARRIERS: dict[str, Carrier] = {
             "balance": ("load_balance_convention",),
         }
     ),
-    # layers/rope.py: RopeSpec.from_config(cfg, head_dim); layers/attention.py: the local (sliding-window) RoPE;
+    # layers/rope.py: RopeSpec.from_config(cfg, head_dim, sliding); layers/attention.py: the local (sliding-window) RoPE;
     # models/deepseek4/compressed.py: rope_specs
     "RopeSpec": Carrier(
         {
             "head_dim": ("resolved_head_dim", "qk_rope_head_dim"),  # the rotated dims (MLA, DeepSeek-V4: the rope part)
+            "proportion": ("global_rope_proportion", "local_rope_proportion"),  # Gemma 4's rotated share, per layer kind
             "theta": ("rope_max_timescale", "local_rope_max_timescale", "compressed_rope_max_timescale"),
             "interleave": ("rope_interleave",),
             "scaling": ("rope_type",),

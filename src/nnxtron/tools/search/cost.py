@@ -78,10 +78,10 @@ RECOMPUTED = {
 def _group_flops(cfg: Config) -> dict[str, float]:
     """Forward FLOPs per token of each matmul group, summed over the decoder layers."""
     d = cfg.base_emb_dim
-    attn_params, heads, width = _attention_params(cfg)
-    out_params = heads * (cfg.v_head_dim if cfg.attention_type == "mla" else cfg.resolved_head_dim) * d
     groups = dict.fromkeys(_ALL, 0.0)
     for kind in layer_kinds(cfg):
+        attn_params, heads, width = _attention_params(cfg, kind)
+        out_params = heads * (cfg.v_head_dim if cfg.attention_type == "mla" else width // 2) * d
         attention = deepseek4.attention_params(cfg, kind.attention) if cfg.attention_type == "compressed" else attn_params
         ffn = _ffn_params(cfg, kind.moe)
         groups["qkv"] += 2.0 * max(attention - out_params, 0)
