@@ -421,7 +421,7 @@ MUTATIONS = [
              'return "cudnn" if backend == "gpu" and fits is None and not soft_capped else "xla"', 'return "xla"',
              ("tests/unit/test_attention_impl.py",)),
     Mutation("attention-option-not-passed-to-layers", "layers/attention.py",
-             'implementation = configured_attention(cfg, chunked=kind.attention == "chunked")', 'implementation = "xla"',
+             'implementation = configured_attention(cfg, chunked=kind.attention == "chunked", head_dim=head_dim)', 'implementation = "xla"',
              ("tests/unit/test_attention_impl.py",)),
     Mutation("trainer-without-compilation-cache", "train/loop.py",
              "self.compilation_cache = enable_compilation_cache(cfg)", "self.compilation_cache = None",
