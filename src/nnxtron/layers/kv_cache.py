@@ -157,8 +157,8 @@ class TokenCache(nnx.Module):
             held = jax.lax.dynamic_slice(entry, start, value.shape)
             return jax.lax.dynamic_update_slice(entry, jnp.where(keep, value.astype(entry.dtype), held), start)
 
-        for name, value in new.items():  # [1, 1, *dims] in the storage layout: the slot axis at 1 + slot_dim
-            slot_axis = 1 + self.slot_dim
+        slot_axis = 1 + self.slot_dim  # of the entries in their storage layout
+        for name, value in new.items():  # [1, 1, *dims] -> the storage layout
             self.entries[name][...] = update(self.entries[name][...], jnp.moveaxis(value, 1, slot_axis), slot_axis)
         self.positions[...] = update(self.positions[...], positions, 1)
 

@@ -19,7 +19,7 @@ Scanned (``Gemma4ScannableBlock``: five sliding layers, then the global one) und
 from __future__ import annotations
 
 from nnxtron.config.gemma4 import PATTERN
-from nnxtron.config.layout import LayerKind
+from nnxtron.config.layout import LayerKind, attention_shape
 from nnxtron.config.schema import Config
 from nnxtron.errors import CheckpointError
 from nnxtron.models.maxtext_map import EMBED_SCALE, MaxTextMap, Rule, attention_rules, mlp_rules
@@ -55,7 +55,7 @@ def layer_rules(cfg: Config, kind: LayerKind) -> tuple[Rule, ...]:
             f"sliding_window_pattern={cfg.sliding_window_pattern} has no MaxText checkpoint"
         )
     attention = attention_rules(cfg)
-    if kind.attention == "global" and cfg.share_kv_projections:
+    if attention_shape(cfg, kind)[2]:  # the values are the key projection
         attention = tuple(rule for rule in attention if rule.nnxtron != "attention/value/kernel")
     feed_forward = EXPERTS if kind.moe else mlp_rules("mlp/", "mlp/")
     return (*attention, *NORMS, Rule("layer_scalar", "layer_scalar"), *feed_forward)

@@ -27,14 +27,17 @@ _MIX = np.uint32(0x9E3779B9)  # golden-ratio increment (position mixing)
 _MUL = np.uint32(0x85EBCA6B)  # murmur3 finaliser multiplier
 
 
+def _unsigned(dtype: Any) -> type[np.unsignedinteger]:
+    """The unsigned integer type of ``dtype``'s width, whose values are its elements' raw bits."""
+    width = np.dtype(dtype).itemsize
+    if width not in (1, 2, 4):
+        raise TypeError(f"no checksum for {dtype} arrays")
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32}[width]
+
+
 def _bits(x: jax.Array) -> jax.Array:
     """The raw bits of ``x`` as uint32, one per element (8/16-bit types widened)."""
-    width = jnp.dtype(x.dtype).itemsize
-    if width == 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    if width in (1, 2):
-        return jax.lax.bitcast_convert_type(x, jnp.uint8 if width == 1 else jnp.uint16).astype(jnp.uint32)
-    raise TypeError(f"no checksum for {x.dtype} arrays")
+    return jax.lax.bitcast_convert_type(x, _unsigned(x.dtype)).astype(jnp.uint32)
 
 
 @jax.jit
@@ -56,10 +59,7 @@ HOST_CHUNK = 1 << 22  # elements per NumPy pass (the temporaries of one pass: ~5
 
 def _one_on_host(x: np.ndarray) -> tuple[int, bool]:
     """:func:`_one` of a host array, bit for bit: the same uint32 arithmetic, wrapping alike."""
-    width = x.dtype.itemsize
-    if width not in (1, 2, 4):
-        raise TypeError(f"no checksum for {x.dtype} arrays")
-    bits = np.ascontiguousarray(x).reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[width])
+    bits = np.ascontiguousarray(x).reshape(-1).view(_unsigned(x.dtype))
     total = 0
     mixed = np.empty(min(bits.size, HOST_CHUNK), np.uint32)
     for start in range(0, bits.size, HOST_CHUNK):
